@@ -1,0 +1,34 @@
+"""Entry points for commands whose issue has not landed yet: each says so and exits with status 2."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _not_yet(command: str) -> None:
+    print(f"{command}: not implemented yet", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def dht_main() -> None:
+    _not_yet("swarm-dht")
+
+
+def server_main() -> None:
+    _not_yet("swarm-server")
+
+
+def scheduler_main() -> None:
+    _not_yet("swarm-scheduler")
+
+
+def plan_main() -> None:
+    _not_yet("swarm-plan")
+
+
+def sim_main() -> None:
+    _not_yet("swarm-sim")
+
+
+def generate_main() -> None:
+    _not_yet("swarm-generate")
