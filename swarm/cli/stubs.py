@@ -22,13 +22,5 @@ def scheduler_main() -> None:
     _not_yet("swarm-scheduler")
 
 
-def plan_main() -> None:
-    _not_yet("swarm-plan")
-
-
 def sim_main() -> None:
     _not_yet("swarm-sim")
-
-
-def generate_main() -> None:
-    _not_yet("swarm-generate")

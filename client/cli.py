@@ -1,0 +1,78 @@
+"""`swarm-generate`: generate text with a model whose blocks run in a swarm (or locally, for checks)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoTokenizer, TextStreamer
+
+from client.backend import LocalSpans
+from client.model import DistributedModelForCausalLM
+from swarm.cli.args import span_list_argument
+from swarm.cli.errors import run_cli
+from swarm.errors import SwarmUserError
+from swarm.models import load_span
+
+EXAMPLES = """examples:
+  swarm-generate models/tiny-llama --local-spans 0:3,3:6 --prompt "Once upon a time" --max-new-tokens 20
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-generate",
+        description="Generate text through a chain of transformer-block spans.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model_dir", help="local checkpoint directory (client-side modules and tokenizer)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--local-spans",
+        type=span_list_argument,
+        help="run these consecutive spans in this process instead of a swarm, e.g. 0:3,3:6",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def generate(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise SwarmUserError("--max-new-tokens must be at least 1")
+    if args.local_spans is None:
+        raise SwarmUserError("the swarm runtime is not available yet; pass --local-spans to run blocks locally")
+    spans = [load_span(args.model_dir, start, end, dtype=args.dtype)[0] for start, end in args.local_spans]
+    if spans[-1].end != spans[-1].family.num_blocks(spans[-1].config):
+        raise SwarmUserError(f"--local-spans must end at the model's last block ({spans[-1].config.num_hidden_layers})")
+    try:
+        backend = LocalSpans(spans)
+    except ValueError as error:
+        raise SwarmUserError(f"--local-spans: {error}") from None
+    model = DistributedModelForCausalLM.from_local_parts(args.model_dir, backend, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    torch.manual_seed(args.seed)
+    model.generate(
+        input_ids,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature if args.do_sample else None,
+        top_p=args.top_p if args.do_sample else None,
+        streamer=TextStreamer(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    run_cli("swarm-generate", lambda: generate(args))
+
+
+if __name__ == "__main__":
+    main()

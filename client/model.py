@@ -1,0 +1,104 @@
+"""A causal LM whose blocks run elsewhere, usable with `transformers`' `generate()`.
+
+The model holds only the client-side modules; its forward embeds the tokens the active session
+has not processed yet, runs them through the backend's blocks and applies the final norm and LM
+head. It declares itself stateful, so `generate()` keeps no cache of its own and simply asks for
+the next logits at every step; sampling, streamers and stopping are all `transformers`' code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from client.backend import BlockBackend
+from client.session import InferenceSession
+from swarm.models.client_parts import ClientParts, load_client_parts
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    _supports_sdpa = True  # attention runs in the backend; this only keeps transformers from objecting
+    _is_stateful = True  # the attention caches live in the backend's session, not in generate()
+    main_input_name = "input_ids"
+
+    def __init__(self, client_parts: ClientParts, backend: BlockBackend):
+        super().__init__(client_parts.config)
+        self.client_parts = client_parts
+        self.backend = backend
+        self._active_session: InferenceSession | None = None
+
+    @classmethod
+    def from_local_parts(
+        cls, model_dir: str | Path, backend: BlockBackend, dtype: str | torch.dtype = "float32"
+    ) -> DistributedModelForCausalLM:
+        model = cls(load_client_parts(model_dir, dtype=dtype), backend)
+        with contextlib.suppress(OSError):  # a checkpoint without generation_config.json is fine
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+        return model.eval()
+
+    # --- sessions -------------------------------------------------------------------------------
+    def open_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
+        if max_length < 1 or batch_size < 1:
+            raise ValueError("max_length and batch_size must be positive")
+        return InferenceSession(self.backend.open_session(batch_size, max_length), batch_size, max_length)
+
+    @contextlib.contextmanager
+    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
+        """A session that several `generate(..., session=s)` calls continue, reusing server caches."""
+        session = self.open_session(max_length, batch_size)
+        try:
+            yield session
+        finally:
+            session.close()
+
+    @contextlib.contextmanager
+    def _use_session(self, session: InferenceSession) -> Iterator[None]:
+        previous, self._active_session = self._active_session, session
+        try:
+            yield
+        finally:
+            self._active_session = previous
+
+    # --- generation -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor | None = None, session: InferenceSession | None = None, **kwargs):
+        if input_ids is None:
+            raise ValueError("generate() needs input_ids")
+        if session is None and self._active_session is None:
+            # a one-off generation: size the session for the prompt plus every token it may add
+            max_new = kwargs.get("max_new_tokens")
+            max_length = kwargs.get("max_length") or self.generation_config.max_length
+            if max_new is not None:
+                max_length = input_ids.shape[1] + max_new
+            with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0]) as own:
+                with self._use_session(own):
+                    return super().generate(input_ids, **kwargs)
+        with self._use_session(session or self._active_session):
+            return super().generate(input_ids, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> dict:
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> CausalLMOutputWithPast:
+        """Logits for the tokens of `input_ids` that the session has not processed yet."""
+        session = self._active_session
+        if session is None:
+            total = input_ids.shape[1]
+            with self.inference_session(max_length=total, batch_size=input_ids.shape[0]) as session:
+                return self._forward_in(session, input_ids, attention_mask)
+        return self._forward_in(session, input_ids, attention_mask)
+
+    def _forward_in(
+        self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> CausalLMOutputWithPast:
+        new_ids = session.unprocessed(input_ids)
+        hidden = self.client_parts.embed_tokens(new_ids)
+        hidden = session.step(new_ids, hidden, attention_mask)
+        return CausalLMOutputWithPast(logits=self.client_parts.logits(hidden).float())

@@ -1,0 +1,86 @@
+"""A client inference session: the token history and position of one batch of sequences."""
+
+from __future__ import annotations
+
+import torch
+
+from client.backend import BlockSession
+from swarm.errors import SwarmUserError
+
+
+class InferenceSession:
+    """Feeds only the tokens the blocks have not seen yet, so `generate()` can be called repeatedly.
+
+    Each call's `input_ids` must begin with every token the session has processed so far (the
+    natural thing: pass the previous output plus new text); the session verifies that prefix and
+    runs just the rest, reusing the attention caches on the servers.
+    """
+
+    def __init__(self, blocks: BlockSession, batch_size: int, max_length: int):
+        self.blocks = blocks
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.token_ids = torch.empty(batch_size, 0, dtype=torch.long)  # tokens processed so far
+        self.padding_mask: torch.Tensor | None = None  # [batch, position], only once padding appears
+        self.closed = False
+
+    @property
+    def position(self) -> int:
+        return self.token_ids.shape[1]
+
+    def unprocessed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The suffix of `input_ids` that the blocks have not processed yet."""
+        if input_ids.shape[0] != self.batch_size:
+            raise SwarmUserError(
+                f"this session was opened for batch size {self.batch_size}, got input of batch size {input_ids.shape[0]}"
+            )
+        if input_ids.shape[1] < self.position or not torch.equal(
+            input_ids[:, : self.position].cpu(), self.token_ids
+        ):
+            raise SwarmUserError(
+                "input_ids must start with the tokens this inference session has already processed "
+                f"({self.position} tokens); pass the previous output followed by the new tokens"
+            )
+        return input_ids[:, self.position :]
+
+    def step(self, new_ids: torch.Tensor, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run `hidden` (the embeddings of `new_ids`) through every block; record the tokens."""
+        if self.closed:
+            raise SwarmUserError("this inference session is closed")
+        if self.position + new_ids.shape[1] > self.max_length:
+            raise SwarmUserError(
+                f"the session's max_length {self.max_length} is exceeded: {self.position} tokens processed, "
+                f"{new_ids.shape[1]} more requested; open the session with a larger max_length"
+            )
+        padding_mask = self._padding_mask(attention_mask, new_ids.shape[1])
+        output = self.blocks.step(hidden, self.position, padding_mask)
+        self.token_ids = torch.cat([self.token_ids, new_ids.cpu()], dim=1)
+        self.padding_mask = padding_mask
+        return output
+
+    def _padding_mask(self, attention_mask: torch.Tensor | None, num_new: int) -> torch.Tensor | None:
+        """The full `[batch, position + new]` mask, or None while no sequence has padding (the fast path)."""
+        total = self.position + num_new
+        if attention_mask is None or attention_mask.shape[1] < total:
+            new_part = torch.ones(self.batch_size, num_new, dtype=torch.long)
+        else:
+            new_part = attention_mask[:, self.position : total].long().cpu()
+        if self.padding_mask is None and bool(new_part.all()):
+            return None
+        history = (
+            self.padding_mask
+            if self.padding_mask is not None
+            else torch.ones(self.batch_size, self.position, dtype=torch.long)
+        )
+        return torch.cat([history, new_part], dim=1)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.blocks.close()
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

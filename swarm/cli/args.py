@@ -1,0 +1,38 @@
+"""Argument parsers shared by the command-line tools."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarm.errors import SwarmUserError
+
+
+def parse_span(text: str) -> tuple[int, int]:
+    """`"3:7"` -> (3, 7): blocks 3..6, 0-based and half-open like Python slices."""
+    try:
+        start_text, end_text = text.split(":")
+        start, end = int(start_text), int(end_text)
+    except ValueError:
+        raise SwarmUserError(f"block span {text!r} is not START:END (e.g. 0:12)") from None
+    if start < 0 or end <= start:
+        raise SwarmUserError(f"block span {text!r} must satisfy 0 <= START < END")
+    return start, end
+
+
+def span_list(text: str) -> list[tuple[int, int]]:
+    """`"0:2,2:6"` -> [(0, 2), (2, 6)]."""
+    return [parse_span(part) for part in text.split(",") if part]
+
+
+def span_argument(text: str) -> tuple[int, int]:
+    try:
+        return parse_span(text)
+    except SwarmUserError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def span_list_argument(text: str) -> list[tuple[int, int]]:
+    try:
+        return span_list(text)
+    except SwarmUserError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

@@ -1,0 +1,19 @@
+"""Model families, span loading and the client-side modules."""
+
+from swarm.models.cache import SpanCache
+from swarm.models.checkpoint import CheckpointReader, load_config
+from swarm.models.client_parts import ClientParts, load_client_parts
+from swarm.models.family import ModelFamily, family_for
+from swarm.models.span import TransformerSpan, load_span
+
+__all__ = [
+    "CheckpointReader",
+    "ClientParts",
+    "ModelFamily",
+    "SpanCache",
+    "TransformerSpan",
+    "family_for",
+    "load_client_parts",
+    "load_config",
+    "load_span",
+]

@@ -1,0 +1,68 @@
+"""The BLOOM family: ALiBi position biases, fused QKV, tied LM head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.bloom.modeling_bloom import BloomBlock, build_alibi_tensor
+
+from swarm.models.family import ModelFamily, StepInputs, attention_bias, register_family
+
+
+class BloomFamily(ModelFamily):
+    model_types = ("bloom",)
+    base_prefixes = ("transformer.", "")  # BloomForCausalLM saves "transformer.h.0..."; bigscience/bloom "h.0..."
+    embedding_weight = "embed.0.weight"
+    blocks_attribute = "h."
+
+    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+        return BloomBlock(config, layer_idx=local_index)
+
+    def step_inputs(
+        self,
+        config: PretrainedConfig,
+        helpers: nn.ModuleDict,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+    ) -> StepInputs:
+        batch_size, num_new = hidden.shape[:2]
+        if padding_mask is None:
+            padding_mask = torch.ones(batch_size, position + num_new, device=hidden.device)
+            bias = attention_bias(hidden, position, None)
+        else:
+            bias = attention_bias(hidden, position, padding_mask)
+        alibi = build_alibi_tensor(padding_mask[:, : position + num_new], self.num_heads(config), hidden.dtype)
+        return {"alibi": alibi, "attention_mask": bias}
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs) -> torch.Tensor:
+        output, _attention = block(
+            hidden, alibi=inputs["alibi"], attention_mask=inputs["attention_mask"], layer_past=cache, use_cache=True
+        )
+        return output
+
+    def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
+        hidden, eps = config.hidden_size, config.layer_norm_epsilon
+        return nn.ModuleDict(
+            {
+                "embed": nn.Sequential(nn.Embedding(config.vocab_size, hidden), nn.LayerNorm(hidden, eps=eps)),
+                "norm": nn.LayerNorm(hidden, eps=eps),
+                "lm_head": nn.Linear(hidden, config.vocab_size, bias=False),
+            }
+        )
+
+    def client_tensor_names(self, base_prefix: str) -> dict[str, str]:
+        return {
+            f"{base_prefix}word_embeddings.weight": "embed.0.weight",
+            f"{base_prefix}word_embeddings_layernorm.weight": "embed.1.weight",
+            f"{base_prefix}word_embeddings_layernorm.bias": "embed.1.bias",
+            f"{base_prefix}ln_f.weight": "norm.weight",
+            f"{base_prefix}ln_f.bias": "norm.bias",
+            "lm_head.weight": "lm_head.weight",
+        }
+
+
+BLOOM = register_family(BloomFamily())

@@ -1,0 +1,103 @@
+"""Read selected tensors from a local Hugging Face safetensors checkpoint.
+
+A server holding blocks 40..49 of a 70-block model must not read the other 60 blocks: the index
+file (`model.safetensors.index.json`) says which shard holds each tensor, so only those shards are
+opened, and only the requested tensors are read from them (safetensors maps the file lazily).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from swarm.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    """The checkpoint's `config.json`, with a clear error when the directory is not a checkpoint."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(f"{str(model_dir)!r} is not a model checkpoint: it has no config.json")
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        # transformers raises ValueError for unknown model types and OSError/JSON errors for bad files
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"cannot read {model_dir / 'config.json'}: {first_line}") from None
+
+
+class CheckpointReader:
+    """Knows which file holds each tensor of a checkpoint; opens files only when asked for their tensors."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.weight_map = self._read_weight_map()
+        self.opened_files: list[str] = []  # file names opened so far, in order (tests check this)
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index_path = self.model_dir / INDEX_FILE
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index_path} is corrupt: expected JSON with a 'weight_map'") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path} is corrupt: 'weight_map' is not an object")
+            return {str(name): str(file) for name, file in weight_map.items()}
+        single_path = self.model_dir / SINGLE_FILE
+        if single_path.is_file():
+            with self._open(SINGLE_FILE) as handle:
+                return {name: SINGLE_FILE for name in handle.keys()}
+        if any(self.model_dir.glob("*.bin")):
+            raise CheckpointError(
+                f"{self.model_dir} holds only PyTorch .bin weights; llm-swarm reads safetensors "
+                "(re-save the model with save_pretrained(..., safe_serialization=True))"
+            )
+        raise CheckpointError(f"{self.model_dir} has no {SINGLE_FILE} or {INDEX_FILE}")
+
+    def _open(self, file_name: str):
+        path = self.model_dir / file_name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        try:
+            return safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"checkpoint file {path} is corrupt: {error}") from None
+
+    def names_with_prefix(self, prefix: str) -> list[str]:
+        return [name for name in self.weight_map if name.startswith(prefix)]
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Read the named tensors, opening each needed shard once."""
+        names_by_file: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            if name not in self.weight_map:
+                raise CheckpointError(f"checkpoint {self.model_dir} has no tensor {name!r}")
+            names_by_file[self.weight_map[name]].append(name)
+        tensors: dict[str, torch.Tensor] = {}
+        for file_name, file_names in names_by_file.items():
+            self.opened_files.append(file_name)
+            with self._open(file_name) as handle:
+                available = set(handle.keys())
+                for name in file_names:
+                    if name not in available:
+                        raise CheckpointError(f"{self.model_dir / file_name} lacks {name!r} named in the index")
+                    try:
+                        tensors[name] = handle.get_tensor(name)
+                    except (SafetensorError, OSError) as error:
+                        raise CheckpointError(f"cannot read {name!r} from {file_name}: {error}") from None
+        return tensors

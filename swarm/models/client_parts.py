@@ -1,0 +1,63 @@
+"""The modules a client keeps locally: token embeddings, the final norm and the LM head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import PretrainedConfig
+
+from swarm.dtypes import parse_dtype
+from swarm.models.checkpoint import CheckpointReader, load_config
+from swarm.models.family import ModelFamily, family_for
+from swarm.models.span import find_base_prefix, materialize, prepare_config
+
+
+class ClientParts(nn.Module):
+    """Embeddings before the first block and norm + LM head after the last one."""
+
+    def __init__(self, family: ModelFamily, config: PretrainedConfig, modules: nn.ModuleDict):
+        super().__init__()
+        self.family, self.config = family, config
+        self.embed, self.norm, self.lm_head = modules["embed"], modules["norm"], modules["lm_head"]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.family.num_blocks(self.config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids.to(self.lm_head.weight.device))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.to(device=self.lm_head.weight.device, dtype=self.dtype)
+        return self.lm_head(self.norm(hidden))
+
+
+def load_client_parts(
+    model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> ClientParts:
+    """Load only the client-side modules; the LM head is tied to the embeddings when the model says so."""
+    dtype, device = parse_dtype(dtype), torch.device(device)
+    config = prepare_config(load_config(model_dir))
+    family = family_for(config)
+    reader = CheckpointReader(model_dir)
+    base = find_base_prefix(family, reader)
+    name_map = family.client_tensor_names(base)
+    with init_empty_weights():
+        modules = family.build_client_modules(config)
+    tied = getattr(config, "tie_word_embeddings", True) or not reader.has("lm_head.weight")
+    wanted = [name for name, local in name_map.items() if not (tied and local == "lm_head.weight")]
+    tensors = {name_map[name]: tensor for name, tensor in reader.read(wanted).items()}
+    if tied:
+        tensors["lm_head.weight"] = tensors[family.embedding_weight]
+    materialize(modules, tensors, dtype, device, what="the client-side modules")
+    return ClientParts(family, config, modules).eval()
+

@@ -1,0 +1,133 @@
+"""What differs between model families, behind one small interface.
+
+A family knows its checkpoint's tensor names, how to build one block from `transformers`' own
+module classes, what per-step inputs a block needs besides hidden states (ALiBi for BLOOM, rotary
+embeddings for LLaMA), and which modules the client keeps (embeddings, final norm, LM head).
+Everything else (loading, caching, stepping) is shared and lives in `span.py` / `client_parts.py`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from swarm.errors import UnsupportedModelError
+
+StepInputs = dict[str, Any]
+
+
+class ModelFamily(ABC):
+    model_types: tuple[str, ...]
+    base_prefixes: tuple[str, ...]  # candidate name prefixes of the base model in a checkpoint
+    blocks_attribute: str  # e.g. "h." for BLOOM: block i's tensors are "{base}{blocks_attribute}{i}."
+    embedding_weight: str  # local name of the token embedding matrix in the client modules (tied LM heads)
+
+    # --- shapes ---------------------------------------------------------------------------------
+    @staticmethod
+    def num_blocks(config: PretrainedConfig) -> int:
+        return int(config.num_hidden_layers)
+
+    @staticmethod
+    def hidden_size(config: PretrainedConfig) -> int:
+        return int(config.hidden_size)
+
+    @staticmethod
+    def num_heads(config: PretrainedConfig) -> int:
+        return int(config.num_attention_heads)
+
+    def num_kv_heads(self, config: PretrainedConfig) -> int:
+        return self.num_heads(config)
+
+    def head_dim(self, config: PretrainedConfig) -> int:
+        return self.hidden_size(config) // self.num_heads(config)
+
+    # --- blocks ---------------------------------------------------------------------------------
+    @abstractmethod
+    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+        """A block whose attention addresses cache layer `local_index` (its index inside the span)."""
+
+    def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
+        """Modules a span needs besides its blocks (e.g. LLaMA's rotary embedding), not in the checkpoint."""
+        return nn.ModuleDict()
+
+    @abstractmethod
+    def step_inputs(
+        self,
+        config: PretrainedConfig,
+        helpers: nn.ModuleDict,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+    ) -> StepInputs:
+        """Per-step inputs shared by every block of a span for a step of `hidden.shape[1]` tokens.
+
+        `padding_mask` (`[batch, position + new]`, 1 = real token) is given only for padded batches.
+        """
+
+    @abstractmethod
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs) -> torch.Tensor:
+        """One block's forward; `cache` follows the `transformers` cache protocol."""
+
+    # --- client side ----------------------------------------------------------------------------
+    @abstractmethod
+    def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
+        """`embed` (token ids -> first block's input), `norm` (final norm) and `lm_head`."""
+
+    @abstractmethod
+    def client_tensor_names(self, base_prefix: str) -> dict[str, str]:
+        """Map from checkpoint tensor name to the name inside `build_client_modules`' ModuleDict."""
+
+
+def attention_bias(
+    hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Additive mask `[batch, 1, new, position + new]` for a step of `new = hidden.shape[1]` tokens.
+
+    Query i (absolute position `position + i`) sees keys `<= position + i` that are not padding
+    (`padding_mask`: `[batch, position + new]`, 1 = real token, as `transformers` uses it). A single
+    new token without padding may see every cached key, so plain decode steps need no mask at all.
+    """
+    batch_size, num_new = hidden.shape[:2]
+    if num_new == 1 and padding_mask is None:
+        return None
+    total = position + num_new
+    query_positions = torch.arange(position, total, device=hidden.device)[:, None]
+    key_positions = torch.arange(total, device=hidden.device)[None, :]
+    blocked = (key_positions > query_positions)[None].expand(batch_size, num_new, total)
+    if padding_mask is not None:
+        blocked = blocked | (padding_mask[:, None, :total] == 0)
+    bias = torch.zeros(blocked.shape, dtype=hidden.dtype, device=hidden.device)
+    bias.masked_fill_(blocked, torch.finfo(hidden.dtype).min)
+    return bias[:, None]
+
+
+def token_positions(hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """Position ids `[batch, new]` of the step's tokens; with left padding, real tokens count from 0."""
+    batch_size, num_new = hidden.shape[:2]
+    if padding_mask is None:
+        return torch.arange(position, position + num_new, device=hidden.device)[None].expand(batch_size, -1)
+    # same rule as transformers' generate(): cumulative count of real tokens, padding pinned to 1
+    positions = padding_mask.long().cumsum(-1) - 1
+    positions.masked_fill_(padding_mask == 0, 1)
+    return positions[:, position : position + num_new]
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    for model_type in family.model_types:
+        _FAMILIES[model_type] = family
+    return family
+
+
+def family_for(config: PretrainedConfig) -> ModelFamily:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILIES:
+        supported = ", ".join(sorted(_FAMILIES))
+        raise UnsupportedModelError(f"model type {model_type!r} is not supported; supported types: {supported}")
+    return _FAMILIES[model_type]

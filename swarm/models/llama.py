@@ -1,0 +1,75 @@
+"""The LLaMA family: rotary position embeddings, RMSNorm, grouped-query attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from swarm.models.family import ModelFamily, StepInputs, attention_bias, register_family, token_positions
+
+
+class LlamaFamily(ModelFamily):
+    model_types = ("llama",)
+    base_prefixes = ("model.", "")
+    embedding_weight = "embed.weight"
+    blocks_attribute = "layers."
+
+    def num_kv_heads(self, config: PretrainedConfig) -> int:
+        return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+    def head_dim(self, config: PretrainedConfig) -> int:
+        return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+        return LlamaDecoderLayer(config, layer_idx=local_index)
+
+    def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
+        # the rotary tables are computed from the config, not stored in checkpoints
+        return nn.ModuleDict({"rotary": LlamaRotaryEmbedding(config=config, device=device)})
+
+    def step_inputs(
+        self,
+        config: PretrainedConfig,
+        helpers: nn.ModuleDict,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+    ) -> StepInputs:
+        position_ids = token_positions(hidden, position, padding_mask)
+        return {
+            "position_embeddings": helpers["rotary"](hidden, position_ids),
+            "attention_mask": attention_bias(hidden, position, padding_mask),
+        }
+
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs) -> torch.Tensor:
+        output = block(
+            hidden,
+            attention_mask=inputs["attention_mask"],
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=inputs["position_embeddings"],
+        )
+        return output[0] if isinstance(output, tuple) else output
+
+    def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
+        return nn.ModuleDict(
+            {
+                "embed": nn.Embedding(config.vocab_size, config.hidden_size),
+                "norm": LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+                "lm_head": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+            }
+        )
+
+    def client_tensor_names(self, base_prefix: str) -> dict[str, str]:
+        return {
+            f"{base_prefix}embed_tokens.weight": "embed.weight",
+            f"{base_prefix}norm.weight": "norm.weight",
+            "lm_head.weight": "lm_head.weight",
+        }
+
+
+LLAMA = register_family(LlamaFamily())

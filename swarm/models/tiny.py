@@ -1,0 +1,172 @@
+"""Build tiny random-weight BLOOM and LLaMA checkpoints, with a real tokenizer, entirely offline.
+
+Tests and the demo need a model without downloads. The checkpoint is what `save_pretrained` writes
+(config, safetensors shards with an index when sharded, generation config) and the tokenizer is a
+byte-level BPE trained here with the `tokenizers` library, so `AutoModelForCausalLM` and
+`AutoTokenizer` load the directory exactly as they would a real model.
+
+    swarm-make-tiny-model models/tiny-llama --family llama --layers 6 --hidden 64 --heads 4 --kv-heads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+)
+
+from swarm.errors import SwarmUserError
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+# A small corpus so the BPE learns real merges; its content only shapes which strings tokenize short.
+_CORPUS = """
+A swarm of volunteer servers runs a large language model together. Each server holds a few
+consecutive transformer blocks and an attention cache for every session it serves. Clients keep
+the embeddings and the language model head, send hidden states from server to server, and sample
+the next token. The scheduler places blocks so that enough requests fit in memory at once, and
+routes each request along the chain of servers with the shortest expected completion time.
+When a server fails, the client replays what it sent to that server to a replacement, and the
+generation continues as if nothing had happened. The quick brown fox jumps over the lazy dog.
+Once upon a time there was a little model that wanted to speak. It learned numbers: one two three
+four five six seven eight nine ten. It learned places: Paris, London, Tokyo, Nairobi, Lima.
+"""
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    family: str = "llama"  # "llama" or "bloom"
+    num_layers: int = 6
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # LLaMA only; None = multi-head attention
+    vocab_size: int = 512
+    intermediate_size: int | None = None  # LLaMA MLP width; default 2x hidden
+    seed: int = 0
+    # Random weights from the usual 0.02 init give near-uniform logits whose top two candidates can
+    # differ by less than float32 rounding; a wider init keeps greedy decoding well separated.
+    initializer_range: float = 0.1
+
+    def config(self) -> PretrainedConfig:
+        if self.num_layers < 1 or self.hidden_size % self.num_heads:
+            raise SwarmUserError("need >= 1 layer and a hidden size divisible by the number of heads")
+        if self.family == "bloom":
+            if self.num_kv_heads not in (None, self.num_heads):
+                raise SwarmUserError("BLOOM has no grouped-query attention: leave --kv-heads unset")
+            return BloomConfig(
+                vocab_size=self.vocab_size,
+                hidden_size=self.hidden_size,
+                n_layer=self.num_layers,
+                n_head=self.num_heads,
+                initializer_range=self.initializer_range,
+                pad_token_id=PAD_ID,
+                bos_token_id=BOS_ID,
+                eos_token_id=EOS_ID,
+            )
+        if self.family == "llama":
+            kv_heads = self.num_kv_heads or self.num_heads
+            if self.num_heads % kv_heads:
+                raise SwarmUserError("--heads must be a multiple of --kv-heads")
+            return LlamaConfig(
+                vocab_size=self.vocab_size,
+                hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size or 2 * self.hidden_size,
+                num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads,
+                num_key_value_heads=kv_heads,
+                max_position_embeddings=2048,
+                initializer_range=self.initializer_range,
+                tie_word_embeddings=False,
+                pad_token_id=PAD_ID,
+                bos_token_id=BOS_ID,
+                eos_token_id=EOS_ID,
+            )
+        raise SwarmUserError(f"unknown family {self.family!r}; choose bloom or llama")
+
+
+def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the built-in corpus (deterministic, no downloads)."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.split("\n"), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_input_names=["input_ids", "attention_mask"],  # decoder-only: no token_type_ids
+    )
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec, max_shard_size: str | int | None = None) -> Path:
+    """Write a deterministic random-weight checkpoint and tokenizer to `out_dir`.
+
+    `max_shard_size` (e.g. "20KB") splits the weights into several safetensors shards with an index.
+    """
+    out_dir = Path(out_dir)
+    config = spec.config()
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    save_kwargs = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out_dir, **save_kwargs)
+    tokenizer = train_tokenizer(spec.vocab_size)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="swarm-make-tiny-model",
+        description="Build a tiny random-weight BLOOM or LLaMA checkpoint with a trained tokenizer.",
+        epilog="example: swarm-make-tiny-model models/tiny-llama --family llama --layers 6 --kv-heads 2",
+    )
+    parser.add_argument("out_dir", help="directory to write the checkpoint to")
+    parser.add_argument("--family", choices=["llama", "bloom"], default="llama")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=None, help="LLaMA grouped-query attention heads")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-shard-size", default=None, help='split weights into shards, e.g. "50KB"')
+    args = parser.parse_args(argv)
+    spec = TinyModelSpec(
+        family=args.family,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        seed=args.seed,
+    )
+    try:
+        path = build_tiny_model(args.out_dir, spec, args.max_shard_size)
+    except SwarmUserError as error:
+        print(f"swarm-make-tiny-model: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"wrote a {spec.num_layers}-block {spec.family} model to {path}")
+
+
+if __name__ == "__main__":
+    main()
