@@ -16,7 +16,7 @@ class BlockSession(Protocol):
     """A stateful run of all blocks for one batch of sequences, holding attention caches somewhere."""
 
     def step(self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """Process `hidden` (`[batch, new, hidden]`) placed at absolute `position`; returns the last block's output."""
+        """Run `hidden` (`[batch, new, hidden]`) at absolute `position`; returns the last block's output."""
         ...
 
     def close(self) -> None: ...

@@ -46,10 +46,14 @@ def generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise SwarmUserError("--max-new-tokens must be at least 1")
     if args.local_spans is None:
-        raise SwarmUserError("the swarm runtime is not available yet; pass --local-spans to run blocks locally")
+        raise SwarmUserError(
+            "the swarm runtime is not available yet; pass --local-spans to run blocks locally"
+        )
     spans = [load_span(args.model_dir, start, end, dtype=args.dtype)[0] for start, end in args.local_spans]
     if spans[-1].end != spans[-1].family.num_blocks(spans[-1].config):
-        raise SwarmUserError(f"--local-spans must end at the model's last block ({spans[-1].config.num_hidden_layers})")
+        raise SwarmUserError(
+            f"--local-spans must end at the model's last block ({spans[-1].config.num_hidden_layers})"
+        )
     try:
         backend = LocalSpans(spans)
     except ValueError as error:

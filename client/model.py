@@ -66,7 +66,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # --- generation -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor | None = None, session: InferenceSession | None = None, **kwargs):
+    def generate(
+        self, input_ids: torch.Tensor | None = None, session: InferenceSession | None = None, **kwargs
+    ):
         if input_ids is None:
             raise ValueError("generate() needs input_ids")
         if session is None and self._active_session is None:

@@ -32,7 +32,8 @@ class InferenceSession:
         """The suffix of `input_ids` that the blocks have not processed yet."""
         if input_ids.shape[0] != self.batch_size:
             raise SwarmUserError(
-                f"this session was opened for batch size {self.batch_size}, got input of batch size {input_ids.shape[0]}"
+                f"this session was opened for batch size {self.batch_size}, "
+                f"got input of batch size {input_ids.shape[0]}"
             )
         if input_ids.shape[1] < self.position or not torch.equal(
             input_ids[:, : self.position].cpu(), self.token_ids
@@ -43,7 +44,9 @@ class InferenceSession:
             )
         return input_ids[:, self.position :]
 
-    def step(self, new_ids: torch.Tensor, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def step(
+        self, new_ids: torch.Tensor, hidden: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Run `hidden` (the embeddings of `new_ids`) through every block; record the tokens."""
         if self.closed:
             raise SwarmUserError("this inference session is closed")

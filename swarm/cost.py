@@ -36,7 +36,9 @@ def cache_bytes_per_block(d_kv: int, num_tokens: int, bytes_per_element: int) ->
     Multiply by the batch size for a batched session.
     """
     if d_kv <= 0 or num_tokens < 0 or bytes_per_element <= 0:
-        raise ValueError(f"invalid cache size arguments: d_kv={d_kv} tokens={num_tokens} bytes={bytes_per_element}")
+        raise ValueError(
+            f"invalid cache size arguments: d_kv={d_kv} tokens={num_tokens} bytes={bytes_per_element}"
+        )
     return 2 * d_kv * num_tokens * bytes_per_element
 
 

@@ -14,7 +14,10 @@ from swarm.models.family import ModelFamily, StepInputs, attention_bias, registe
 
 class BloomFamily(ModelFamily):
     model_types = ("bloom",)
-    base_prefixes = ("transformer.", "")  # BloomForCausalLM saves "transformer.h.0..."; bigscience/bloom "h.0..."
+    base_prefixes = (
+        "transformer.",
+        "",
+    )  # BloomForCausalLM saves "transformer.h.0..."; bigscience/bloom "h.0..."
     embedding_weight = "embed.0.weight"
     blocks_attribute = "h."
 
@@ -35,12 +38,20 @@ class BloomFamily(ModelFamily):
             bias = attention_bias(hidden, position, None)
         else:
             bias = attention_bias(hidden, position, padding_mask)
-        alibi = build_alibi_tensor(padding_mask[:, : position + num_new], self.num_heads(config), hidden.dtype)
+        alibi = build_alibi_tensor(
+            padding_mask[:, : position + num_new], self.num_heads(config), hidden.dtype
+        )
         return {"alibi": alibi, "attention_mask": bias}
 
-    def run_block(self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs) -> torch.Tensor:
+    def run_block(
+        self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs
+    ) -> torch.Tensor:
         output, _attention = block(
-            hidden, alibi=inputs["alibi"], attention_mask=inputs["attention_mask"], layer_past=cache, use_cache=True
+            hidden,
+            alibi=inputs["alibi"],
+            attention_mask=inputs["attention_mask"],
+            layer_past=cache,
+            use_cache=True,
         )
         return output
 
@@ -48,7 +59,9 @@ class BloomFamily(ModelFamily):
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         return nn.ModuleDict(
             {
-                "embed": nn.Sequential(nn.Embedding(config.vocab_size, hidden), nn.LayerNorm(hidden, eps=eps)),
+                "embed": nn.Sequential(
+                    nn.Embedding(config.vocab_size, hidden), nn.LayerNorm(hidden, eps=eps)
+                ),
                 "norm": nn.LayerNorm(hidden, eps=eps),
                 "lm_head": nn.Linear(hidden, config.vocab_size, bias=False),
             }

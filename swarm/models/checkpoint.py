@@ -38,12 +38,26 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
 
 
 class CheckpointReader:
-    """Knows which file holds each tensor of a checkpoint; opens files only when asked for their tensors."""
+    """Knows which file holds each tensor of a checkpoint; opens files only when asked for their tensors.
+
+    Opened shards stay open (memory-mapped, nothing read until asked) until `close()`, so reading a
+    span block by block opens each shard once. Use it as a context manager.
+    """
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
+        self._handles: dict[str, object] = {}
+        self.opened_files: list[str] = []  # file names opened, in order (tests check this)
         self.weight_map = self._read_weight_map()
-        self.opened_files: list[str] = []  # file names opened so far, in order (tests check this)
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles release their mapping when dropped
 
     def _read_weight_map(self) -> dict[str, str]:
         index_path = self.model_dir / INDEX_FILE
@@ -57,8 +71,7 @@ class CheckpointReader:
             return {str(name): str(file) for name, file in weight_map.items()}
         single_path = self.model_dir / SINGLE_FILE
         if single_path.is_file():
-            with self._open(SINGLE_FILE) as handle:
-                return {name: SINGLE_FILE for name in handle.keys()}
+            return {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
         if any(self.model_dir.glob("*.bin")):
             raise CheckpointError(
                 f"{self.model_dir} holds only PyTorch .bin weights; llm-swarm reads safetensors "
@@ -66,14 +79,17 @@ class CheckpointReader:
             )
         raise CheckpointError(f"{self.model_dir} has no {SINGLE_FILE} or {INDEX_FILE}")
 
-    def _open(self, file_name: str):
-        path = self.model_dir / file_name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing")
-        try:
-            return safe_open(str(path), framework="pt", device="cpu")
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(f"checkpoint file {path} is corrupt: {error}") from None
+    def _handle(self, file_name: str):
+        if file_name not in self._handles:
+            path = self.model_dir / file_name
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint file {path} is missing")
+            try:
+                self._handles[file_name] = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as error:
+                raise CheckpointError(f"checkpoint file {path} is corrupt: {error}") from None
+            self.opened_files.append(file_name)
+        return self._handles[file_name]
 
     def names_with_prefix(self, prefix: str) -> list[str]:
         return [name for name in self.weight_map if name.startswith(prefix)]
@@ -90,14 +106,13 @@ class CheckpointReader:
             names_by_file[self.weight_map[name]].append(name)
         tensors: dict[str, torch.Tensor] = {}
         for file_name, file_names in names_by_file.items():
-            self.opened_files.append(file_name)
-            with self._open(file_name) as handle:
-                available = set(handle.keys())
-                for name in file_names:
-                    if name not in available:
-                        raise CheckpointError(f"{self.model_dir / file_name} lacks {name!r} named in the index")
-                    try:
-                        tensors[name] = handle.get_tensor(name)
-                    except (SafetensorError, OSError) as error:
-                        raise CheckpointError(f"cannot read {name!r} from {file_name}: {error}") from None
+            handle = self._handle(file_name)
+            available = set(handle.keys())
+            for name in file_names:
+                if name not in available:
+                    raise CheckpointError(f"{self.model_dir / file_name} lacks {name!r} named in the index")
+                try:
+                    tensors[name] = handle.get_tensor(name)
+                except (SafetensorError, OSError) as error:
+                    raise CheckpointError(f"cannot read {name!r} from {file_name}: {error}") from None
         return tensors

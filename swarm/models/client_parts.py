@@ -48,16 +48,15 @@ def load_client_parts(
     dtype, device = parse_dtype(dtype), torch.device(device)
     config = prepare_config(load_config(model_dir))
     family = family_for(config)
-    reader = CheckpointReader(model_dir)
-    base = find_base_prefix(family, reader)
-    name_map = family.client_tensor_names(base)
-    with init_empty_weights():
-        modules = family.build_client_modules(config)
-    tied = getattr(config, "tie_word_embeddings", True) or not reader.has("lm_head.weight")
-    wanted = [name for name, local in name_map.items() if not (tied and local == "lm_head.weight")]
-    tensors = {name_map[name]: tensor for name, tensor in reader.read(wanted).items()}
+    with CheckpointReader(model_dir) as reader:
+        base = find_base_prefix(family, reader)
+        name_map = family.client_tensor_names(base)
+        with init_empty_weights():
+            modules = family.build_client_modules(config)
+        tied = getattr(config, "tie_word_embeddings", True) or not reader.has("lm_head.weight")
+        wanted = [name for name, local in name_map.items() if not (tied and local == "lm_head.weight")]
+        tensors = {name_map[name]: tensor for name, tensor in reader.read(wanted).items()}
     if tied:
         tensors["lm_head.weight"] = tensors[family.embedding_weight]
     materialize(modules, tensors, dtype, device, what="the client-side modules")
     return ClientParts(family, config, modules).eval()
-

@@ -69,7 +69,9 @@ class ModelFamily(ABC):
         """
 
     @abstractmethod
-    def run_block(self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs) -> torch.Tensor:
+    def run_block(
+        self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs
+    ) -> torch.Tensor:
         """One block's forward; `cache` follows the `transformers` cache protocol."""
 
     # --- client side ----------------------------------------------------------------------------
@@ -129,5 +131,7 @@ def family_for(config: PretrainedConfig) -> ModelFamily:
     model_type = getattr(config, "model_type", None)
     if model_type not in _FAMILIES:
         supported = ", ".join(sorted(_FAMILIES))
-        raise UnsupportedModelError(f"model type {model_type!r} is not supported; supported types: {supported}")
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; supported types: {supported}"
+        )
     return _FAMILIES[model_type]

@@ -45,7 +45,9 @@ class LlamaFamily(ModelFamily):
             "attention_mask": attention_bias(hidden, position, padding_mask),
         }
 
-    def run_block(self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs) -> torch.Tensor:
+    def run_block(
+        self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs
+    ) -> torch.Tensor:
         output = block(
             hidden,
             attention_mask=inputs["attention_mask"],

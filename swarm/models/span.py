@@ -147,7 +147,9 @@ class TransformerSpan(nn.Module):
 
 def validate_span(start: int, end: int, num_blocks: int) -> None:
     if not (0 <= start < end <= num_blocks):
-        raise SpanError(f"block span {start}:{end} is not inside the model's {num_blocks} blocks (0:{num_blocks})")
+        raise SpanError(
+            f"block span {start}:{end} is not inside the model's {num_blocks} blocks (0:{num_blocks})"
+        )
 
 
 def load_span(
@@ -164,22 +166,21 @@ def load_span(
     config = prepare_config(load_config(model_dir))
     family = family_for(config)
     validate_span(start, end, family.num_blocks(config))
-    reader = CheckpointReader(model_dir)
-    base = find_base_prefix(family, reader)
-
     blocks = nn.ModuleList()
-    for index in range(start, end):
-        with init_empty_weights():
-            block = family.build_block(config, local_index=index - start)
-        prefix = f"{base}{family.blocks_attribute}{index}."
-        names = reader.names_with_prefix(prefix)
-        if not names:
-            raise CheckpointError(f"checkpoint {reader.model_dir} has no tensors for block {index}")
-        tensors = {name[len(prefix) :]: tensor for name, tensor in reader.read(names).items()}
-        materialize(block, tensors, dtype, device, what=f"block {index}")
-        blocks.append(block.eval())
-        if on_block_loaded is not None:
-            on_block_loaded(index)
+    with CheckpointReader(model_dir) as reader:
+        base = find_base_prefix(family, reader)
+        for index in range(start, end):
+            with init_empty_weights():
+                block = family.build_block(config, local_index=index - start)
+            prefix = f"{base}{family.blocks_attribute}{index}."
+            names = reader.names_with_prefix(prefix)
+            if not names:
+                raise CheckpointError(f"checkpoint {reader.model_dir} has no tensors for block {index}")
+            tensors = {name[len(prefix) :]: tensor for name, tensor in reader.read(names).items()}
+            materialize(block, tensors, dtype, device, what=f"block {index}")
+            blocks.append(block.eval())
+            if on_block_loaded is not None:
+                on_block_loaded(index)
     helpers = family.make_span_helpers(config, device)
     span = TransformerSpan(family, config, start, end, blocks, helpers, dtype, device).eval()
     return span, list(reader.opened_files)

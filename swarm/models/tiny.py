@@ -117,7 +117,9 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec, max_shard_size: str | int | None = None) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, spec: TinyModelSpec, max_shard_size: str | int | None = None
+) -> Path:
     """Write a deterministic random-weight checkpoint and tokenizer to `out_dir`.
 
     `max_shard_size` (e.g. "20KB") splits the weights into several safetensors shards with an index.

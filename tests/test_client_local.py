@@ -1,0 +1,81 @@
+"""`generate()` through the client model over in-process spans equals transformers' own generate()."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client.backend import LocalSpans
+from client.model import DistributedModelForCausalLM
+from swarm.errors import SwarmUserError
+from swarm.models import load_span
+
+
+@pytest.fixture(scope="module")
+def models(model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    backend = LocalSpans([load_span(model_dir, 0, 2)[0], load_span(model_dir, 2, 6)[0]])
+    return reference, DistributedModelForCausalLM.from_local_parts(model_dir, backend)
+
+
+def test_greedy_batch_with_left_padding(model_dir, models):
+    reference, distributed = models
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = tokenizer(
+        ["Hello there, little model", "one two", "Paris London Tokyo Lima"],
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+    )
+    expected = reference.generate(**batch, max_new_tokens=16, do_sample=False)
+    assert torch.equal(distributed.generate(**batch, max_new_tokens=16, do_sample=False), expected)
+
+
+def test_session_reused_across_generate_calls(model_dir, models):
+    reference, distributed = models
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    with distributed.inference_session(max_length=64) as session:
+        first = distributed.generate(prompt, max_new_tokens=6, do_sample=False, session=session)
+        follow_up = torch.cat([first, tokenizer(" one two", return_tensors="pt").input_ids], dim=1)
+        second = distributed.generate(follow_up, max_new_tokens=6, do_sample=False, session=session)
+        assert session.position == second.shape[1] - 1  # the last sampled token is never fed back
+        with pytest.raises(SwarmUserError, match="must start with the tokens"):
+            distributed.generate(prompt, max_new_tokens=2, session=session)
+    assert torch.equal(second, reference.generate(follow_up, max_new_tokens=6, do_sample=False))
+
+
+def test_sampling_matches_under_the_same_seed(models):
+    reference, distributed = models
+    prompt = torch.tensor([[5, 17, 99, 200]])
+    torch.manual_seed(7)
+    expected = reference.generate(prompt, max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.9)
+    torch.manual_seed(7)
+    got = distributed.generate(prompt, max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.9)
+    assert torch.equal(got, expected)
+
+
+def test_generate_command_runs_locally(llama_dir):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "client.cli",
+            str(llama_dir),
+            "--local-spans",
+            "0:3,3:6",
+            "--prompt",
+            "Once upon",
+            "--max-new-tokens",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Once upon")
