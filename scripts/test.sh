@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Run the test suite: creates .venv and installs llm-swarm with its test extras if needed.
+# Extra arguments go to pytest, e.g. scripts/test.sh -k spans -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_venv.sh
+ensure_venv test
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest "$@"
