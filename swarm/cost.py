@@ -6,15 +6,18 @@ scheduler, the simulator and the servers all share one definition of every formu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch costs seconds to import; the planning tools never need it
+    import torch
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     """Bytes per element of a torch dtype."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def kv_dim(hidden_size: int, num_attention_heads: int, num_key_value_heads: int | None = None) -> int:
@@ -52,7 +55,8 @@ def blocks_that_fit(memory_bytes: float, block_bytes: float, cache_bytes: float,
     per_block = block_bytes + cache_bytes * sessions
     if per_block <= 0:
         raise ValueError("block and cache sizes must be positive")
-    return max(int(memory_bytes // per_block), 0)
+    # floor of the real quotient, as the SPEC writes it (float `//` can land one below: 1.0 // 0.1 == 9)
+    return max(math.floor(memory_bytes / per_block), 0)
 
 
 def cache_slots(memory_bytes: float, block_bytes: float, num_blocks: int, cache_bytes: float) -> int:
@@ -60,7 +64,7 @@ def cache_slots(memory_bytes: float, block_bytes: float, num_blocks: int, cache_
     free = memory_bytes - block_bytes * num_blocks
     if free <= 0:
         return 0
-    return int(free // cache_bytes)
+    return math.floor(free / cache_bytes)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,41 @@
+"""Pure placement and routing algorithms (SPEC section 3): no I/O, only numbers in and decisions out.
+
+- `problem`: servers, model, spans; `feasibility`: Lemma 3.1; `routing_graph`: feasible links and
+  the shortest chain under any link cost; `windows`: block-window choice rules.
+- `cgbp` (CG-BP, SPEC 3.1), `wsrr` (WS-RR, 3.2), `petals` (the PETALS baseline, 3.3).
+- `chains` (GBP-CR, GCA), `jffc` (JFFC), `queueing` (Theorem 3.7), `tuning` (c tuning), SPEC 3.4.
+"""
+
+from scheduler.algorithms.cgbp import CgBpResult, cg_bp, choose_num_requests, max_requests
+from scheduler.algorithms.chains import GbpCrPlacement, ServerChain, gbp_cr, gca
+from scheduler.algorithms.jffc import JffcDispatcher
+from scheduler.algorithms.problem import ModelSpec, Placement, ServerSpec, Span
+from scheduler.algorithms.queueing import response_time_bounds
+from scheduler.algorithms.routing_graph import Chain, ChainHop, RoutingGraph
+from scheduler.algorithms.tuning import Composition, compose, tune_capacity
+from scheduler.algorithms.wsrr import RoutingState, WsRrRoute
+
+__all__ = [
+    "CgBpResult",
+    "Chain",
+    "ChainHop",
+    "Composition",
+    "GbpCrPlacement",
+    "JffcDispatcher",
+    "ModelSpec",
+    "Placement",
+    "RoutingGraph",
+    "RoutingState",
+    "ServerChain",
+    "ServerSpec",
+    "Span",
+    "WsRrRoute",
+    "cg_bp",
+    "choose_num_requests",
+    "compose",
+    "gbp_cr",
+    "gca",
+    "max_requests",
+    "response_time_bounds",
+    "tune_capacity",
+]

@@ -1,0 +1,224 @@
+"""WS-RR: Waiting-penalized Shortest-path Request Routing (paper 000 eq. 20-21, Alg. 2; SPEC 3.2).
+
+`RoutingState` is the online half of the two-time-scale scheme: it holds one placement and the
+sessions currently routed through each server (expected end time, cache slots), answers routing
+queries, and is meant to be kept alive by the scheduler service and the simulator alike.
+
+Times are absolute (any clock the caller uses consistently, e.g. seconds since start): a session
+ends at `ends_at`, so its remaining time at query time `now` is `ends_at - now` (clamped at 0 for
+a session that overran its estimate but was not reported finished yet).
+
+Waits per link (eq. 20) only change when a session starts or ends at that server, so they are kept
+per link as the absolute time at which the link has room ("release time"), recomputed for the
+touched servers only; a query then costs a few vector operations plus one pass over the
+placement's `sum_j m_j` links (see routing_graph).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.algorithms.problem import ModelSpec, Placement, ServerSpec, placement_cache_slots
+from scheduler.algorithms.routing_graph import Chain, RoutingGraph
+
+
+@dataclass(frozen=True)
+class WsRrRoute:
+    """A routing decision: the chain, its path cost, the expected wait and the expected completion."""
+
+    chain: Chain  # chain.cost = sum over hops of (t^W_ij + l_out * t^c_ij)
+    wait: float  # max t^W_ij over the hops: when every server on the chain has room
+    completion: float  # wait + sum of l_out * t^c_ij: expected time until the request is done
+    hop_waits: tuple[float, ...]
+    hop_times: tuple[float, ...]  # l_out * t^c_ij per hop (eq. 1 restricted to that server)
+
+    @property
+    def cost(self) -> float:
+        return self.chain.cost
+
+    def slots_by_server(self) -> dict[int, int]:
+        """Cache slots the request holds at each server of the chain: the blocks it processes there."""
+        return {hop.server: hop.num_blocks for hop in self.chain.hops}
+
+
+@dataclass
+class _Session:
+    slots_by_server: dict[int, int]
+    ends_at: float
+    order: int  # tie-breaker among equal end times in the per-server lists
+    lease_expires_at: float | None
+
+
+def link_request_time(
+    rtt_prefill: np.ndarray,
+    tau_prefill: np.ndarray,
+    rtt: np.ndarray,
+    tau: np.ndarray,
+    blocks: np.ndarray,
+    l_out: int,
+) -> np.ndarray:
+    """`l_out * t^c_ij` (eq. 8 times l_out): one hop's share of eq. 1, for many links at once.
+
+    Same formula and operation order as `swarm.cost.link_time_all_tokens` (the tests check they
+    agree): `(t_prefill_cj + q*tau_prefill_j) + (l_out - 1) * (t_cj + q*tau_j)`. Vectorized here
+    because a query evaluates every link of the placement.
+    """
+    return (rtt_prefill + blocks * tau_prefill) + (l_out - 1) * (rtt + blocks * tau)
+
+
+class RoutingState:
+    """A placement plus the sessions routed through it; answers WS-RR queries (SPEC 3.2).
+
+    Servers are referred to by their index in `servers` (`index_of` maps names). Servers need
+    `tau`, `tau_prefill` and, for every client they serve, `rtt` and `rtt_prefill`.
+    """
+
+    def __init__(self, servers: Sequence[ServerSpec], model: ModelSpec, placement: Placement):
+        if len(placement) != len(servers):
+            raise ValueError("the placement needs one entry per server")
+        missing = [s.name for s in servers if s.tau is None or s.tau_prefill is None]
+        if missing:
+            raise ValueError(f"WS-RR needs tau and tau_prefill for servers {missing}")
+        self.servers = tuple(servers)
+        self.graph = RoutingGraph(placement, model.num_blocks)
+        self._index = {server.name: j for j, server in enumerate(self.servers)}
+        self._slots = np.array(placement_cache_slots(servers, model, placement), dtype=np.int64)
+        self._used = np.zeros(len(servers), dtype=np.int64)
+        links = self.graph.link_server
+        self._link_tau = np.array([s.tau for s in servers], dtype=float)[links]
+        self._link_tau_prefill = np.array([s.tau_prefill for s in servers], dtype=float)[links]
+        self._client_rtts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Absolute time at which each link has room for one more request (eq. 20); -inf = now.
+        self._link_release = np.where(self.graph.link_blocks <= self._slots[links], -math.inf, math.inf)
+        self._sessions: dict[Hashable, _Session] = {}
+        self._by_server: list[list[tuple[float, int, int]]] = [[] for _ in servers]  # (ends_at, order, slots)
+        self._leases: list[tuple[float, int, Hashable]] = []  # heap of (lease_expires_at, order, id)
+        self._counter = itertools.count()
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def index_of(self, name: str) -> int:
+        return self._index[name]
+
+    def cache_slots(self, server: int) -> int:
+        """`n_j = floor((M_j - s_m*m_j)/s_c)` for the placement this state was built with."""
+        return int(self._slots[server])
+
+    def used_slots(self, server: int) -> int:
+        return int(self._used[server])
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def route(self, client: str, l_out: int, now: float = 0.0) -> WsRrRoute | None:
+        """The WS-RR route for a new request of `client` arriving at `now` (None: no chain can ever serve it).
+
+        Link cost `t^W_ij + l_out*t^c_ij`; the final hop to the client costs 0 (SPEC 3.2).
+        Read-only: call `admit` (or `add_session`) to record the decision.
+        """
+        if l_out < 1:
+            raise ValueError(f"l_out must be >= 1, got {l_out}")
+        rtt_prefill, rtt = self._rtts_of(client)
+        times = link_request_time(
+            rtt_prefill, self._link_tau_prefill, rtt, self._link_tau, self.graph.link_blocks, l_out
+        )
+        times[~np.isfinite(rtt_prefill) | ~np.isfinite(rtt)] = math.inf  # no RTT known: no link
+        waits = np.maximum(self._link_release - now, 0.0)
+        chain = self.graph.shortest_chain(waits + times)
+        if chain is None:
+            return None
+        used = [self.graph.link_index(hop.server, hop.start) for hop in chain.hops]
+        hop_waits = tuple(float(waits[k]) for k in used)
+        hop_times = tuple(float(times[k]) for k in used)
+        wait = max(hop_waits)
+        return WsRrRoute(chain, wait, wait + sum(hop_times), hop_waits, hop_times)
+
+    # -- session book-keeping ----------------------------------------------------------------
+
+    def admit(self, session_id: Hashable, route: WsRrRoute, now: float, lease_s: float | None = None) -> None:
+        """Record a routed request; it holds its slots until ended (expected at `now + completion`)."""
+        lease = None if lease_s is None else now + lease_s
+        self.add_session(session_id, route.slots_by_server(), now + route.completion, lease)
+
+    def add_session(
+        self,
+        session_id: Hashable,
+        slots_by_server: Mapping[int, int],
+        ends_at: float,
+        lease_expires_at: float | None = None,
+    ) -> None:
+        """Record a session holding `slots_by_server` until about `ends_at` (or `lease_expires_at`)."""
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} is already active")
+        if any(slots <= 0 for slots in slots_by_server.values()):
+            raise ValueError("a session holds at least one slot on each of its servers")
+        order = next(self._counter)
+        session = _Session(dict(slots_by_server), float(ends_at), order, lease_expires_at)
+        self._sessions[session_id] = session
+        for server, slots in session.slots_by_server.items():
+            bisect.insort(self._by_server[server], (session.ends_at, order, slots))
+            self._used[server] += slots
+            self._refresh_server(server)
+        if lease_expires_at is not None:
+            heapq.heappush(self._leases, (lease_expires_at, order, session_id))
+
+    def end_session(self, session_id: Hashable) -> bool:
+        """Forget a session (the client reported its end); False if it was not active."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        for server, slots in session.slots_by_server.items():
+            entries = self._by_server[server]
+            del entries[bisect.bisect_left(entries, (session.ends_at, session.order, slots))]
+            self._used[server] -= slots
+            self._refresh_server(server)
+        return True
+
+    def expire(self, now: float) -> list[Hashable]:
+        """Forget every session whose lease expired by `now` (its client vanished); returns their ids."""
+        expired = []
+        while self._leases and self._leases[0][0] <= now:
+            _, order, session_id = heapq.heappop(self._leases)
+            session = self._sessions.get(session_id)
+            if session is not None and session.order == order:  # not ended (or re-added) meanwhile
+                self.end_session(session_id)
+                expired.append(session_id)
+        return expired
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _rtts_of(self, client: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-link (t_prefill_cj, t_cj) of a client; inf where the server has no RTT to it."""
+        if client not in self._client_rtts:
+            rtt_prefill = np.array([s.rtt_prefill.get(client, math.inf) for s in self.servers], dtype=float)
+            rtt = np.array([s.rtt.get(client, math.inf) for s in self.servers], dtype=float)
+            links = self.graph.link_server
+            self._client_rtts[client] = (rtt_prefill[links], rtt[links])
+        return self._client_rtts[client]
+
+    def _refresh_server(self, server: int) -> None:
+        """Eq. 20 for every link into `server`, as the absolute time its sessions free enough slots.
+
+        Release the sessions in increasing remaining time until `q` slots are free: the link's
+        release time is the end of the last one released (inf if even all of them are not enough).
+        """
+        links = self.graph.server_links(server)
+        shortfall = self.graph.link_blocks[links] - (self._slots[server] - self._used[server])
+        entries = self._by_server[server]
+        release = np.full(len(shortfall), math.inf)
+        if entries:
+            ends = np.array([entry[0] for entry in entries])
+            freed = np.cumsum([entry[2] for entry in entries])
+            last_released = np.searchsorted(freed, shortfall, side="left")
+            enough = last_released < len(entries)
+            release[enough] = ends[last_released[enough]]
+        release[shortfall <= 0] = -math.inf
+        self._link_release[links] = release

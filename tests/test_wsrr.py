@@ -1,0 +1,178 @@
+"""WS-RR (SPEC 3.2, paper 000 eq. 20-21): waits, session book-keeping, and brute force agreement."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.algorithms.feasibility import blocks_processed, can_follow
+from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
+from scheduler.algorithms.wsrr import RoutingState, link_request_time
+from swarm.cost import Hop, link_time_all_tokens
+
+MODEL = ModelSpec(num_blocks=4, block_bytes=10.0, cache_bytes=1.0)
+
+
+def server(name: str, memory: float, tau: float = 0.01, rtt: float = 0.05) -> ServerSpec:
+    return ServerSpec(
+        name, memory, tau=tau, tau_prefill=2 * tau, rtt={"c1": rtt}, rtt_prefill={"c1": 3 * rtt}
+    )
+
+
+def test_link_time_is_eq1_of_the_cost_model():
+    """The vectorized link time is swarm.cost's eq. 1 for one hop, to the last bit."""
+    rtt_prefill, tau_prefill, rtt, tau = 0.0612, 0.0512, 0.0551, 0.0162488
+    for blocks, l_out in [(1, 1), (4, 64), (42, 128)]:
+        expected = link_time_all_tokens(Hop(rtt, rtt_prefill, tau, tau_prefill, blocks), l_out)
+        vectorized = link_request_time(
+            np.array([rtt_prefill]),
+            np.array([tau_prefill]),
+            np.array([rtt]),
+            np.array([tau]),
+            np.array([blocks]),
+            l_out,
+        )
+        assert vectorized[0] == expected
+
+
+def test_eq20_waits_release_sessions_in_order_of_remaining_time():
+    # One server holding all 4 blocks (40 bytes) with 6 bytes to spare: 6 cache slots.
+    servers = [server("a", 46.0)]
+    state = RoutingState(servers, MODEL, [Span(0, 4)])
+    assert state.cache_slots(0) == 6
+    assert state.route("c1", l_out=1).wait == 0.0
+    state.add_session("x", {0: 3}, ends_at=7.0)
+    state.add_session("y", {0: 2}, ends_at=2.0)
+    # 1 slot free, 4 needed: release y (t=2, 3 free), then x (t=7, 6 free) -> wait 7.
+    assert state.route("c1", l_out=1, now=0.0).wait == 7.0
+    assert state.route("c1", l_out=1, now=5.0).wait == 2.0  # remaining times shrink with the clock
+    state.end_session("x")
+    assert state.route("c1", l_out=1, now=0.0).wait == 0.0  # 4 free now
+    state.add_session("z", {0: 1}, ends_at=3.0)
+    # 3 free, 1 short: y (t=2) is released first and frees 2, enough.
+    assert state.route("c1", l_out=1, now=0.0).wait == 2.0
+    state.add_session("w", {0: 3}, ends_at=1.0)
+    # 0 free: w (t=1) frees 3, then y (t=2) makes 5 >= 4 -> wait 2.
+    assert state.route("c1", l_out=1, now=0.0).wait == 2.0
+    state.end_session("y")
+    # 2 free: w (t=1) alone frees 3 -> 5 >= 4.
+    assert state.route("c1", l_out=1, now=0.0).wait == 1.0
+    assert state.route("c1", l_out=1, now=9.0).wait == 0.0  # overdue sessions are due now
+
+
+def test_waiting_penalty_steers_to_a_free_but_slower_chain():
+    servers = [server("fast", 46.0, tau=0.01), server("slow", 46.0, tau=0.02)]
+    state = RoutingState(servers, MODEL, [Span(0, 4), Span(0, 4)])
+    route = state.route("c1", l_out=10)
+    assert [hop.server for hop in route.chain.hops] == [0]
+    state.admit("first", route, now=0.0)  # 4 of fast's 6 slots: the next request would wait
+    second = state.route("c1", l_out=10, now=0.0)
+    assert [hop.server for hop in second.chain.hops] == [1] and second.wait == 0.0
+    expected = link_time_all_tokens(Hop(0.05, 0.15, 0.02, 0.04, 4), 10)
+    assert math.isclose(second.completion, expected) and math.isclose(second.cost, expected)
+    # Once `first` ends (reported or lease expired), the fast chain is free again.
+    state.admit("second", second, now=0.0, lease_s=30.0)
+    assert state.num_sessions == 2 and state.used_slots(1) == 4
+    assert state.end_session("first") and not state.end_session("first")
+    assert state.expire(now=29.0) == [] and state.expire(now=30.0) == ["second"]
+    assert state.num_sessions == 0 and state.used_slots(1) == 0
+
+
+def test_ties_go_to_the_lowest_server_index():
+    servers = [server(name, 100.0) for name in ["a", "b", "c", "d"]]
+    placement = [Span(0, 2), Span(0, 2), Span(2, 4), Span(2, 4)]
+    route = RoutingState(servers, MODEL, placement).route("c1", l_out=5)
+    assert [(hop.server, hop.start, hop.end) for hop in route.chain.hops] == [(0, 0, 2), (2, 2, 4)]
+
+
+def test_unreachable_or_uncovered_gives_no_route():
+    servers = [server("a", 100.0), server("b", 100.0)]
+    assert RoutingState(servers, MODEL, [Span(0, 2), None]).route("c1", l_out=5) is None
+    assert RoutingState(servers, MODEL, [Span(0, 2), Span(2, 4)]).route("elsewhere", l_out=5) is None
+    assert RoutingState([server("a", 41.0)], MODEL, [Span(0, 4)]).route("c1", l_out=5) is None  # 1 slot < 4
+
+
+# -- brute force ---------------------------------------------------------------------------------
+
+
+def brute_force_cost(servers, model, placement, sessions, l_out, now):
+    """Enumerate every feasible chain (Lemma 3.1) and price it link by link (eq. 20 + eq. 1)."""
+
+    def wait(j, needed):
+        free = cache_slots(servers[j], model, placement[j].length) - sum(s for _, s in sessions.get(j, []))
+        if free >= needed:
+            return 0.0
+        for ends_at, slots in sorted(sessions.get(j, [])):
+            free += slots
+            if free >= needed:
+                return max(ends_at - now, 0.0)
+        return math.inf
+
+    best = math.inf
+
+    def extend(prev_end, cost, used):
+        nonlocal best
+        if prev_end == model.num_blocks:
+            best = min(best, cost)
+            return
+        for j, span in enumerate(placement):
+            if span is None or j in used or not can_follow(prev_end, span):
+                continue
+            q = blocks_processed(prev_end, span)
+            s = servers[j]
+            hop = Hop(s.rtt["c1"], s.rtt_prefill["c1"], s.tau, s.tau_prefill, q)
+            extend(span.end, cost + wait(j, q) + link_time_all_tokens(hop, l_out), used | {j})
+
+    extend(0, 0.0, frozenset())
+    return best
+
+
+@st.composite
+def routing_cases(draw):
+    num_blocks = draw(st.integers(1, 5))
+    model = ModelSpec(num_blocks, 10.0, 1.0)
+    servers, placement, sessions = [], [], {}
+    for j in range(draw(st.integers(1, 6))):
+        start = draw(st.integers(0, num_blocks - 1))
+        end = draw(st.integers(start + 1, num_blocks))
+        slots = draw(st.integers(0, 10))
+        tau = draw(st.sampled_from([0.001, 0.01, 0.1]))
+        rtt = draw(st.sampled_from([0.0, 0.02, 0.3]))
+        servers.append(
+            ServerSpec(f"s{j}", 10.0 * (end - start) + slots, tau, 2 * tau, {"c1": rtt}, {"c1": rtt})
+        )
+        placement.append(Span(start, end) if draw(st.integers(0, 3)) or j == 0 else None)  # mostly placed
+        active = draw(
+            st.lists(st.tuples(st.sampled_from([0.5, 1.0, 4.0, 9.0]), st.integers(1, 4)), max_size=4)
+        )
+        if active and placement[-1] is not None:
+            sessions[j] = active
+    return model, servers, placement, sessions
+
+
+@settings(max_examples=80, deadline=None)
+@given(routing_cases(), st.sampled_from([1, 3, 16]), st.sampled_from([0.0, 2.0]))
+def test_ws_rr_cost_equals_brute_force_over_all_chains(case, l_out, now):
+    model, servers, placement, sessions = case
+    state = RoutingState(servers, model, placement)
+    for j, active in sessions.items():
+        for k, (ends_at, slots) in enumerate(active):
+            state.add_session((j, k), {j: slots}, ends_at)
+    expected = brute_force_cost(servers, model, placement, sessions, l_out, now)
+    route = state.route("c1", l_out, now)
+    if math.isinf(expected):
+        assert route is None
+        return
+    assert math.isclose(route.cost, expected, rel_tol=1e-12)
+    # The returned chain is feasible and its cost, completion and wait are consistent.
+    prev_end = 0
+    for hop in route.chain.hops:
+        assert can_follow(prev_end, placement[hop.server]) and hop.start == prev_end
+        prev_end = hop.end
+    assert prev_end == model.num_blocks
+    assert math.isclose(route.cost, sum(route.hop_waits) + sum(route.hop_times))
+    assert route.wait == max(route.hop_waits)
+    assert math.isclose(route.completion, route.wait + sum(route.hop_times))
