@@ -17,8 +17,12 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client.backend import BlockBackend
+from client.remote import ClientOptions, RemoteBlocks, SwarmConnection
 from client.session import InferenceSession
+from swarm.dht_keys import default_prefix, validate_prefix
+from swarm.models.checkpoint import load_config
 from swarm.models.client_parts import ClientParts, load_client_parts
+from swarm.models.family import family_for
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -40,6 +44,33 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         with contextlib.suppress(OSError):  # a checkpoint without generation_config.json is fine
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        initial_peers: list[str],
+        dht_prefix: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        options: ClientOptions | None = None,
+    ) -> DistributedModelForCausalLM:
+        """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`."""
+        config = load_config(model_dir)
+        prefix = validate_prefix(dht_prefix) if dht_prefix else default_prefix(str(model_dir))
+        connection = SwarmConnection(
+            list(initial_peers), prefix, family_for(config).num_blocks(config), options
+        )
+        try:
+            return cls.from_local_parts(model_dir, RemoteBlocks(connection), dtype=dtype)
+        except BaseException:
+            connection.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Leave the swarm (closes the client's DHT peer); local backends have nothing to close."""
+        connection = getattr(self.backend, "connection", None)
+        if connection is not None:
+            connection.shutdown()
 
     # --- sessions -------------------------------------------------------------------------------
     def open_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
@@ -104,3 +135,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         hidden = self.client_parts.embed_tokens(new_ids)
         hidden = session.step(new_ids, hidden, attention_mask)
         return CausalLMOutputWithPast(logits=self.client_parts.logits(hidden).float())
+
+
+AutoDistributedModelForCausalLM = DistributedModelForCausalLM  # the name users know from PETALS

@@ -10,14 +10,6 @@ def _not_yet(command: str) -> None:
     raise SystemExit(2)
 
 
-def dht_main() -> None:
-    _not_yet("swarm-dht")
-
-
-def server_main() -> None:
-    _not_yet("swarm-server")
-
-
 def scheduler_main() -> None:
     _not_yet("swarm-scheduler")
 

@@ -1,0 +1,98 @@
+"""Client-side routing without a scheduler: the chain of servers with the least eq. 1 time.
+
+Pure: takes what the DHT and RTT probes said, returns hops. The graph and its shortest path are the
+scheduler's (`scheduler.algorithms.routing_graph`), with link costs of eq. 8 times `l_out`; a link
+into a server without cache room for the blocks it would process is removed (SPEC section 2).
+Routing a sub-range `[start, end)` (to replace a failed server) clips every span to that range,
+which our servers allow because a session may ask any server for any blocks inside its span.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.algorithms.problem import Span
+from scheduler.algorithms.routing_graph import RoutingGraph
+from scheduler.algorithms.wsrr import link_request_time
+from swarm.server_info import ServerInfo, ServerState
+
+
+@dataclass(frozen=True)
+class Candidate:
+    peer_id: str
+    info: ServerInfo
+    rtt: float  # measured per-token round trip, seconds
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    peer_id: str
+    start: int  # blocks [start, end) this server processes for the session
+    end: int
+
+
+@dataclass(frozen=True)
+class SessionShape:
+    batch_size: int
+    max_length: int  # positions each server reserves cache for
+    l_in: int  # expected prompt tokens (the prefill part of eq. 1)
+    l_out: int  # expected generated tokens
+
+
+def _usable(candidate: Candidate, start: int, end: int) -> bool:
+    info = candidate.info
+    return (
+        info.state == ServerState.ONLINE
+        and info.tau is not None
+        and info.start < end
+        and info.end > start
+        and info.max_length >= 1
+    )
+
+
+def choose_chain(
+    candidates: list[Candidate], start: int, end: int, shape: SessionShape, need_cache_room: bool = True
+) -> list[RouteHop] | None:
+    """Fastest chain covering blocks `[start, end)`, or None if none exists (with cache room, if asked)."""
+    usable = [c for c in candidates if _usable(c, start, end) and c.info.max_length >= shape.max_length]
+    if not usable:
+        return None
+    placement = [Span(max(c.info.start, start) - start, min(c.info.end, end) - start) for c in usable]
+    graph = RoutingGraph(placement, end - start)
+    servers = graph.link_server
+    blocks = graph.link_blocks
+    rtt = np.array([usable[j].rtt for j in servers], dtype=float)
+    tau = np.array([usable[j].info.tau for j in servers], dtype=float)
+    tau_prefill = np.array([_prefill_time(usable[j].info, shape.l_in) for j in servers], dtype=float)
+    cost = link_request_time(rtt, tau_prefill, rtt, tau, blocks.astype(float), shape.l_out)
+    if need_cache_room:
+        needed = (
+            np.array([usable[j].info.cache_token_bytes for j in servers])
+            * blocks
+            * (shape.max_length * shape.batch_size)
+        )
+        room = np.array([usable[j].info.cache_bytes_left for j in servers])
+        cost = np.where(needed <= room, cost, math.inf)
+    chain = graph.shortest_chain(cost)
+    if chain is None:
+        return None
+    return [RouteHop(usable[hop.server].peer_id, hop.start + start, hop.end + start) for hop in chain.hops]
+
+
+def _prefill_time(info: ServerInfo, l_in: int) -> float:
+    """Per-block prefill time for `l_in` tokens, scaled from the announced measurement."""
+    if info.tau_prefill is None or info.prefill_tokens <= 0:
+        return (info.tau or 0.0) * l_in
+    return info.tau_prefill * l_in / info.prefill_tokens
+
+
+def uncovered_blocks(candidates: list[Candidate], start: int, end: int) -> list[int]:
+    """Blocks of `[start, end)` that no online server holds."""
+    covered = np.zeros(end - start, dtype=bool)
+    for candidate in candidates:
+        if _usable(candidate, start, end):
+            covered[max(candidate.info.start, start) - start : min(candidate.info.end, end) - start] = True
+    return [start + int(block) for block in np.flatnonzero(~covered)]

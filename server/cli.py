@@ -1,0 +1,106 @@
+"""`swarm-server`: serve a span of a model's blocks to the swarm."""
+
+from __future__ import annotations
+
+import argparse
+
+from server.server import ServerConfig, run_server
+from swarm.cli.args import span_argument
+from swarm.cli.errors import run_cli
+from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.cli.signals import terminate_like_interrupt
+from swarm.dht_keys import default_prefix, validate_prefix
+from swarm.errors import SwarmUserError
+from swarm.models.checkpoint import load_config
+from swarm.models.family import family_for
+from swarm.models.span import validate_span
+from swarm.units import parse_bytes
+
+EXAMPLES = """examples:
+  swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --blocks 0:3 --memory 1GB
+  swarm-server models/bloom --initial-peers $(cat dht.maddrs) --blocks 0:35 --memory 70GB --dtype bfloat16
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-server",
+        description="Load blocks START:END of a local checkpoint and serve them to the swarm.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model_dir")
+    parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
+    parser.add_argument(
+        "--blocks", type=span_argument, required=True, help="0-based half-open span, e.g. 0:12"
+    )
+    parser.add_argument("--memory", required=True, help="memory budget M_j for blocks + caches, e.g. 8GB")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--public-name", default="", help="a name shown to operators")
+    parser.add_argument(
+        "--dht-prefix", help="swarm namespace of the model (default: the model directory's name)"
+    )
+    parser.add_argument("--max-length", type=int, default=2048, help="longest session accepted, in tokens")
+    parser.add_argument(
+        "--slot-tokens", type=int, default=2048, help="session length cache slots are counted for"
+    )
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--announce-period", type=float, default=10.0, help="seconds between DHT announcements"
+    )
+    parser.add_argument(
+        "--session-timeout", type=float, default=300.0, help="close sessions idle this long (s)"
+    )
+    parser.add_argument(
+        "--compute-delay",
+        type=float,
+        default=0.0,
+        help="emulation: extra seconds per block per step, to make a CPU server behave like a slower GPU",
+    )
+    parser.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    add_log_level_argument(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    start, end = args.blocks
+    model_config = load_config(args.model_dir)
+    validate_span(start, end, family_for(model_config).num_blocks(model_config))
+    for name in ("max_length", "slot_tokens", "max_batch_size"):
+        if getattr(args, name) < 1:
+            raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.announce_period <= 0 or args.session_timeout <= 0 or args.compute_delay < 0:
+        raise SwarmUserError("--announce-period and --session-timeout must be positive, --compute-delay >= 0")
+    return ServerConfig(
+        model_dir=args.model_dir,
+        initial_peers=args.initial_peers,
+        start=start,
+        end=end,
+        memory_bytes=parse_bytes(args.memory),
+        dht_prefix=validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        public_name=args.public_name,
+        max_length=args.max_length,
+        slot_tokens=args.slot_tokens,
+        max_batch_size=args.max_batch_size,
+        announce_period=args.announce_period,
+        session_idle_timeout=args.session_timeout,
+        compute_delay=args.compute_delay,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    terminate_like_interrupt()
+    run_cli("swarm-server", lambda: run_server(config_from_args(args), torch_threads=args.torch_threads))
+
+
+if __name__ == "__main__":
+    main()

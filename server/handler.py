@@ -1,0 +1,252 @@
+"""The server's RPCs over hivemind P2P: inference sessions (bidirectional stream), forward, info.
+
+Transport and validation live here; the arithmetic is the span's. Every request is validated
+before it touches the model, every error is answered with a message naming what was wrong, and a
+session's cache reservation is released on every way out of its stream (end, error, disconnect,
+idle timeout, shutdown), so one client can never take memory or the server down with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator  # noqa: UP035  (hivemind detects streaming RPCs by typing's alias)
+
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from server.memory import CacheBudget, NoCacheRoom
+from server.session import Session, check_step_inputs
+from swarm.models.span import TransformerSpan
+from swarm.wire import (
+    Error,
+    ErrorCode,
+    Forward,
+    Open,
+    Opened,
+    ProtocolError,
+    Step,
+    StepDone,
+    decode_tensors,
+    encode,
+    parse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class BlockServicer(ServicerBase):
+    def __init__(
+        self,
+        span: TransformerSpan,
+        budget: CacheBudget,
+        *,
+        max_length: int,
+        max_batch_size: int = 64,
+        session_idle_timeout: float = 300.0,
+        compute_delay: float = 0.0,
+        get_info: Callable[[], dict],
+        on_sessions_changed: Callable[[], None] = lambda: None,
+    ):
+        self.span, self.budget = span, budget
+        self.max_length, self.max_batch_size = max_length, max_batch_size
+        self.session_idle_timeout = session_idle_timeout
+        self.compute_delay = compute_delay  # emulation: seconds added per block per step (SPEC section 8)
+        self.get_info, self.on_sessions_changed = get_info, on_sessions_changed
+        self.sessions: dict[str, Session] = {}
+        self.accepting = True
+        # one compute thread: steps of different sessions run one at a time, like one accelerator
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    # --- info -----------------------------------------------------------------------------------
+    async def rpc_info(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(self.get_info()))
+
+    # --- stateless forward ----------------------------------------------------------------------
+    async def rpc_forward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """Run blocks [start, end) on a whole sequence without keeping any cache."""
+        owner = f"forward:{id(request)}"
+        try:
+            message = parse(request.metadata, Forward)
+            self._check_blocks(message.start, message.end)
+            tensors = decode_tensors(request)
+            hidden = tensors[0] if tensors else None
+            if hidden is None or hidden.ndim != 3:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "forward needs one [batch, tokens, hidden] tensor")
+            batch, tokens = hidden.shape[:2]
+            self._check_sizes(batch, tokens)
+            cache = self.span.new_cache(batch, tokens, message.start, message.end)
+            self.budget.reserve(owner, cache.nbytes)
+            session = Session(
+                "forward", str(context.remote_id), message.start, message.end, batch, tokens, cache, 0
+            )
+            hidden, padding_mask = check_step_inputs(session, self.span.hidden_size, 0, tensors)
+            output = await self._compute(session, hidden, 0, padding_mask)
+            return encode(StepDone(step_id="forward", position=0), [output], request=False)
+        except ProtocolError as error:
+            return encode(Error(code=error.code, message=str(error)), request=False)
+        except NoCacheRoom as error:
+            return encode(Error(code=ErrorCode.NO_CACHE_ROOM, message=str(error)), request=False)
+        finally:
+            self.budget.release(owner)
+
+    # --- inference sessions ---------------------------------------------------------------------
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        peer = str(context.remote_id)
+        session: Session | None = None
+        try:
+            first = await self._next_request(requests)
+            if first is None:
+                return
+            try:
+                session = self._open(parse(first.metadata, Open), peer)
+            except ProtocolError as error:
+                yield encode(Error(code=error.code, message=str(error)), request=False)
+                return
+            except NoCacheRoom as error:
+                yield encode(Error(code=ErrorCode.NO_CACHE_ROOM, message=str(error)), request=False)
+                return
+            yield encode(
+                Opened(
+                    session_id=session.session_id,
+                    start=session.start,
+                    end=session.end,
+                    reserved_bytes=session.reserved_bytes,
+                ),
+                request=False,
+            )
+            while True:
+                request = await self._next_request(requests)
+                if request is None:
+                    return  # the client closed its side: the session is over
+                yield await self._step(session, request)
+        except TimeoutError:
+            logger.info(
+                "session %s idle for %.0f s: closed",
+                session.session_id if session else "?",
+                self.session_idle_timeout,
+            )
+            with contextlib.suppress(Exception):
+                yield encode(
+                    Error(code=ErrorCode.SESSION_EXPIRED, message="session idle for too long"), request=False
+                )
+        finally:
+            if session is not None:
+                self._close(session)
+
+    async def _next_request(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        try:
+            return await asyncio.wait_for(anext(requests), timeout=self.session_idle_timeout)
+        except StopAsyncIteration:
+            return None
+
+    def _open(self, message: Open, peer: str) -> Session:
+        if not self.accepting:
+            raise ProtocolError(
+                ErrorCode.NOT_SERVING, "this server is shutting down and accepts no new sessions"
+            )
+        self._check_blocks(message.start, message.end)
+        self._check_sizes(message.batch_size, message.max_length)
+        if message.session_id in self.sessions:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session id {message.session_id} is already in use")
+        needed = self.span.cache_bytes(message.max_length, message.batch_size) * (message.end - message.start)
+        self.budget.reserve(message.session_id, needed)  # raises NoCacheRoom before allocating anything
+        try:
+            cache = self.span.new_cache(message.batch_size, message.max_length, message.start, message.end)
+        except BaseException:
+            self.budget.release(message.session_id)
+            raise
+        session = Session(
+            message.session_id,
+            peer,
+            message.start,
+            message.end,
+            message.batch_size,
+            message.max_length,
+            cache,
+            needed,
+        )
+        self.sessions[session.session_id] = session
+        logger.info(
+            "session %s opened by %s: blocks %d:%d, batch %d, max_length %d, %d cache bytes",
+            session.session_id[:8],
+            peer[-8:],
+            session.start,
+            session.end,
+            session.batch_size,
+            session.max_length,
+            needed,
+        )
+        self.on_sessions_changed()
+        return session
+
+    def _close(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        self.budget.release(session.session_id)
+        session.cache = None  # drop the tensors now, not when the stream object is collected
+        logger.info("session %s closed, %d cache bytes free", session.session_id[:8], self.budget.bytes_left)
+        self.on_sessions_changed()
+
+    async def _step(self, session: Session, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+        try:
+            message = parse(request.metadata, Step)
+            replay = session.replayed_output(message.step_id, message.position)
+            if replay is not None:
+                return encode(
+                    StepDone(step_id=message.step_id, position=message.position), [replay], request=False
+                )
+            hidden, padding_mask = check_step_inputs(
+                session, self.span.hidden_size, message.position, decode_tensors(request)
+            )
+            output = await self._compute(session, hidden, message.position, padding_mask)
+            session.record(message.step_id, message.position, output)
+            return encode(
+                StepDone(step_id=message.step_id, position=message.position), [output], request=False
+            )
+        except ProtocolError as error:
+            return encode(Error(code=error.code, message=str(error)), request=False)
+
+    async def _compute(
+        self, session: Session, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            output = self.span(hidden, session.cache, position, padding_mask)
+            if self.compute_delay:
+                time.sleep(self.compute_delay * session.cache.num_blocks * 1.0)
+            return output.to(hidden.dtype)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+
+    # --- validation shared by the RPCs ------------------------------------------------------------
+    def _check_blocks(self, start: int, end: int) -> None:
+        if not self.span.start <= start < end <= self.span.end:
+            raise ProtocolError(
+                ErrorCode.NOT_SERVING,
+                f"blocks {start}:{end} are not inside this server's span {self.span.start}:{self.span.end}",
+            )
+
+    def _check_sizes(self, batch_size: int, length: int) -> None:
+        if batch_size > self.max_batch_size:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"batch size {batch_size} exceeds the limit {self.max_batch_size}"
+            )
+        if length > self.max_length:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"max_length {length} exceeds the server's limit {self.max_length}"
+            )
+
+    def shutdown(self) -> None:
+        self.accepting = False
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,65 @@
+"""`swarm-dht`: a bootstrap DHT peer that servers and clients join."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+from hivemind.dht import DHT
+
+from swarm.cli.errors import run_cli
+from swarm.cli.logs import add_log_level_argument, configure_logging
+
+EXAMPLES = """example:
+  swarm-dht --host 127.0.0.1 --port 0 --maddr-file dht.maddrs
+  swarm-server models/tiny-llama --initial-peers $(head -1 dht.maddrs) --blocks 0:3 --memory 1GB
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="swarm-dht",
+        description="Run a bootstrap peer of the swarm's DHT until SIGINT/SIGTERM.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (0 = any free port)")
+    parser.add_argument(
+        "--initial-peers", nargs="*", default=[], help="multiaddrs of other DHT peers to join"
+    )
+    parser.add_argument("--maddr-file", type=Path, help="write the visible multiaddrs here, one per line")
+    parser.add_argument("--identity-path", help="private key file, so the peer id survives restarts")
+    add_log_level_argument(parser)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    run_cli("swarm-dht", lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    options = {"identity_path": args.identity_path} if args.identity_path else {}
+    dht = DHT(
+        initial_peers=args.initial_peers,
+        host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+        start=True,
+        **options,
+    )
+    try:
+        maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
+        if args.maddr_file:
+            temporary = args.maddr_file.with_suffix(".tmp")
+            temporary.write_text("".join(f"{maddr}\n" for maddr in maddrs))
+            temporary.replace(args.maddr_file)  # readers never see a half-written file
+        print("\n".join(maddrs), flush=True)
+        stop.wait()
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The session protocol between clients and servers, over hivemind P2P (SPEC section 5).
+
+Every message is a hivemind `ExpertRequest`/`ExpertResponse`: tensors plus msgpack metadata. The
+metadata is validated with pydantic models here, so a server never trusts a field it did not check.
+
+An inference stream:
+  client -> server  Open(session_id, max_length, batch_size, start, end)
+  server -> client  Opened(...) or Error(code, message) and the stream ends
+  client -> server  Step(step_id, position) + tensors [hidden] (+ [padding_mask] for padded batches)
+  server -> client  StepDone(step_id, position) + tensors [hidden]   or Error(code, message)
+A step names its absolute position, so a replayed or retried step recomputes the same positions and
+overwrites the cache: the same step id at the same position is answered from the last result.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PROTOCOL_VERSION = 1
+MAX_METADATA_BYTES = 16 * 1024
+
+
+class ErrorCode(StrEnum):
+    BAD_REQUEST = "bad_request"  # malformed or invalid: fix the request
+    NO_CACHE_ROOM = "no_cache_room"  # valid but does not fit now: wait or route elsewhere
+    NOT_SERVING = "not_serving"  # the server is leaving or does not hold those blocks: route elsewhere
+    SESSION_EXPIRED = "session_expired"  # idle too long; open a new session and replay
+    INTERNAL = "internal"
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Open(Message):
+    type: str = "open"
+    protocol: int = PROTOCOL_VERSION
+    session_id: str = Field(min_length=8, max_length=64)
+    max_length: int = Field(gt=0)
+    batch_size: int = Field(gt=0)
+    start: int = Field(ge=0)  # blocks to process for this session: [start, end) inside the server's span
+    end: int = Field(gt=0)
+
+
+class Opened(Message):
+    type: str = "opened"
+    session_id: str
+    start: int
+    end: int
+    reserved_bytes: int
+
+
+class Step(Message):
+    type: str = "step"
+    step_id: str = Field(min_length=1, max_length=64)
+    position: int = Field(ge=0)
+
+
+class StepDone(Message):
+    type: str = "step_done"
+    step_id: str
+    position: int
+
+
+class Forward(Message):
+    type: str = "forward"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+
+class Error(Message):
+    type: str = "error"
+    code: ErrorCode
+    message: str
+
+
+class ProtocolError(Exception):
+    """A message that is not what the protocol allows; the text says what was wrong."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class RemoteError(Exception):
+    """An `Error` reply from a server."""
+
+    def __init__(self, code: ErrorCode, message: str, peer: str = ""):
+        super().__init__(f"{peer}: {message}" if peer else message)
+        self.code, self.peer = code, peer
+
+
+def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
+    serialized = [serialize_torch_tensor(t) for t in tensors]
+    metadata = MSGPackSerializer.dumps(message.model_dump(mode="json"))
+    if request:
+        return runtime_pb2.ExpertRequest(uid="", tensors=serialized, metadata=metadata)
+    return runtime_pb2.ExpertResponse(tensors=serialized, metadata=metadata)
+
+
+def decode_metadata(raw: bytes) -> dict:
+    if len(raw) > MAX_METADATA_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"metadata of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}"
+        )
+    try:
+        metadata = MSGPackSerializer.loads(raw)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "metadata is not valid msgpack") from None
+    if not isinstance(metadata, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "metadata must be a map")
+    return metadata
+
+
+def parse(raw: bytes, *allowed: type[Message]) -> Message:
+    metadata = decode_metadata(raw)
+    kinds = {cls.model_fields["type"].default: cls for cls in allowed}
+    kind = metadata.get("type")
+    if kind not in kinds:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"expected a message of type {sorted(kinds)}, got {kind!r}"
+        )
+    try:
+        return kinds[kind].model_validate(metadata)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'message'}: {e['msg']}" for e in error.errors()
+        )
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"invalid {kind} message: {problems}") from None
+
+
+def decode_tensors(message) -> list[torch.Tensor]:
+    try:
+        return [deserialize_torch_tensor(t) for t in message.tensors]
+    except Exception as error:  # unknown dtype, buffer of the wrong size, bad compression id...
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot decode tensors: {error}") from None
+
+
+def raise_if_error(reply: Message, peer: str = "") -> None:
+    if isinstance(reply, Error):
+        raise RemoteError(reply.code, reply.message, peer)
