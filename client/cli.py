@@ -15,6 +15,7 @@ from swarm.errors import SwarmUserError
 from swarm.models import load_span
 
 EXAMPLES = """examples:
+  swarm-generate models/tiny-llama --initial-peers $(head -1 dht.maddrs) --prompt "Once upon a time"
   swarm-generate models/tiny-llama --local-spans 0:3,3:6 --prompt "Once upon a time" --max-new-tokens 20
 """
 
@@ -29,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model_dir", help="local checkpoint directory (client-side modules and tokenizer)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--initial-peers", nargs="+", help="multiaddrs of the swarm's DHT peers")
+    parser.add_argument(
+        "--dht-prefix", help="swarm namespace of the model (default: the model directory's name)"
+    )
     parser.add_argument(
         "--local-spans",
         type=span_list_argument,
@@ -45,20 +50,33 @@ def build_parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise SwarmUserError("--max-new-tokens must be at least 1")
-    if args.local_spans is None:
-        raise SwarmUserError(
-            "the swarm runtime is not available yet; pass --local-spans to run blocks locally"
-        )
-    spans = [load_span(args.model_dir, start, end, dtype=args.dtype)[0] for start, end in args.local_spans]
-    if spans[-1].end != spans[-1].family.num_blocks(spans[-1].config):
-        raise SwarmUserError(
-            f"--local-spans must end at the model's last block ({spans[-1].config.num_hidden_layers})"
+    if (args.local_spans is None) == (args.initial_peers is None):
+        raise SwarmUserError("give either --initial-peers (run on the swarm) or --local-spans (run locally)")
+    if args.local_spans is not None:
+        backend = local_backend(args.model_dir, args.local_spans, args.dtype)
+        model = DistributedModelForCausalLM.from_local_parts(args.model_dir, backend, dtype=args.dtype)
+    else:
+        model = DistributedModelForCausalLM.from_pretrained(
+            args.model_dir, args.initial_peers, dht_prefix=args.dht_prefix, dtype=args.dtype
         )
     try:
-        backend = LocalSpans(spans)
+        run_generation(model, args)
+    finally:
+        model.shutdown()
+
+
+def local_backend(model_dir: str, spans: list[tuple[int, int]], dtype: str) -> LocalSpans:
+    loaded = [load_span(model_dir, start, end, dtype=dtype)[0] for start, end in spans]
+    num_blocks = loaded[-1].family.num_blocks(loaded[-1].config)
+    if loaded[-1].end != num_blocks:
+        raise SwarmUserError(f"--local-spans must end at the model's last block ({num_blocks})")
+    try:
+        return LocalSpans(loaded)
     except ValueError as error:
         raise SwarmUserError(f"--local-spans: {error}") from None
-    model = DistributedModelForCausalLM.from_local_parts(args.model_dir, backend, dtype=args.dtype)
+
+
+def run_generation(model: DistributedModelForCausalLM, args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     torch.manual_seed(args.seed)

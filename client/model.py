@@ -9,6 +9,7 @@ the next logits at every step; sampling, streamers and stopping are all `transfo
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(client_parts.config)
         self.client_parts = client_parts
         self.backend = backend
-        self._active_session: InferenceSession | None = None
+        self._local = threading.local()  # each thread may drive its own session through one model
 
     @classmethod
     def from_local_parts(
@@ -87,13 +88,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         finally:
             session.close()
 
+    @property
+    def _active_session(self) -> InferenceSession | None:
+        return getattr(self._local, "session", None)
+
     @contextlib.contextmanager
     def _use_session(self, session: InferenceSession) -> Iterator[None]:
-        previous, self._active_session = self._active_session, session
+        previous, self._local.session = self._active_session, session
         try:
             yield
         finally:
-            self._active_session = previous
+            self._local.session = previous
 
     # --- generation -----------------------------------------------------------------------------
     @torch.inference_mode()

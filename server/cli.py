@@ -8,7 +8,6 @@ from server.server import ServerConfig, run_server
 from swarm.cli.args import span_argument
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.cli.signals import terminate_like_interrupt
 from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.errors import SwarmUserError
 from swarm.models.checkpoint import load_config
@@ -98,7 +97,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    terminate_like_interrupt()
     run_cli("swarm-server", lambda: run_server(config_from_args(args), torch_threads=args.torch_threads))
 
 

@@ -183,14 +183,19 @@ class SwarmServer:
                 logger.warning("announcement failed: %s", error)
 
     async def _leave(self, p2p) -> None:
+        """Announce OFFLINE and stop serving. Every step is bounded: when the whole process group got
+        the signal, the DHT process and p2pd may already be gone, and leaving must not hang on them."""
         self.state = ServerState.OFFLINE
         self.servicer.accepting = False
         logger.info("leaving: announcing OFFLINE, %d sessions open", len(self.servicer.sessions))
-        try:
-            await asyncio.wait_for(self._announce(wait=False), timeout=5)
-        except Exception as error:  # leaving must not fail because the DHT is unhappy
-            logger.warning("could not announce OFFLINE: %s", error)
-        await self.servicer.remove_p2p_handlers(p2p, namespace=self.config.dht_prefix)
+        for step, timeout in (
+            (self._announce(wait=False), 5.0),
+            (self.servicer.remove_p2p_handlers(p2p, namespace=self.config.dht_prefix), 2.0),
+        ):
+            try:
+                await asyncio.wait_for(step, timeout=timeout)
+            except Exception as error:  # leaving must not fail because a peer process is unhappy
+                logger.warning("while leaving: %s", error or type(error).__name__)
         self.servicer.shutdown()
 
     def shutdown(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hypothesis  # noqa: F401  (imported up front: its pytest plugin imports it lazily at exit, which can crash)
 import pytest
 
 from swarm.models.tiny import TinyModelSpec, build_tiny_model

@@ -12,7 +12,3 @@ def _not_yet(command: str) -> None:
 
 def scheduler_main() -> None:
     _not_yet("swarm-scheduler")
-
-
-def sim_main() -> None:
-    _not_yet("swarm-sim")

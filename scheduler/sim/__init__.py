@@ -1,0 +1,16 @@
+"""CPU-only discrete-event simulator of a swarm (SPEC 1, issue 7).
+
+Modules, one job each:
+
+- `profiles`: profiled GPU and model constants (paper 000 section 4.1, paper 001 section 4).
+- `topology`: Repetita `.graph` parsing and shortest-path RTT matrices (paper 000 Table 3).
+- `scenarios`: servers, clients and RTTs of a named scenario (clustered / Topology Zoo / RIPE Atlas).
+- `workload`: request arrivals (Poisson or Azure trace replay).
+- `policies`: placement + routing policies composed from `scheduler.algorithms` (no second copy).
+- `engine`: the event loop: admission, cache slots per eq. 2, waiting, completion.
+- `metrics`: SPEC 6 per-run summary.
+- `runner`: one cell averaged over Monte Carlo seeds; `sweeps`/`plots`: figure sweeps.
+
+Pure simulation code never prints nor touches files; I/O lives in `sweeps.write_*`, `plots`,
+`scheduler.sim_cli` and `scripts/reproduce_tables.py`.
+"""

@@ -1,0 +1,218 @@
+"""The discrete-event core: arrivals, admission, cache slots (eq. 2), waiting, completion.
+
+Modelling choices (paper 000 section 4.1, following its simulator):
+
+- Per-block compute times do not depend on concurrency: a server runs its sessions' steps in
+  parallel and memory (eq. 2) is the only shared resource. So once a request starts on a chain its
+  timeline is fixed by eq. 1: prefill then `l_out - 1` decode steps,
+  `sum_j (t_prefill_cj + k_j*tau_prefill_j) + (l_out - 1) * sum_j (t_cj + k_j*tau_j)`.
+- A session reserves `k_j` cache slots (of `s_c` bytes) at every server j of its chain when it
+  starts (static allocation for `l_in + l_out` tokens) and frees them when it completes; the engine
+  refuses a start that would break `s_m*m_j + s_c*sum_r k_j^r <= M_j` (eq. 2), so memory can never
+  be exceeded, whatever the policy decides.
+- A policy-specific session set-up delay (`Dispatcher.setup_s`) is spent by the client before it
+  asks for a route. Paper 000's simulator adds such a calibrated constant to every request (see
+  `policies.SetupDelays`); we let it delay the request without holding cache, since with caches held
+  through it PETALS' waits would far exceed the paper's measured first-token times (Table 7).
+- Waiting is the policy's business: it answers an arrival with "start at t" (WS-RR's eq. 20 wait),
+  "retry at t" (PETALS' client backoff) or "queued" (JFFC's central queue, woken on completions).
+
+Events at equal times run completions first, then deferred starts, then arrivals/retries, each in
+creation order, so runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.algorithms.problem import ModelSpec, ServerSpec
+from scheduler.algorithms.routing_graph import ChainHop
+from scheduler.sim.workload import Request
+from swarm.cost import Hop, request_time
+
+CLIENT = "client"
+
+
+@dataclass(frozen=True)
+class StartAt:
+    """Start the request on `hops` at `time` (>= now)."""
+
+    hops: tuple[ChainHop, ...]
+    time: float
+
+
+@dataclass(frozen=True)
+class RetryAt:
+    """The client backs off and asks again at `time`."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The policy keeps the request; it will hand it back from `on_finish`."""
+
+
+Decision = StartAt | RetryAt | Queued
+
+
+class Dispatcher(Protocol):
+    """A placement plus an online routing rule (see `scheduler.sim.policies`)."""
+
+    setup_s: float
+
+    def slot_capacity(self) -> Sequence[int]:
+        """Cache slots per server the policy allocates (eq. 2 must hold at full use)."""
+
+    def blocks_held(self) -> Sequence[int]:
+        """`m_j` per server."""
+
+    def on_arrival(self, request: Request, now: float, attempt: int, free_slots: Sequence[int]) -> Decision:
+        """Decide for a request arriving (attempt 0) or retrying (attempt >= 1) at `now`."""
+
+    def on_start(self, request: Request, hops: tuple[ChainHop, ...], now: float, finish: float) -> None:
+        """The request holds its slots from `now` until `finish`."""
+
+    def on_finish(self, request: Request, now: float) -> list[tuple[Request, tuple[ChainHop, ...]]]:
+        """The request completed; returns queued requests that start now."""
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one request (times are absolute seconds)."""
+
+    id: int
+    arrival: float
+    setup: float  # session set-up before the first routing query
+    start: float  # first server work: the chain reserved its caches
+    first_token: float
+    finish: float
+    l_out: int
+    num_hops: int
+    retries: int
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    peak_slots: list[int]  # most slots in use at each server at any time
+    slot_capacity: list[int]
+    events: int = 0
+    memory_bytes_peak: list[float] = field(default_factory=list)  # s_m*m_j + s_c*peak_j (eq. 2 left side)
+
+
+class SimulationError(RuntimeError):
+    """A policy broke an invariant (e.g. memory) or left a request stranded."""
+
+
+_FINISH, _START, _ARRIVE = 0, 1, 2
+
+
+def service_hops(servers: Sequence[ServerSpec], hops: Sequence[ChainHop]) -> list[Hop]:
+    """Eq. 1's view of a chain for the client (`swarm.cost.Hop` per server)."""
+    return [
+        Hop(
+            rtt=servers[h.server].rtt[CLIENT],
+            rtt_prefill=servers[h.server].rtt_prefill[CLIENT],
+            tau=servers[h.server].tau,
+            tau_prefill=servers[h.server].tau_prefill,
+            num_blocks=h.num_blocks,
+        )
+        for h in hops
+    ]
+
+
+def simulate(
+    servers: Sequence[ServerSpec], model: ModelSpec, dispatcher: Dispatcher, requests: Sequence[Request]
+) -> SimResult:
+    """Run every request to completion; raises SimulationError if one can never be served."""
+    capacity = list(dispatcher.slot_capacity())
+    blocks = list(dispatcher.blocks_held())
+    for j, server in enumerate(servers):  # eq. 2 at full cache use
+        if model.block_bytes * blocks[j] + model.cache_bytes * capacity[j] > server.memory_bytes * (
+            1 + 1e-12
+        ):
+            raise SimulationError(f"policy allocates more than M_j at server {server.name}")
+    used = [0] * len(servers)
+    peak = [0] * len(servers)
+    events: list[tuple[float, int, int, object]] = []
+    order = itertools.count()
+    attempts: dict[int, int] = {}
+    started: dict[int, tuple[float, float, tuple[ChainHop, ...]]] = {}  # id -> (start, first token, hops)
+    records: list[RequestRecord] = []
+    count = 0
+
+    def push(time: float, kind: int, payload: object) -> None:
+        heapq.heappush(events, (time, kind, next(order), payload))
+
+    def start(request: Request, hops: tuple[ChainHop, ...], now: float) -> bool:
+        if any(used[h.server] + h.num_blocks > capacity[h.server] for h in hops):
+            return False
+        for h in hops:
+            used[h.server] += h.num_blocks
+            peak[h.server] = max(peak[h.server], used[h.server])
+        chain = service_hops(servers, hops)
+        prefill = request_time(chain, 1)  # eq. 1 with l_out = 1: the prefill pass alone
+        finish = now + request_time(chain, request.l_out)
+        started[request.id] = (now, now + prefill, hops)
+        dispatcher.on_start(request, hops, now, finish)
+        push(finish, _FINISH, request)
+        return True
+
+    def decide(request: Request, now: float) -> None:
+        free = [c - u for c, u in zip(capacity, used, strict=True)]
+        decision = dispatcher.on_arrival(request, now, attempts[request.id], free)
+        if isinstance(decision, StartAt):
+            if decision.time <= now:
+                if not start(request, decision.hops, now):
+                    raise SimulationError(f"request {request.id}: policy started it without cache room")
+            else:
+                push(decision.time, _START, (request, decision.hops))
+        elif isinstance(decision, RetryAt):
+            if decision.time <= now:
+                raise SimulationError(f"request {request.id}: retry must lie in the future")
+            attempts[request.id] += 1
+            push(decision.time, _ARRIVE, request)
+
+    for request in requests:
+        attempts[request.id] = 0
+        push(request.arrival + dispatcher.setup_s, _ARRIVE, request)
+    while events:
+        now, kind, _, payload = heapq.heappop(events)
+        count += 1
+        if kind == _ARRIVE:
+            decide(payload, now)
+        elif kind == _START:
+            request, hops = payload
+            if not start(request, hops, now):  # the policy's estimate was off: ask it again
+                decide(request, now)
+        else:
+            request = payload
+            begin, first_token, hops = started.pop(request.id)
+            for h in hops:
+                used[h.server] -= h.num_blocks
+            records.append(
+                RequestRecord(
+                    request.id,
+                    request.arrival,
+                    dispatcher.setup_s,
+                    begin,
+                    first_token,
+                    now,
+                    request.l_out,
+                    len(hops),
+                    attempts[request.id],
+                )
+            )
+            for waiting, waiting_hops in dispatcher.on_finish(request, now):
+                if not start(waiting, waiting_hops, now):
+                    raise SimulationError(f"request {waiting.id}: dequeued without cache room")
+    if len(records) != len(requests):
+        raise SimulationError(f"{len(requests) - len(records)} requests never completed")
+    records.sort(key=lambda r: r.id)
+    memory_peak = [model.block_bytes * m + model.cache_bytes * p for m, p in zip(blocks, peak, strict=True)]
+    return SimResult(records, peak, capacity, count, memory_peak)

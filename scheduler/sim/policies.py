@@ -1,0 +1,325 @@
+"""Placement + routing policies, each composed from `scheduler.algorithms` (no second copy of an algorithm).
+
+- `petals`: `petals.place` (servers join in random order), PETALS' fixed cache, `petals.route`
+  with retry backoff.
+- `opt-order`: the same, servers joining in CG-BP's order.
+- `opt-num`: PETALS' window rule with CG-BP's block counts, eq. 2 cache (all free memory),
+  `petals.route` with retry backoff.
+- `opt-rr`: `petals.place` (random join order), PETALS' fixed cache, WS-RR (eq. 20 wait).
+- `proposed`: `cg_bp` with R from `choose_num_requests`, eq. 2 cache, WS-RR (eq. 20 wait).
+- `chains`: `tuning.tune_capacity` (GBP-CR + GCA), GCA's cache allocation, JFFC central queue.
+- `jffc-only`: a whole model per server, GCA, JFFC.
+
+The ablations are paper 000's Fig. 6-9 variants (section 4.3); `jffc-only` is paper 001 Table 1's
+"JFFC only" benchmark. PETALS' client retries after `petals.retry_delay(n)` whenever the chain its
+router picked (with the 10 s no-cache-room penalty) has no cache room; WS-RR clients start exactly
+when eq. 20 says the chain has room (the scheduler tells them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.algorithms import petals
+from scheduler.algorithms.cgbp import cg_bp, choose_num_requests
+from scheduler.algorithms.chains import ServerChain, gca
+from scheduler.algorithms.jffc import JffcDispatcher
+from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
+from scheduler.algorithms.routing_graph import ChainHop
+from scheduler.algorithms.tuning import compose, tune_capacity
+from scheduler.algorithms.windows import lexicographic_min_window
+from scheduler.algorithms.wsrr import RoutingState
+from scheduler.sim.engine import CLIENT, Decision, Queued, RetryAt, SimulationError, StartAt, service_hops
+from scheduler.sim.scenarios import Scenario
+from scheduler.sim.workload import Request
+from swarm.cost import request_time
+
+POLICIES = ("petals", "proposed", "opt-num", "opt-order", "opt-rr", "chains", "jffc-only")
+PETALS_FAMILY = ("petals", "opt-num", "opt-order", "opt-rr")
+
+
+@dataclass(frozen=True)
+class SetupDelays:
+    """Per-session set-up time before the prefill (connection, cache allocation), by policy family.
+
+    Paper 000's simulator is calibrated to its testbed with a constant session allocation delay of
+    250 s for PETALS' code path and 60 s for the proposed one, plus 70 ms initialization for both
+    (the authors' released simulator); that is most of its Table 7 first-token times. The engine
+    spends it before routing (see `engine`).
+    `PAPER000` reproduces that calibration, `NONE` is the pure model of SPEC 2.
+    """
+
+    petals_s: float
+    proposed_s: float
+
+    def for_policy(self, policy: str) -> float:
+        return self.petals_s if policy in PETALS_FAMILY else self.proposed_s
+
+
+SETUP_INIT_S = 0.070
+PAPER000 = SetupDelays(250.0 + SETUP_INIT_S, 60.0 + SETUP_INIT_S)
+NONE = SetupDelays(0.0, 0.0)
+
+
+# -- dispatchers (online routing) --------------------------------------------------------------------
+
+
+class PetalsRouting:
+    """PETALS' client: Dijkstra with its heuristic weights; retries with backoff when the chain is full."""
+
+    def __init__(
+        self,
+        route_servers: Sequence[ServerSpec],
+        route_model: ModelSpec,
+        spans: Sequence[Span | None],
+        capacity: Sequence[int],
+        setup_s: float,
+    ):
+        self.route_servers, self.route_model = list(route_servers), route_model
+        self.spans, self.capacity, self.setup_s = list(spans), list(capacity), setup_s
+
+    def slot_capacity(self) -> Sequence[int]:
+        return self.capacity
+
+    def blocks_held(self) -> Sequence[int]:
+        return [span.length if span else 0 for span in self.spans]
+
+    def on_arrival(self, request: Request, now: float, attempt: int, free_slots: Sequence[int]) -> Decision:
+        used = [c - f for c, f in zip(self.capacity, free_slots, strict=True)]
+        chain = petals.route(self.route_servers, self.route_model, self.spans, CLIENT, used)
+        if chain is None:
+            raise SimulationError("PETALS' placement does not cover the model")
+        if all(free_slots[h.server] >= h.num_blocks for h in chain.hops):
+            return StartAt(chain.hops, now)
+        return RetryAt(now + petals.retry_delay(attempt + 1))
+
+    def on_start(self, request: Request, hops: tuple[ChainHop, ...], now: float, finish: float) -> None:
+        pass
+
+    def on_finish(self, request: Request, now: float) -> list[tuple[Request, tuple[ChainHop, ...]]]:
+        return []
+
+
+class WsRrRouting:
+    """The scheduler's WS-RR (`RoutingState`): start when eq. 20 says every hop has room."""
+
+    def __init__(self, state: RoutingState, spans: Sequence[Span | None], setup_s: float):
+        self.state, self.spans, self.setup_s = state, list(spans), setup_s
+
+    def slot_capacity(self) -> Sequence[int]:
+        return [self.state.cache_slots(j) for j in range(len(self.spans))]
+
+    def blocks_held(self) -> Sequence[int]:
+        return [span.length if span else 0 for span in self.spans]
+
+    def on_arrival(self, request: Request, now: float, attempt: int, free_slots: Sequence[int]) -> Decision:
+        self.state.end_session(request.id)  # re-decision after a start that found no room
+        route = self.state.route(CLIENT, request.l_out, now)
+        if route is None or not math.isfinite(route.wait):
+            raise SimulationError(f"request {request.id}: no chain can ever serve it")
+        start = now + route.wait
+        # Record the session until the end the engine will compute (same eq. 1 arithmetic), so
+        # later eq. 20 waits are exact.
+        duration = request_time(service_hops(self.state.servers, route.chain.hops), request.l_out)
+        self.state.add_session(request.id, route.slots_by_server(), start + duration)
+        return StartAt(route.chain.hops, start)
+
+    def on_start(self, request: Request, hops: tuple[ChainHop, ...], now: float, finish: float) -> None:
+        pass
+
+    def on_finish(self, request: Request, now: float) -> list[tuple[Request, tuple[ChainHop, ...]]]:
+        self.state.end_session(request.id)
+        return []
+
+
+class JffcRouting:
+    """Paper 001 Alg. 3 over GCA's job servers: the fastest chain with a free slot, else a FIFO queue."""
+
+    def __init__(self, chains: Sequence[ServerChain], spans: Sequence[Span | None], setup_s: float):
+        if not chains:
+            raise SimulationError("no server chain could be composed")
+        self.spans, self.setup_s = list(spans), setup_s
+        self.chain_hops = [chain_hops(chain, spans) for chain in chains]
+        self.dispatcher = JffcDispatcher([(c.service_rate, c.capacity) for c in chains])
+        self.capacity = placement_cache_slots_from_chains(chains, len(spans))
+        self._chain_of: dict[int, int] = {}
+        self._waiting: dict[int, Request] = {}
+
+    def slot_capacity(self) -> Sequence[int]:
+        return self.capacity
+
+    def blocks_held(self) -> Sequence[int]:
+        return [span.length if span else 0 for span in self.spans]
+
+    def on_arrival(self, request: Request, now: float, attempt: int, free_slots: Sequence[int]) -> Decision:
+        chain = self.dispatcher.arrive(request.id)
+        if chain is None:
+            self._waiting[request.id] = request
+            return Queued()
+        self._chain_of[request.id] = chain
+        return StartAt(self.chain_hops[chain], now)
+
+    def on_start(self, request: Request, hops: tuple[ChainHop, ...], now: float, finish: float) -> None:
+        pass
+
+    def on_finish(self, request: Request, now: float) -> list[tuple[Request, tuple[ChainHop, ...]]]:
+        chain = self._chain_of.pop(request.id)
+        successor = self.dispatcher.finish(chain)
+        if successor is None:
+            return []
+        self._chain_of[successor] = chain
+        return [(self._waiting.pop(successor), self.chain_hops[chain])]
+
+
+def chain_hops(chain: ServerChain, spans: Sequence[Span | None]) -> tuple[ChainHop, ...]:
+    """A GCA chain as hops: each server processes the `q` blocks ending at its span's end."""
+    hops = []
+    for server, blocks in zip(chain.servers, chain.blocks, strict=True):
+        end = spans[server].end
+        hops.append(ChainHop(server, end - blocks, end))
+    return tuple(hops)
+
+
+def placement_cache_slots_from_chains(chains: Sequence[ServerChain], num_servers: int) -> list[int]:
+    """Slots each server reserves for its chains: `sum_k q_jk * c_k` (GCA never exceeds eq. 2)."""
+    slots = [0] * num_servers
+    for chain in chains:
+        for server, blocks in zip(chain.servers, chain.blocks, strict=True):
+            slots[server] += blocks * chain.capacity
+    return slots
+
+
+# -- placements ------------------------------------------------------------------------------------
+
+
+def petals_placement(
+    servers: Sequence[ServerSpec], model: ModelSpec, join_order: Sequence[int]
+) -> list[Span | None]:
+    """`petals.place` with servers joining in `join_order`; spans re-aligned with `servers`."""
+    placed = petals.place([servers[j] for j in join_order], model)
+    if not placed.feasible:
+        raise SimulationError(f"PETALS leaves blocks {list(placed.uncovered_blocks)[:10]} uncovered")
+    spans: list[Span | None] = [None] * len(servers)
+    for position, j in enumerate(join_order):
+        spans[j] = placed.spans[position]
+    return spans
+
+
+def petals_window_placement(
+    servers: Sequence[ServerSpec], model: ModelSpec, counts: Sequence[int], join_order: Sequence[int]
+) -> list[Span | None]:
+    """PETALS' join rule (SPEC 3.3) with given block counts ('Optimized Number', paper 000 section 4.3).
+
+    `petals.place` derives the counts itself, so this re-runs its loop with CG-BP's `m_j`, using the
+    same window rule (`lexicographic_min_window`) and throughput (`petals.throughput`).
+    """
+    block_throughput = np.zeros(model.num_blocks)
+    spans: list[Span | None] = [None] * len(servers)
+    for j in join_order:
+        if counts[j] == 0:
+            continue
+        start = lexicographic_min_window(block_throughput, counts[j])
+        block_throughput[start : start + counts[j]] += petals.throughput(servers[j], counts[j])
+        spans[j] = Span(start, start + counts[j])
+    return spans
+
+
+def proposed_placement(servers: Sequence[ServerSpec], model: ModelSpec, rate: float, l_out: int):
+    """CG-BP with SPEC 3.1's default R, lowered until the placement is feasible."""
+    chosen = choose_num_requests(servers, model, rate, l_out)
+    if chosen is None:
+        raise SimulationError("CG-BP cannot place the model even for R = 1")
+    for r in range(chosen, 0, -1):
+        result = cg_bp(servers, model, r)
+        if result.feasible:
+            return result
+    raise SimulationError("CG-BP found no feasible R")
+
+
+def petals_fixed_cache(
+    servers: Sequence[ServerSpec], model: ModelSpec, spans: Sequence[Span | None]
+) -> list[int]:
+    return [
+        petals.cache_capacity_slots(s, model, span.length if span else 0)
+        for s, span in zip(servers, spans, strict=True)
+    ]
+
+
+def with_ping_rtts(scenario: Scenario) -> list[ServerSpec]:
+    """Servers as PETALS' router sees them: raw ping RTTs (it adds its own 18 ms per hop)."""
+    return [
+        dataclasses.replace(s, rtt={CLIENT: ping})
+        for s, ping in zip(scenario.servers, scenario.ping_rtt, strict=True)
+    ]
+
+
+def with_chain_times(scenario: Scenario, l_out: int) -> list[ServerSpec]:
+    """Paper 001's `tau_c`, `tau_p` per server, so that a chain's eq. 2 time is exactly eq. 1."""
+    servers = []
+    for s in scenario.servers:
+        tau_c = s.rtt_prefill[CLIENT] + (l_out - 1) * s.rtt[CLIENT]
+        tau_p = s.tau_prefill + (l_out - 1) * s.tau
+        servers.append(dataclasses.replace(s, tau_c=tau_c, tau_p=tau_p))
+    return servers
+
+
+def effective_memory(
+    servers: Sequence[ServerSpec], model: ModelSpec, spans: Sequence[Span | None], slots: Sequence[int]
+) -> list[ServerSpec]:
+    """Budgets `M_j' = s_m*m_j + s_c*slots_j` so eq. 2 / `RoutingState` see exactly `slots_j` cache slots."""
+    result = []
+    for s, span, n in zip(servers, spans, slots, strict=True):
+        budget = model.block_bytes * (span.length if span else 0) + model.cache_bytes * (n + 0.5)
+        result.append(dataclasses.replace(s, memory_bytes=min(budget, s.memory_bytes)))
+    return result
+
+
+def build_dispatcher(
+    policy: str,
+    scenario: Scenario,
+    arrival_rate: float,
+    rng: np.random.Generator,
+    setup: SetupDelays = NONE,
+):
+    """The dispatcher of `policy` for a scenario; `rng` draws PETALS' random join order."""
+    servers, model = list(scenario.servers), scenario.model
+    setup_s = setup.for_policy(policy)
+    join_order = [int(j) for j in rng.permutation(len(servers))]
+    if policy in ("petals", "opt-order", "opt-rr"):
+        if policy == "opt-order":
+            cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
+            join_order = list(cg.order) + [j for j in range(len(servers)) if j not in set(cg.order)]
+        spans = petals_placement(servers, model, join_order)
+        fixed = petals_fixed_cache(servers, model, spans)
+        if policy == "opt-rr":
+            state = RoutingState(effective_memory(servers, model, spans, fixed), model, spans)
+            return WsRrRouting(state, spans, setup_s)
+        return PetalsRouting(with_ping_rtts(scenario), model, spans, fixed, setup_s)
+    if policy == "opt-num":
+        cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
+        counts = [span.length if span else 0 for span in cg.spans]
+        spans = petals_window_placement(servers, model, counts, join_order)
+        # PETALS' router falls back to the eq. 2 slots n_j when the model has no width (petals.py).
+        route_model = dataclasses.replace(model, hidden_size=None)
+        slots = [
+            cache_slots(s, model, span.length if span else 0) for s, span in zip(servers, spans, strict=True)
+        ]
+        return PetalsRouting(with_ping_rtts(scenario), route_model, spans, slots, setup_s)
+    if policy == "proposed":
+        cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
+        return WsRrRouting(RoutingState(servers, model, cg.spans), cg.spans, setup_s)
+    if policy == "chains":
+        timed = with_chain_times(scenario, scenario.l_out)
+        composition = tune_capacity(timed, model, arrival_rate) or compose(timed, model, 1)
+        return JffcRouting(composition.chains, composition.placement.spans, setup_s)
+    if policy == "jffc-only":
+        timed = with_chain_times(scenario, scenario.l_out)
+        whole = model.block_bytes * model.num_blocks + model.cache_bytes * model.num_blocks
+        spans = [Span(0, model.num_blocks) if s.memory_bytes >= whole else None for s in timed]
+        return JffcRouting(gca(timed, model, spans), spans, setup_s)
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")

@@ -1,0 +1,128 @@
+"""`swarm-sim`: run the discrete-event swarm simulator (SPEC 1, issue 7) and print SPEC 6 metrics.
+
+Example:
+    swarm-sim --scenario clustered --policy proposed --client-cluster 0 --rate 0.5 \\
+        --l-in 20 --l-out 128 --requests 100 --seeds 20 --json
+    swarm-sim --scenario abovenet --sweep l-out --seeds 5 --out results/sweeps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from scheduler.sim.engine import SimulationError
+from scheduler.sim.policies import POLICIES
+from scheduler.sim.runner import SCENARIOS, CellConfig, run_cell
+from scheduler.sim.sweeps import SWEEP_POLICIES, SWEEPS, sweep, sweep_points, write_csv
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line on stderr, exit 2 (no usage dump)
+        print(f"swarm-sim: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="swarm-sim",
+        description="Simulate a PETALS-style swarm (placement + routing policy) and report per-request "
+        "metrics averaged over Monte Carlo seeds.",
+        epilog="example: swarm-sim --scenario clustered --policy proposed --client-cluster 0 --rate 0.5 "
+        "--l-in 20 --l-out 128 --requests 100 --seeds 20 --json",
+    )
+    parser.add_argument("--scenario", choices=SCENARIOS, default="clustered")
+    parser.add_argument("--policy", choices=POLICIES, default="proposed")
+    parser.add_argument("--client-cluster", type=int, choices=(0, 1, 2), default=0, help="clustered only")
+    parser.add_argument("--rate", type=float, default=0.5, help="Poisson arrival rate (requests/s)")
+    parser.add_argument("--l-in", type=int, default=20, help="input tokens (max for trace replay)")
+    parser.add_argument("--l-out", type=int, default=128, help="output tokens (max for trace replay)")
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--seeds", type=int, default=20, help="Monte Carlo runs to average")
+    parser.add_argument("--servers", type=int, default=None, help="topology scenarios: #servers C")
+    parser.add_argument("--eta", type=float, default=None, help="topology scenarios: fraction of A100s")
+    parser.add_argument("--arrivals", choices=("poisson", "azure"), default="poisson")
+    parser.add_argument(
+        "--setup",
+        choices=("paper", "none"),
+        default=None,
+        help="session set-up delay: paper 000's calibration (default for BLOOM scenarios) or none",
+    )
+    parser.add_argument("--sweep", choices=SWEEPS, default=None, help="run a figure sweep (CSV + PNG)")
+    parser.add_argument("--out", type=Path, default=Path("results/sweeps"), help="sweep output folder")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> CellConfig:
+    for name in ("rate", "l_in", "l_out", "requests", "seeds"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    setup = args.setup or ("none" if args.scenario == "ripe" else "paper")
+    return CellConfig(
+        scenario=args.scenario,
+        policy=args.policy,
+        client_cluster=args.client_cluster,
+        rate=args.rate,
+        l_in=args.l_in,
+        l_out=args.l_out,
+        requests=args.requests,
+        num_servers=args.servers,
+        fast_fraction=args.eta,
+        arrivals=args.arrivals,
+        setup=setup,
+    )
+
+
+def _run_sweep(args: argparse.Namespace, config: CellConfig) -> dict:
+    from scheduler.sim.plots import plot_sweep  # matplotlib only when plotting
+
+    total = len(sweep_points(args.sweep, config)) * len(SWEEP_POLICIES)
+    with tqdm(total=total, desc=f"sweep {args.sweep}", file=sys.stderr) as bar:
+        rows = sweep(args.sweep, config, args.seeds, progress=bar.update)
+    stem = f"{config.scenario}_{args.sweep}"
+    write_csv(rows, args.out / f"{stem}.csv")
+    plot_sweep(
+        rows, args.sweep, f"{config.scenario}: per-token time vs {args.sweep}", args.out / f"{stem}.png"
+    )
+    return {"csv": str(args.out / f"{stem}.csv"), "png": str(args.out / f"{stem}.png"), "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = _config(args)
+        started = time.perf_counter()
+        if args.sweep:
+            result = _run_sweep(args, config)
+        else:
+            with tqdm(total=args.seeds, desc=f"{config.policy} seeds", file=sys.stderr) as bar:
+                summary = run_cell(config, args.seeds, progress=bar.update)
+            result = {"config": asdict(config), "seeds": args.seeds, "summary": summary}
+        result["wall_s"] = round(time.perf_counter() - started, 3)
+    except (ValueError, SimulationError, OSError) as exc:
+        print(f"swarm-sim: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.sweep:
+        print(f"wrote {result['csv']} and {result['png']}")
+    else:
+        summary = result["summary"]
+        for key in ("per_token_time", "ttft", "tpot", "waiting"):
+            print(
+                f"{key:15s} mean {summary[key + '_mean']:9.3f}  p50 {summary[key + '_p50']:9.3f}  "
+                f"p95 {summary[key + '_p95']:9.3f}  p99 {summary[key + '_p99']:9.3f}  (s)"
+            )
+        print(f"throughput      {summary['throughput_tokens_per_s']:.2f} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

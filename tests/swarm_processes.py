@@ -1,0 +1,182 @@
+"""Start real DHT and server processes on loopback for tests, and always stop exactly those.
+
+Each process starts in its own session (process group), so stopping it also stops what it spawned
+(hivemind's DHT process and p2pd daemons) without touching anything the tests did not start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hivemind.dht import DHT
+
+from swarm.dht_records import fetch_servers
+from swarm.server_info import ServerInfo, ServerState
+
+PYTHON = sys.executable
+TEST_ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",  # many processes share 2 cores: no thread oversubscription
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class Swarm:
+    """The processes one test (module) started; `close()` stops them all and checks nothing is left."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.initial_peers: list[str] = []
+        self._observer: DHT | None = None
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115  (the child owns it)
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=TEST_ENV, start_new_session=True
+        )
+        log.close()
+        self.processes[name] = process
+        return process
+
+    def start_dht(self) -> list[str]:
+        maddr_file = self.log_dir / "dht.maddrs"
+        self.start("dht", [PYTHON, "-m", "swarm.cli.dht", "--maddr-file", str(maddr_file)])
+        deadline = time.monotonic() + 60
+        while not maddr_file.exists():
+            if time.monotonic() > deadline or self.processes["dht"].poll() is not None:
+                raise RuntimeError(f"the DHT did not start: {self.log('dht')}")
+            time.sleep(0.1)
+        self.initial_peers = maddr_file.read_text().split()
+        return self.initial_peers
+
+    def start_server(self, name: str, model_dir: Path, blocks: str, memory: str = "1GB", *extra: str):
+        argv = [
+            PYTHON,
+            "-m",
+            "server.cli",
+            str(model_dir),
+            "--initial-peers",
+            *self.initial_peers,
+            "--blocks",
+            blocks,
+            "--memory",
+            memory,
+            "--announce-period",
+            "2",
+            "--torch-threads",
+            "1",
+            "--public-name",
+            name,
+            *extra,
+        ]
+        return self.start(name, argv)
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    # --- observing the swarm through its DHT -----------------------------------------------------
+    @property
+    def observer(self) -> DHT:
+        if self._observer is None:
+            self._observer = DHT(initial_peers=self.initial_peers, client_mode=True, start=True)
+        return self._observer
+
+    def servers(self, prefix: str, num_blocks: int) -> dict[str, ServerInfo]:
+        return fetch_servers(self.observer, prefix, num_blocks)
+
+    def wait_for(
+        self, prefix: str, num_blocks: int, condition, timeout: float = 120.0, what: str = "servers"
+    ):
+        """Poll the DHT until `condition(online_servers_by_name)` holds; returns that mapping."""
+        deadline = time.monotonic() + timeout
+        while True:
+            online = {
+                info.public_name: info
+                for info in self.servers(prefix, num_blocks).values()
+                if info.state == ServerState.ONLINE
+            }
+            if condition(online):
+                return online
+            for name, process in self.processes.items():
+                if process.poll() is not None and name != "dht" and process.returncode not in (0, -9, -15):
+                    raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.log(name)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready after {timeout} s; online: {sorted(online)}")
+            time.sleep(0.3)
+
+    def wait_online(self, prefix: str, num_blocks: int, names: list[str], timeout: float = 120.0):
+        return self.wait_for(
+            prefix, num_blocks, lambda online: set(names) <= set(online), timeout, str(names)
+        )
+
+    # --- stopping -----------------------------------------------------------------------------------
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        """Signal the process (as an operator would); after it exits, kill what is left of its group."""
+        process = self.processes[name]
+        if process.poll() is None:
+            process.send_signal(sig)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait(10)
+        _signal_group(process, signal.SIGKILL)  # whatever the leader left behind in its group
+        return process.returncode
+
+    def close(self) -> list[str]:
+        """Stop everything; returns the names of process groups that still had members (leaks)."""
+        if self._observer is not None:
+            self._observer.shutdown()
+            self._observer = None
+        for name in reversed(list(self.processes)):
+            if self.processes[name].poll() is None:
+                self.stop(name)
+        deadline = time.monotonic() + 10  # killed members may take a moment to be reaped
+        leaked = [name for name, process in self.processes.items() if _group_alive(process)]
+        while leaked and time.monotonic() < deadline:
+            time.sleep(0.2)
+            leaked = [name for name in leaked if _group_alive(self.processes[name])]
+        for name in leaked:
+            _signal_group(self.processes[name], signal.SIGKILL)
+        return leaked
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def child_pids() -> set[int]:
+    """Live descendants of this test process (e.g. a client's DHT process and its p2pd)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, frontier = set(), [os.getpid()]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.add(child)
+            frontier.append(child)
+    return found

@@ -1,0 +1,197 @@
+"""A real swarm on loopback: DHT + server processes, clients in this process (issue 3)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client import AutoDistributedModelForCausalLM, ClientOptions
+from client.remote import RemoteBlockSession, ServerStream, run_sync
+from client.routing import RouteHop, SessionShape
+from swarm.dht_keys import default_prefix
+from swarm.wire import ErrorCode, RemoteError
+from tests.conftest import NUM_BLOCKS
+from tests.swarm_processes import Swarm, child_pids
+
+# uneven spans plus a replica that overlaps two of them
+SERVERS = {"s1": "0:2", "s2": "2:5", "s3": "5:6", "replica": "1:4"}
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time",
+    "Paris London",
+    "one two three four",
+    "A swarm",
+    "It learned",
+]
+
+
+@pytest.fixture(scope="module")
+def swarm(model_dir, tmp_path_factory):
+    swarm = Swarm(tmp_path_factory.mktemp("swarm-logs"))
+    try:
+        swarm.start_dht()
+        for name, blocks in SERVERS.items():
+            swarm.start_server(name, model_dir, blocks)
+        swarm.wait_online(default_prefix(str(model_dir)), NUM_BLOCKS, list(SERVERS))
+        yield swarm
+    finally:
+        leaked = swarm.close()
+        assert not leaked, f"process groups left running: {leaked}"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def client(swarm, model_dir):
+    before = child_pids()
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers)
+    yield model
+    model.shutdown()
+    deadline = time.monotonic() + 10
+    while child_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not child_pids() - before, "the client left processes behind"
+
+
+def test_greedy_generation_matches_local_transformers(client, reference):
+    model, tokenizer = reference
+    prompt = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    expected = model.generate(prompt, max_new_tokens=32, do_sample=False)
+    assert torch.equal(client.generate(prompt, max_new_tokens=32, do_sample=False), expected)
+
+
+def test_batch_of_three_with_padding(client, reference):
+    model, tokenizer = reference
+    batch = tokenizer(PROMPTS[:3], return_tensors="pt", padding=True, padding_side="left")
+    expected = model.generate(**batch, max_new_tokens=32, do_sample=False)
+    assert torch.equal(client.generate(**batch, max_new_tokens=32, do_sample=False), expected)
+
+
+def test_inference_session_reused_over_three_generate_calls(client, reference):
+    model, tokenizer = reference
+    sequence = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    with client.inference_session(max_length=96) as session:
+        for follow_up in [" one", " two three", " Paris"]:
+            sequence = torch.cat([sequence, tokenizer(follow_up, return_tensors="pt").input_ids], dim=1)
+            output = client.generate(sequence, max_new_tokens=10, do_sample=False, session=session)
+            assert torch.equal(output, model.generate(sequence, max_new_tokens=10, do_sample=False))
+            sequence = output
+
+
+def test_six_concurrent_clients(swarm, model_dir, client, reference):
+    """Two more client peers join; six threads over three clients generate at once."""
+    model, tokenizer = reference
+    others = [
+        AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers)
+        for _ in range(2)
+    ]
+    clients = [client, *others]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def generate(index: int) -> None:
+        try:
+            prompt = tokenizer(PROMPTS[index], return_tensors="pt").input_ids
+            results[index] = clients[index % 3].generate(prompt, max_new_tokens=24, do_sample=False)
+        except BaseException as error:  # reported below, with the thread's index
+            errors.append(error)
+
+    threads = [threading.Thread(target=generate, args=(index,)) for index in range(6)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=180)
+    finally:
+        for other in others:
+            other.shutdown()
+    assert not errors, errors
+    for index in range(6):
+        prompt = tokenizer(PROMPTS[index], return_tensors="pt").input_ids
+        assert torch.equal(results[index], model.generate(prompt, max_new_tokens=24, do_sample=False)), index
+
+
+def test_sessions_are_routed_through_several_servers(client):
+    with client.inference_session(max_length=16) as session:
+        chain = [(stream.hop.start, stream.hop.end) for stream in session.blocks.streams]
+    assert chain[0][0] == 0 and chain[-1][1] == NUM_BLOCKS
+    assert all(a[1] == b[0] for a, b in zip(chain, chain[1:], strict=False))
+
+
+class TestCacheRoom:
+    """A server whose memory fits exactly two sessions refuses a third, then serves it when one ends."""
+
+    MAX_LENGTH = 64
+
+    @pytest.fixture(scope="class")
+    def tight_swarm(self, llama_dir, tmp_path_factory):
+        from swarm.models import load_span
+
+        span, _ = load_span(llama_dir, 0, NUM_BLOCKS)
+        session_bytes = span.cache_bytes(self.MAX_LENGTH) * NUM_BLOCKS
+        memory = span.block_bytes * NUM_BLOCKS + 2 * session_bytes + session_bytes // 2
+        swarm = Swarm(tmp_path_factory.mktemp("tight-swarm"))
+        try:
+            swarm.start_dht()
+            swarm.start_server(
+                "tight", llama_dir, f"0:{NUM_BLOCKS}", str(memory), "--slot-tokens", str(self.MAX_LENGTH)
+            )
+            swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["tight"])
+            yield swarm, session_bytes
+        finally:
+            assert not swarm.close()
+
+    def test_third_session_waits_for_room(self, tight_swarm, llama_dir):
+        swarm, session_bytes = tight_swarm
+        prefix = default_prefix(str(llama_dir))
+        full = swarm.servers(prefix, NUM_BLOCKS)
+        ((peer_id, info),) = full.items()
+        full_slots = info.cache_slots_left
+        assert full_slots == 2 * NUM_BLOCKS + NUM_BLOCKS // 2
+
+        options = ClientOptions(wait_for_room=1.0)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            llama_dir, swarm.initial_peers, options=options
+        )
+        try:
+            first = model.open_session(self.MAX_LENGTH)
+            second = model.open_session(self.MAX_LENGTH)
+            # asked directly, the server answers the third with the clear error
+            shape = SessionShape(batch_size=1, max_length=self.MAX_LENGTH, l_in=8, l_out=8)
+            stream = ServerStream(RouteHop(peer_id, 0, NUM_BLOCKS), "third-session-0001", shape)
+            with pytest.raises(RemoteError, match="no cache room") as refused:
+                run_sync(stream.open(model.backend.connection))
+            assert refused.value.code == ErrorCode.NO_CACHE_ROOM
+            run_sync(_close_stream(stream))
+            # through the client, the third session waits; when one ends it gets the room
+            opener = threading.Thread(target=lambda: holder.append(model.open_session(self.MAX_LENGTH)))
+            holder: list = []
+            model.backend.connection.options.wait_for_room = 60.0
+            opener.start()
+            time.sleep(1.5)
+            assert not holder, "the third session must wait while two are open"
+            first.close()
+            opener.join(timeout=60)
+            assert holder and isinstance(holder[0].blocks, RemoteBlockSession)
+            second.close()
+            holder[0].close()
+        finally:
+            model.shutdown()
+        swarm.wait_for(
+            prefix,
+            NUM_BLOCKS,
+            lambda online: online["tight"].cache_slots_left == full_slots,
+            timeout=30,
+            what="cache slots back to full",
+        )
+
+
+async def _close_stream(stream: ServerStream) -> None:
+    stream.close()
