@@ -13,9 +13,9 @@ from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.remote import RemoteBlockSession, ServerStream, run_sync
 from client.routing import RouteHop, SessionShape
 from swarm.dht_keys import default_prefix
+from swarm.local_swarm import LocalSwarm, child_pids
 from swarm.wire import ErrorCode, RemoteError
 from tests.conftest import NUM_BLOCKS
-from tests.swarm_processes import Swarm, child_pids
 
 # uneven spans plus a replica that overlaps two of them
 SERVERS = {"s1": "0:2", "s2": "2:5", "s3": "5:6", "replica": "1:4"}
@@ -31,7 +31,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def swarm(model_dir, tmp_path_factory):
-    swarm = Swarm(tmp_path_factory.mktemp("swarm-logs"))
+    swarm = LocalSwarm(tmp_path_factory.mktemp("swarm-logs"))
     try:
         swarm.start_dht()
         for name, blocks in SERVERS.items():
@@ -137,7 +137,7 @@ class TestCacheRoom:
         span, _ = load_span(llama_dir, 0, NUM_BLOCKS)
         session_bytes = span.cache_bytes(self.MAX_LENGTH) * NUM_BLOCKS
         memory = span.block_bytes * NUM_BLOCKS + 2 * session_bytes + session_bytes // 2
-        swarm = Swarm(tmp_path_factory.mktemp("tight-swarm"))
+        swarm = LocalSwarm(tmp_path_factory.mktemp("tight-swarm"))
         try:
             swarm.start_dht()
             swarm.start_server(

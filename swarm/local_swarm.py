@@ -1,7 +1,8 @@
-"""Start real DHT and server processes on loopback for tests, and always stop exactly those.
+"""Start a real swarm (a DHT peer and server processes) on this machine, and stop exactly that.
 
-Each process starts in its own session (process group), so stopping it also stops what it spawned
-(hivemind's DHT process and p2pd daemons) without touching anything the tests did not start.
+Used by the tests, the benchmarks and the experiments. Each process starts in its own session
+(process group), so stopping it also stops what it spawned (hivemind's DHT process and p2pd)
+without touching anything else on the machine.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from swarm.dht_records import fetch_servers
 from swarm.server_info import ServerInfo, ServerState
 
 PYTHON = sys.executable
-TEST_ENV = {
+CHILD_ENV = {
     **os.environ,
-    "OMP_NUM_THREADS": "1",  # many processes share 2 cores: no thread oversubscription
+    "OMP_NUM_THREADS": "1",  # many processes share few cores: no thread oversubscription
     "TOKENIZERS_PARALLELISM": "false",
 }
 
 
-class Swarm:
-    """The processes one test (module) started; `close()` stops them all and checks nothing is left."""
+class LocalSwarm:
+    """The processes it started; `close()` stops them all and reports any that left something behind."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
@@ -38,7 +39,7 @@ class Swarm:
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115  (the child owns it)
         process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=TEST_ENV, start_new_session=True
+            argv, stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV, start_new_session=True
         )
         log.close()
         self.processes[name] = process
@@ -46,6 +47,7 @@ class Swarm:
 
     def start_dht(self) -> list[str]:
         maddr_file = self.log_dir / "dht.maddrs"
+        maddr_file.unlink(missing_ok=True)  # never read an address left by an earlier swarm
         self.start("dht", [PYTHON, "-m", "swarm.cli.dht", "--maddr-file", str(maddr_file)])
         deadline = time.monotonic() + 60
         while not maddr_file.exists():
@@ -163,7 +165,7 @@ def _group_alive(process: subprocess.Popen) -> bool:
 
 
 def child_pids() -> set[int]:
-    """Live descendants of this test process (e.g. a client's DHT process and its p2pd)."""
+    """Live descendants of this process (e.g. a client's DHT process and its p2pd)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
