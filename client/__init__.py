@@ -1,6 +1,6 @@
 """The client: `AutoDistributedModelForCausalLM` runs `generate()` through a swarm of servers."""
 
+from client.connection import ClientOptions
 from client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
-from client.remote import ClientOptions
 
 __all__ = ["AutoDistributedModelForCausalLM", "ClientOptions", "DistributedModelForCausalLM"]

@@ -18,7 +18,8 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client.backend import BlockBackend
-from client.remote import ClientOptions, RemoteBlocks, SwarmConnection
+from client.connection import ClientOptions, SwarmConnection
+from client.remote import RemoteBlocks
 from client.session import InferenceSession
 from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.models.checkpoint import load_config

@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="emulation: extra seconds per block per step, to make a CPU server behave like a slower GPU",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds to let open sessions finish before closing them",
+    )
     parser.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's choice)")
     add_log_level_argument(parser)
     return parser
@@ -71,8 +77,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     for name in ("max_length", "slot_tokens", "max_batch_size"):
         if getattr(args, name) < 1:
             raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.announce_period <= 0 or args.session_timeout <= 0 or args.compute_delay < 0:
-        raise SwarmUserError("--announce-period and --session-timeout must be positive, --compute-delay >= 0")
+    if args.announce_period <= 0 or args.session_timeout <= 0:
+        raise SwarmUserError("--announce-period and --session-timeout must be positive")
+    if args.compute_delay < 0 or args.drain_timeout < 0:
+        raise SwarmUserError("--compute-delay and --drain-timeout must be >= 0")
     return ServerConfig(
         model_dir=args.model_dir,
         initial_peers=args.initial_peers,
@@ -91,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         announce_period=args.announce_period,
         session_idle_timeout=args.session_timeout,
         compute_delay=args.compute_delay,
+        drain_timeout=args.drain_timeout,
     )
 
 

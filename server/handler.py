@@ -77,6 +77,11 @@ class BlockServicer(ServicerBase):
         """Run blocks [start, end) on a whole sequence without keeping any cache."""
         owner = f"forward:{id(request)}"
         try:
+            size, limit = request.ByteSize(), self._message_limit(self.max_batch_size, self.max_length)
+            if size > limit:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"message of {size:,} bytes exceeds the limit of {limit:,}"
+                )
             message = parse(request.metadata, Forward)
             self._check_blocks(message.start, message.end)
             tensors = decode_tensors(request)
@@ -201,6 +206,12 @@ class BlockServicer(ServicerBase):
 
     async def _step(self, session: Session, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
         try:
+            size, limit = request.ByteSize(), self._message_limit(session.batch_size, session.max_length)
+            if size > limit:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"message of {size:,} bytes exceeds this session's limit of {limit:,}",
+                )
             message = parse(request.metadata, Step)
             replay = session.replayed_output(message.step_id, message.position)
             if replay is not None:
@@ -228,6 +239,10 @@ class BlockServicer(ServicerBase):
             return output.to(hidden.dtype)
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+
+    def _message_limit(self, batch_size: int, tokens: int) -> int:
+        """The largest legitimate step: float32 hidden states and a padding mask for every position."""
+        return batch_size * tokens * (self.span.hidden_size * 4 + 8) + 64 * 1024
 
     # --- validation shared by the RPCs ------------------------------------------------------------
     def _check_blocks(self, start: int, end: int) -> None:

@@ -46,6 +46,7 @@ class ServerConfig:
     announce_period: float = 10.0
     session_idle_timeout: float = 300.0
     compute_delay: float = 0.0
+    drain_timeout: float = 10.0  # on SIGTERM, let open sessions finish for up to this long
     prefill_tokens: int = 20
     extra_dht_options: dict = field(default_factory=dict)
 
@@ -183,20 +184,35 @@ class SwarmServer:
                 logger.warning("announcement failed: %s", error)
 
     async def _leave(self, p2p) -> None:
-        """Announce OFFLINE and stop serving. Every step is bounded: when the whole process group got
-        the signal, the DHT process and p2pd may already be gone, and leaving must not hang on them."""
+        """Drain, then stop serving: announce OFFLINE (no new sessions), let open sessions finish for up
+        to `drain_timeout`, then close. Every step is bounded: when the whole process group got the
+        signal, the DHT process and p2pd may already be gone, and leaving must not hang on them."""
         self.state = ServerState.OFFLINE
         self.servicer.accepting = False
-        logger.info("leaving: announcing OFFLINE, %d sessions open", len(self.servicer.sessions))
-        for step, timeout in (
-            (self._announce(wait=False), 5.0),
-            (self.servicer.remove_p2p_handlers(p2p, namespace=self.config.dht_prefix), 2.0),
-        ):
-            try:
-                await asyncio.wait_for(step, timeout=timeout)
-            except Exception as error:  # leaving must not fail because a peer process is unhappy
-                logger.warning("while leaving: %s", error or type(error).__name__)
+        await self._bounded("announcing OFFLINE", self._announce(wait=False), 5.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout
+        if self.servicer.sessions:
+            logger.info(
+                "draining: %d sessions open, waiting up to %.0f s",
+                len(self.servicer.sessions),
+                self.config.drain_timeout,
+            )
+        while self.servicer.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        if self.servicer.sessions:
+            logger.info("drain time is over: closing %d sessions", len(self.servicer.sessions))
+        await self._bounded(
+            "removing handlers", self.servicer.remove_p2p_handlers(p2p, namespace=self.config.dht_prefix), 2.0
+        )
         self.servicer.shutdown()
+
+    @staticmethod
+    async def _bounded(what: str, step, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(step, timeout=timeout)
+        except Exception as error:  # leaving must not fail because a peer process is unhappy
+            logger.warning("while leaving, %s failed: %s", what, error or type(error).__name__)
 
     def shutdown(self) -> None:
         if self.dht is not None:

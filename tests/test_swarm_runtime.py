@@ -10,8 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.remote import RemoteBlockSession, ServerStream, run_sync
+from client.connection import run_sync
+from client.remote import RemoteBlockSession
 from client.routing import RouteHop, SessionShape
+from client.stream import ServerStream
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm, child_pids
 from swarm.wire import ErrorCode, RemoteError

@@ -1,0 +1,157 @@
+"""The client's view of the swarm: a client-mode DHT peer, server records, RTT probes and bans.
+
+All network work runs as coroutines on hivemind's background event loop (`RemoteExpertWorker`);
+`run_sync` lets synchronous code (such as `transformers`' `generate()`) wait for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from hivemind.dht import DHT
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from client.routing import Candidate, RouteHop, SessionShape, choose_chain, uncovered_blocks
+from server.handler import BlockServicer
+from swarm.dht_records import fetch_servers_async
+from swarm.errors import SwarmUserError
+from swarm.server_info import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmUnavailable(SwarmUserError):
+    """The swarm cannot serve the request (blocks not served, or no room for too long)."""
+
+
+@dataclass
+class ClientOptions:
+    refresh_period: float = 1.0  # seconds a fetched list of servers stays fresh
+    rtt_ttl: float = 60.0  # seconds a measured RTT stays valid
+    request_timeout: float = 30.0  # seconds to wait for any one reply
+    wait_for_room: float = 60.0  # seconds to wait for cache room before giving up
+    wait_for_servers: float = 15.0  # seconds to wait for some server to cover missing blocks
+    max_failovers: int = 8  # failures one step survives before the session gives up
+    ban_base: float = 1.0  # a failed server is avoided for ban_base * 2^(failures-1) s, at most ban_max
+    ban_max: float = 60.0
+    expected_l_in: int = 20
+    expected_l_out: int = 128
+
+
+def run_sync(coroutine):
+    """Run a coroutine on hivemind's background loop and wait for its result."""
+    return RemoteExpertWorker.run_coroutine(coroutine)
+
+
+class SwarmConnection:
+    def __init__(
+        self, initial_peers: list[str], prefix: str, num_blocks: int, options: ClientOptions | None = None
+    ):
+        if not initial_peers:
+            raise SwarmUserError("initial_peers is empty: give the multiaddr of at least one DHT peer")
+        self.prefix, self.num_blocks = prefix, num_blocks
+        self.options = options or ClientOptions()
+        self.dht = DHT(initial_peers=initial_peers, client_mode=True, start=True)
+        self.p2p = run_sync(self.dht.replicate_p2p())
+        self._servers: dict[str, ServerInfo] = {}
+        self._fetched_at = -math.inf
+        self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
+        self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
+
+    # --- what the swarm looks like ----------------------------------------------------------------
+    async def servers(self, refresh: bool = False) -> dict[str, ServerInfo]:
+        if refresh or time.monotonic() - self._fetched_at > self.options.refresh_period:
+            self._servers = await fetch_servers_async(self.dht, self.prefix, self.num_blocks)
+            self._fetched_at = time.monotonic()
+        return self._servers
+
+    def stub(self, peer_id: str):
+        return BlockServicer.get_stub(self.p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+
+    async def rtt(self, peer_id: str) -> float:
+        """Round trip of an info call (includes serialization), cached; inf if the peer does not answer."""
+        cached = self._rtts.get(peer_id)
+        if cached is not None and time.monotonic() - cached[1] < self.options.rtt_ttl:
+            return cached[0]
+        started = time.perf_counter()
+        try:
+            await self.stub(peer_id).rpc_info(
+                runtime_pb2.ExpertRequest(), timeout=self.options.request_timeout
+            )
+            rtt = time.perf_counter() - started
+        except Exception as error:
+            logger.info("server %s does not answer: %s", peer_id[-8:], error)
+            rtt = math.inf
+        self._rtts[peer_id] = (rtt, time.monotonic())
+        return rtt
+
+    def ban(self, peer_id: str) -> float:
+        """Avoid a failed server for a while, doubling the time at each repeated failure."""
+        failures = self._bans.get(peer_id, (0, 0.0))[0] + 1
+        duration = min(self.options.ban_base * 2 ** (failures - 1), self.options.ban_max)
+        self._bans[peer_id] = (failures, time.monotonic() + duration)
+        self._rtts.pop(peer_id, None)
+        return duration
+
+    def is_banned(self, peer_id: str) -> bool:
+        ban = self._bans.get(peer_id)
+        return ban is not None and ban[1] > time.monotonic()
+
+    async def candidates(self, refresh: bool = False) -> list[Candidate]:
+        servers = {
+            peer: info for peer, info in (await self.servers(refresh)).items() if not self.is_banned(peer)
+        }
+        rtts = await asyncio.gather(*(self.rtt(peer) for peer in servers))
+        return [
+            Candidate(peer, info, rtt)
+            for (peer, info), rtt in zip(servers.items(), rtts, strict=True)
+            if rtt < math.inf
+        ]
+
+    async def route(self, start: int, end: int, shape: SessionShape) -> list[RouteHop]:
+        """The fastest chain over `[start, end)` with cache room; waits with backoff while none has room."""
+        deadline = time.monotonic() + self.options.wait_for_room
+        missing_deadline = time.monotonic() + self.options.wait_for_servers
+        delay = 0.1
+        refresh = False
+        while True:
+            candidates = await self.candidates(refresh)
+            chain = choose_chain(candidates, start, end, shape)
+            if chain is not None:
+                return chain
+            missing = uncovered_blocks(candidates, start, end)
+            if missing:
+                if time.monotonic() > missing_deadline:
+                    raise SwarmUnavailable(
+                        f"no online server holds blocks {_ranges(missing)} of {self.prefix}"
+                    )
+            elif time.monotonic() > deadline:
+                raise SwarmUnavailable(
+                    f"no chain over blocks {start}:{end} had cache room for a session of "
+                    f"{shape.max_length} tokens "
+                    f"x {shape.batch_size} within {self.options.wait_for_room:.0f} s"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            refresh = True
+
+    def shutdown(self) -> None:
+        try:
+            run_sync(self.p2p.shutdown())
+        finally:
+            self.dht.shutdown()
+
+
+def _ranges(blocks: list[int]) -> str:
+    runs, first = [], blocks[0]
+    for previous, block in zip(blocks, blocks[1:] + [None], strict=True):
+        if block != previous + 1:
+            runs.append(f"{first}:{previous + 1}")
+            first = block
+    return ", ".join(runs)

@@ -1,0 +1,114 @@
+"""One server's part of an inference session: a bidirectional stream and the inputs sent on it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from client.connection import SwarmConnection
+from client.routing import RouteHop, SessionShape
+from swarm.wire import (
+    Error,
+    Open,
+    Opened,
+    RemoteError,
+    Step,
+    StepDone,
+    decode_metadata,
+    decode_tensors,
+    encode,
+    parse,
+)
+
+
+class StreamFailure(Exception):
+    """The connection to a server broke, timed out or carried garbage."""
+
+    def __init__(self, peer: str, cause: object):
+        super().__init__(f"{peer[-8:]}: {cause or type(cause).__name__}")
+        self.peer = peer
+
+
+@dataclass
+class _SentStep:
+    position: int
+    hidden: torch.Tensor
+    padding_mask: torch.Tensor | None
+
+
+@dataclass
+class ServerStream:
+    """One server's part of a session: an open bidirectional stream and what we sent it."""
+
+    hop: RouteHop
+    session_id: str
+    shape: SessionShape
+    history: list[_SentStep] = field(default_factory=list)  # the client-side cache of this server's inputs
+    healthy: bool = False  # opened, and no step has failed since
+    _queue: asyncio.Queue | None = None
+    _responses: object = None
+
+    async def open(self, connection: SwarmConnection) -> None:
+        self._queue = asyncio.Queue()
+        queue = self._queue
+
+        async def requests():
+            while (item := await queue.get()) is not None:
+                yield item
+
+        open_message = Open(
+            session_id=self.session_id,
+            max_length=self.shape.max_length,
+            batch_size=self.shape.batch_size,
+            start=self.hop.start,
+            end=self.hop.end,
+        )
+        queue.put_nowait(encode(open_message))
+        try:
+            self._responses = await asyncio.wait_for(
+                connection.stub(self.hop.peer_id).rpc_inference(requests()),
+                connection.options.request_timeout,
+            )
+        except Exception as error:
+            raise StreamFailure(self.hop.peer_id, error) from error
+        await self._receive(connection.options.request_timeout, Opened)
+        self.healthy = True
+
+    async def step(
+        self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None, timeout: float
+    ) -> torch.Tensor:
+        tensors = [hidden] if padding_mask is None else [hidden, padding_mask]
+        step_id = f"{position}+{hidden.shape[1]}"
+        if self._queue is None:
+            raise StreamFailure(self.hop.peer_id, "the stream is closed")
+        self._queue.put_nowait(encode(Step(step_id=step_id, position=position), tensors))
+        reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
+        if reply.step_id != step_id or len(outputs) != 1 or outputs[0].shape != hidden.shape:
+            self.healthy = False
+            raise StreamFailure(self.hop.peer_id, "the server answered with the wrong step or shape")
+        self.history.append(_SentStep(position, hidden, padding_mask))
+        return outputs[0]
+
+    async def _receive(self, timeout: float, expected: type, with_tensors: bool = False):
+        try:
+            response = await asyncio.wait_for(anext(self._responses), timeout=timeout)
+        except StopAsyncIteration:
+            self.healthy = False
+            raise StreamFailure(self.hop.peer_id, "the server closed the session") from None
+        except Exception as error:  # timeouts, resets, a daemon gone: whatever the transport raises
+            self.healthy = False
+            raise StreamFailure(self.hop.peer_id, error) from error
+        kind = decode_metadata(response.metadata).get("type")
+        message = parse(response.metadata, Error if kind == "error" else expected)
+        if isinstance(message, Error):
+            self.healthy = False
+            raise RemoteError(message.code, message.message, self.hop.peer_id)
+        return (message, decode_tensors(response)) if with_tensors else message
+
+    def close(self) -> None:
+        self.healthy = False
+        if self._queue is not None:
+            self._queue.put_nowait(None)  # ends our request stream: the server frees the session
+            self._queue = None
