@@ -4,6 +4,8 @@ Example:
     swarm-sim --scenario clustered --policy proposed --client-cluster 0 --rate 0.5 \\
         --l-in 20 --l-out 128 --requests 100 --seeds 20 --json
     swarm-sim --scenario abovenet --sweep l-out --seeds 5 --out results/sweeps
+    swarm-sim --scenario clustered --setup none --slo-ttft 5 --slo-tpot 1 --goodput --seeds 3
+    swarm-sim --scenario ripe --arrivals azure --l-in 2048 --l-out 128 --requests 1000 --policy chains
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from scheduler.sim.engine import SimulationError
+from scheduler.sim.goodput import cell_goodput
+from scheduler.sim.metrics import goodput
 from scheduler.sim.policies import POLICIES
 from scheduler.sim.runner import SCENARIOS, CellConfig, run_cell
 from scheduler.sim.sweeps import SWEEP_POLICIES, SWEEPS, sweep, sweep_points, write_csv
@@ -41,8 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=POLICIES, default="proposed")
     parser.add_argument("--client-cluster", type=int, choices=(0, 1, 2), default=0, help="clustered only")
     parser.add_argument("--rate", type=float, default=0.5, help="Poisson arrival rate (requests/s)")
-    parser.add_argument("--l-in", type=int, default=20, help="input tokens (max for trace replay)")
-    parser.add_argument("--l-out", type=int, default=128, help="output tokens (max for trace replay)")
+    parser.add_argument(
+        "--l-in", type=int, default=20, help="input tokens (trace replay: nominal, sizes the cache s_c)"
+    )
+    parser.add_argument(
+        "--l-out", type=int, default=128, help="output tokens (trace replay: nominal, sizes the cache s_c)"
+    )
+    parser.add_argument("--max-l-in", type=int, default=None, help="trace replay: cap on l_in per request")
+    parser.add_argument("--max-l-out", type=int, default=None, help="trace replay: cap on l_out per request")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=20, help="Monte Carlo runs to average")
     parser.add_argument("--servers", type=int, default=None, help="topology scenarios: #servers C")
@@ -54,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="session set-up delay: paper 000's calibration (default for BLOOM scenarios) or none",
     )
+    parser.add_argument(
+        "--compute-scale", type=float, default=1.0, help="multiply every per-block time (sensitivity)"
+    )
+    parser.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s): adds slo_attainment")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO (s): adds slo_attainment")
+    parser.add_argument(
+        "--goodput",
+        action="store_true",
+        help="search the max Poisson rate (from --rate up) at which >= 90%% of requests meet the SLOs",
+    )
     parser.add_argument("--sweep", choices=SWEEPS, default=None, help="run a figure sweep (CSV + PNG)")
     parser.add_argument("--out", type=Path, default=Path("results/sweeps"), help="sweep output folder")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -61,9 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> CellConfig:
-    for name in ("rate", "l_in", "l_out", "requests", "seeds"):
+    for name in ("rate", "l_in", "l_out", "requests", "seeds", "compute_scale"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("max_l_in", "max_l_out", "slo_ttft", "slo_tpot"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if args.goodput and args.slo_ttft is None and args.slo_tpot is None:
+        raise ValueError("--goodput needs --slo-ttft and/or --slo-tpot")
     setup = args.setup or ("none" if args.scenario == "ripe" else "paper")
     return CellConfig(
         scenario=args.scenario,
@@ -77,6 +102,11 @@ def _config(args: argparse.Namespace) -> CellConfig:
         fast_fraction=args.eta,
         arrivals=args.arrivals,
         setup=setup,
+        max_l_in=args.max_l_in,
+        max_l_out=args.max_l_out,
+        compute_scale=args.compute_scale,
+        slo_ttft=args.slo_ttft,
+        slo_tpot=args.slo_tpot,
     )
 
 
@@ -91,7 +121,16 @@ def _run_sweep(args: argparse.Namespace, config: CellConfig) -> dict:
     plot_sweep(
         rows, args.sweep, f"{config.scenario}: per-token time vs {args.sweep}", args.out / f"{stem}.png"
     )
-    return {"csv": str(args.out / f"{stem}.csv"), "png": str(args.out / f"{stem}.png"), "rows": rows}
+    result = {"csv": str(args.out / f"{stem}.csv"), "png": str(args.out / f"{stem}.png"), "rows": rows}
+    if args.sweep == "rate" and "slo_attainment" in rows[0]:  # SPEC 6 goodput on the sweep's grid
+        result["goodput"] = {
+            policy: goodput(
+                [row["x"] for row in rows if row["policy"] == policy],
+                [row["slo_attainment"] for row in rows if row["policy"] == policy],
+            )
+            for policy in dict.fromkeys(row["policy"] for row in rows)
+        }
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         if args.sweep:
             result = _run_sweep(args, config)
+        elif args.goodput:
+            found = cell_goodput(config, args.seeds)
+            result = {"config": asdict(config), "goodput": found.goodput, "probes": found.probes}
         else:
             with tqdm(total=args.seeds, desc=f"{config.policy} seeds", file=sys.stderr) as bar:
                 summary = run_cell(config, args.seeds, progress=bar.update)
@@ -113,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     elif args.sweep:
         print(f"wrote {result['csv']} and {result['png']}")
+        for policy, rate in result.get("goodput", {}).items():
+            print(f"goodput {policy:10s} {rate:.3f} req/s (highest swept rate with >= 90% SLO attainment)")
+    elif args.goodput:
+        for rate, attained in result["probes"]:
+            print(f"rate {rate:8.4f} req/s  SLO attainment {attained:.3f}")
+        print(f"goodput {result['goodput']:.4f} req/s")
     else:
         summary = result["summary"]
         for key in ("per_token_time", "ttft", "tpot", "waiting"):
@@ -121,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"p95 {summary[key + '_p95']:9.3f}  p99 {summary[key + '_p99']:9.3f}  (s)"
             )
         print(f"throughput      {summary['throughput_tokens_per_s']:.2f} tokens/s")
+        if "slo_attainment" in summary:
+            print(f"SLO attainment  {summary['slo_attainment']:.3f}")
     return 0
 
 

@@ -6,9 +6,11 @@ Modules, one job each:
 - `topology`: Repetita `.graph` parsing and shortest-path RTT matrices (paper 000 Table 3).
 - `scenarios`: servers, clients and RTTs of a named scenario (clustered / Topology Zoo / RIPE Atlas).
 - `workload`: request arrivals (Poisson or Azure trace replay).
+- `prefill`: per-request prefill terms of eq. 1, so replayed requests pay for their own `l_in`.
 - `policies`: placement + routing policies composed from `scheduler.algorithms` (no second copy).
 - `engine`: the event loop: admission, cache slots per eq. 2, waiting, completion.
-- `metrics`: SPEC 6 per-run summary.
+- `metrics`: SPEC 6 per-run summary, SLO attainment and goodput on probed rates.
+- `goodput`: the rate search behind `swarm-sim --goodput`.
 - `runner`: one cell averaged over Monte Carlo seeds; `sweeps`/`plots`: figure sweeps.
 
 Pure simulation code never prints nor touches files; I/O lives in `sweeps.write_*`, `plots`,

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from scheduler.algorithms.problem import ModelSpec, ServerSpec
 from scheduler.algorithms.routing_graph import ChainHop
+from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.workload import Request
 from swarm.cost import Hop, request_time
 
@@ -112,14 +113,24 @@ class SimulationError(RuntimeError):
 _FINISH, _START, _ARRIVE = 0, 1, 2
 
 
-def service_hops(servers: Sequence[ServerSpec], hops: Sequence[ChainHop]) -> list[Hop]:
-    """Eq. 1's view of a chain for the client (`swarm.cost.Hop` per server)."""
+def service_hops(
+    servers: Sequence[ServerSpec],
+    hops: Sequence[ChainHop],
+    prefill: PrefillModel | None = None,
+    l_in: int | None = None,
+) -> list[Hop]:
+    """Eq. 1's view of a chain for the client (`swarm.cost.Hop` per server).
+
+    With a `prefill` model and the request's `l_in`, the prefill terms are the request's own
+    (trace replay); otherwise the servers' nominal ones.
+    """
+    own = prefill is not None and l_in is not None
     return [
         Hop(
             rtt=servers[h.server].rtt[CLIENT],
-            rtt_prefill=servers[h.server].rtt_prefill[CLIENT],
+            rtt_prefill=prefill.rtt_prefill(h.server, l_in) if own else servers[h.server].rtt_prefill[CLIENT],
             tau=servers[h.server].tau,
-            tau_prefill=servers[h.server].tau_prefill,
+            tau_prefill=prefill.tau_prefill(h.server, l_in) if own else servers[h.server].tau_prefill,
             num_blocks=h.num_blocks,
         )
         for h in hops
@@ -127,9 +138,16 @@ def service_hops(servers: Sequence[ServerSpec], hops: Sequence[ChainHop]) -> lis
 
 
 def simulate(
-    servers: Sequence[ServerSpec], model: ModelSpec, dispatcher: Dispatcher, requests: Sequence[Request]
+    servers: Sequence[ServerSpec],
+    model: ModelSpec,
+    dispatcher: Dispatcher,
+    requests: Sequence[Request],
+    prefill: PrefillModel | None = None,
 ) -> SimResult:
-    """Run every request to completion; raises SimulationError if one can never be served."""
+    """Run every request to completion; raises SimulationError if one can never be served.
+
+    `prefill`: charge each request the prefill of its own `l_in` (see `scheduler.sim.prefill`).
+    """
     capacity = list(dispatcher.slot_capacity())
     blocks = list(dispatcher.blocks_held())
     for j, server in enumerate(servers):  # eq. 2 at full cache use
@@ -155,10 +173,10 @@ def simulate(
         for h in hops:
             used[h.server] += h.num_blocks
             peak[h.server] = max(peak[h.server], used[h.server])
-        chain = service_hops(servers, hops)
-        prefill = request_time(chain, 1)  # eq. 1 with l_out = 1: the prefill pass alone
+        chain = service_hops(servers, hops, prefill, request.l_in)
+        prefill_s = request_time(chain, 1)  # eq. 1 with l_out = 1: the prefill pass alone
         finish = now + request_time(chain, request.l_out)
-        started[request.id] = (now, now + prefill, hops)
+        started[request.id] = (now, now + prefill_s, hops)
         dispatcher.on_start(request, hops, now, finish)
         push(finish, _FINISH, request)
         return True

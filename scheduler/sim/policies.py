@@ -35,6 +35,7 @@ from scheduler.algorithms.tuning import compose, tune_capacity
 from scheduler.algorithms.windows import lexicographic_min_window
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim.engine import CLIENT, Decision, Queued, RetryAt, SimulationError, StartAt, service_hops
+from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.scenarios import Scenario
 from scheduler.sim.workload import Request
 from swarm.cost import request_time
@@ -108,8 +109,15 @@ class PetalsRouting:
 class WsRrRouting:
     """The scheduler's WS-RR (`RoutingState`): start when eq. 20 says every hop has room."""
 
-    def __init__(self, state: RoutingState, spans: Sequence[Span | None], setup_s: float):
+    def __init__(
+        self,
+        state: RoutingState,
+        spans: Sequence[Span | None],
+        setup_s: float,
+        prefill: PrefillModel | None = None,
+    ):
         self.state, self.spans, self.setup_s = state, list(spans), setup_s
+        self.prefill = prefill  # the engine's per-request prefill, so recorded ends match its own
 
     def slot_capacity(self) -> Sequence[int]:
         return [self.state.cache_slots(j) for j in range(len(self.spans))]
@@ -125,7 +133,8 @@ class WsRrRouting:
         start = now + route.wait
         # Record the session until the end the engine will compute (same eq. 1 arithmetic), so
         # later eq. 20 waits are exact.
-        duration = request_time(service_hops(self.state.servers, route.chain.hops), request.l_out)
+        hops = service_hops(self.state.servers, route.chain.hops, self.prefill, request.l_in)
+        duration = request_time(hops, request.l_out)
         self.state.add_session(request.id, route.slots_by_server(), start + duration)
         return StartAt(route.chain.hops, start)
 
@@ -298,7 +307,7 @@ def build_dispatcher(
         fixed = petals_fixed_cache(servers, model, spans)
         if policy == "opt-rr":
             state = RoutingState(effective_memory(servers, model, spans, fixed), model, spans)
-            return WsRrRouting(state, spans, setup_s)
+            return WsRrRouting(state, spans, setup_s, scenario.prefill)
         return PetalsRouting(with_ping_rtts(scenario), model, spans, fixed, setup_s)
     if policy == "opt-num":
         cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
@@ -312,7 +321,7 @@ def build_dispatcher(
         return PetalsRouting(with_ping_rtts(scenario), route_model, spans, slots, setup_s)
     if policy == "proposed":
         cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
-        return WsRrRouting(RoutingState(servers, model, cg.spans), cg.spans, setup_s)
+        return WsRrRouting(RoutingState(servers, model, cg.spans), cg.spans, setup_s, scenario.prefill)
     if policy == "chains":
         timed = with_chain_times(scenario, scenario.l_out)
         composition = tune_capacity(timed, model, arrival_rate) or compose(timed, model, 1)

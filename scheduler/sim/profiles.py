@@ -7,9 +7,14 @@ in the input length: per-block prefill `0.0743*l_in + 32.99` ms (A100) and `0.10
 ms (MIG). Memory budgets are read as GiB: that is the reading under which SPEC 3.3's PETALS block
 count gives the 53 blocks per A100 and 4 per MIG that paper 000 reports.
 
-Paper 001's experiment (Table 1) serves LLaMA-2-7B on MIG 3g.40gb / 2g.20gb slices; the paper
-gives no per-block times for that model, so the ones below are our estimates from its footnote 11
-(`tau ~ s_m / memory bandwidth` plus ~1 ms overhead; prefill compute-bound). They are assumptions.
+Paper 001's experiment (Table 1) serves LLaMA-2-7B on MIG 3g.40gb / 2g.20gb slices. It prints no
+per-block times (its Fig. 9 only validates the shape), so they follow its footnote 11 with the GPU
+figures its section 4.1.1 gives for those two slice types: per-block prefill `t_o + t^I*l_in` and
+decode `t^O` per token, with `t_o ~ 1 ms`, `t^I = F/f_j` (prefill is compute-bound; F = 2 FLOPs per
+parameter) and `t^O = s_m/b_j` (decode is memory-bound); 3g: f = 120 TFLOPS, b = 1.02 GB/ms; 2g:
+80 TFLOPS, 0.51 GB/ms. Budgets are the slices' nominal 40 GB / 20 GB (decimal): with the cache
+sized for 2048 + 128 tokens that is the reading under which GBP-CR at c = 35 gives the 24 and 12
+blocks of paper 001's footnote 13 (GiB would give 25 and 13).
 """
 
 from __future__ import annotations
@@ -63,9 +68,26 @@ LLAMA_2_7B = ModelProfile("llama-2-7b", 32, 202_383_360 * 2, 4096, 4096)
 
 A100 = GpuProfile("A100", 79.13 * GIB, 3.2197 * MS, 32.99 * MS, 0.0743 * MS)
 MIG_1G = GpuProfile("MIG-1g", 8.2 * GIB, 16.2488 * MS, 206.3547 * MS, 0.1041 * MS)
-# Paper 001 section 4.2: 3 x 3g.40gb + 6 x 2g.20gb (our LLaMA-2-7B timing estimates, see above).
-MIG_3G = GpuProfile("MIG-3g.40gb", 40 * GIB, 1.6 * MS, 4.0 * MS, 0.006 * MS)
-MIG_2G = GpuProfile("MIG-2g.20gb", 20 * GIB, 2.4 * MS, 6.0 * MS, 0.009 * MS)
+
+
+def footnote11_profile(
+    name: str, memory_bytes: float, model: ModelProfile, tflops: float, gb_per_ms: float
+) -> GpuProfile:
+    """Paper 001 footnote 11: overhead `t_o` per block, prefill `F/f` per token, decode `s_m/b` per token."""
+    flops_per_token = 2 * model.block_bytes / model.dtype_bytes  # 2 FLOPs per (fp16) parameter
+    return GpuProfile(
+        name,
+        memory_bytes,
+        tau=model.block_bytes / (gb_per_ms * 1e9) * MS,
+        prefill_base=FOOTNOTE11_OVERHEAD_S,
+        prefill_per_token=flops_per_token / (tflops * 1e12),
+    )
+
+
+FOOTNOTE11_OVERHEAD_S = 1 * MS  # t_o
+# Paper 001 section 4.2.1: 3 x 3g.40gb + 6 x 2g.20gb, GPU figures from its section 4.1.1.
+MIG_3G = footnote11_profile("MIG-3g.40gb", 40e9, LLAMA_2_7B, tflops=120, gb_per_ms=1.02)
+MIG_2G = footnote11_profile("MIG-2g.20gb", 20e9, LLAMA_2_7B, tflops=80, gb_per_ms=0.51)
 
 # Per-message overhead (serialization, framing) added to every network round trip: PETALS' own
 # router assumes 18 ms (SPEC 3.3) and paper 001 section 4.1.1 adds the same 18 ms to RIPE RTTs.

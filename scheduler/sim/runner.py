@@ -15,7 +15,7 @@ import numpy as np
 
 from scheduler.sim import scenarios, workload
 from scheduler.sim.engine import SimResult, simulate
-from scheduler.sim.metrics import average, summarize
+from scheduler.sim.metrics import Slo, average, summarize
 from scheduler.sim.policies import NONE, PAPER000, build_dispatcher
 
 SCENARIOS = ("clustered", "abovenet", "bellcanada", "gtsce", "ripe")
@@ -33,6 +33,13 @@ class CellConfig:
     num_servers: int | None = None  # topology scenarios: C (default: Table 5's deployment)
     fast_fraction: float | None = None  # eta
     arrivals: str = "poisson"  # or "azure" (trace replay)
+    # Trace replay: caps on each request's own lengths (None: keep them). `l_in`/`l_out` above stay
+    # the nominal lengths the cache size s_c and the planners use (SPEC 2).
+    max_l_in: int | None = None
+    max_l_out: int | None = None
+    compute_scale: float = 1.0  # multiplies every per-block time (`scenarios.scale_compute`)
+    slo_ttft: float | None = None  # SPEC 6 SLOs (seconds); either one adds `slo_attainment`
+    slo_tpot: float | None = None
     setup: str = "paper"  # "paper": paper 000's calibrated session set-up delays; "none"
 
 
@@ -52,6 +59,10 @@ def _azure() -> tuple[workload.TraceRecord, ...]:
 
 
 def make_scenario(config: CellConfig, rng: np.random.Generator) -> scenarios.Scenario:
+    return scenarios.scale_compute(_base_scenario(config, rng), config.compute_scale)
+
+
+def _base_scenario(config: CellConfig, rng: np.random.Generator) -> scenarios.Scenario:
     if config.scenario == "clustered":
         return scenarios.clustered(config.client_cluster, config.l_in, config.l_out)
     if config.scenario in scenarios.TOPOLOGY_FILES:
@@ -68,7 +79,7 @@ def make_requests(config: CellConfig, rng: np.random.Generator) -> list[workload
     if config.arrivals == "poisson":
         return workload.poisson(config.rate, config.requests, config.l_in, config.l_out, rng)
     if config.arrivals == "azure":
-        return workload.trace_replay(list(_azure()), config.requests, config.l_in, config.l_out, rng)
+        return workload.trace_replay(list(_azure()), config.requests, config.max_l_in, config.max_l_out, rng)
     raise ValueError(f"unknown arrival process {config.arrivals!r}")
 
 
@@ -82,7 +93,7 @@ def run_seed(config: CellConfig, seed: int) -> SimResult:
         rate = (len(requests) - 1) / max(requests[-1].arrival - requests[0].arrival, 1e-9)
     setup = PAPER000 if config.setup == "paper" else NONE
     dispatcher = build_dispatcher(config.policy, scenario, rate, rng, setup)
-    return simulate(scenario.servers, scenario.model, dispatcher, requests)
+    return simulate(scenario.servers, scenario.model, dispatcher, requests, scenario.prefill)
 
 
 def run_cell(
@@ -91,9 +102,10 @@ def run_cell(
     """SPEC 6 summary averaged over seeds `first_seed .. first_seed + seeds - 1`."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    slo = Slo(config.slo_ttft, config.slo_tpot)
     summaries = []
     for seed in range(first_seed, first_seed + seeds):
-        summaries.append(summarize(run_seed(config, seed).records))
+        summaries.append(summarize(run_seed(config, seed).records, slo))
         if progress is not None:
             progress()
     return average(summaries)

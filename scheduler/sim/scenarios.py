@@ -16,6 +16,7 @@ the raw ping RTT (SPEC 3.3), which every scenario keeps in `ping_rtt`.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import numpy as np
 
 from scheduler.algorithms.problem import ModelSpec, ServerSpec
 from scheduler.sim import profiles
+from scheduler.sim.prefill import PrefillModel, affine_prefill
 from scheduler.sim.profiles import GpuProfile, ModelProfile
 from scheduler.sim.topology import load_graph, rtt_matrix
 
@@ -42,7 +44,8 @@ class Scenario:
     """Everything the policies and the engine need about a deployment.
 
     `servers[j].rtt[CLIENT]` / `.rtt_prefill[CLIENT]` are `t_cj` / `t_prefill_cj(l_in)`;
-    `ping_rtt[j]` is the raw RTT PETALS' router sees.
+    `ping_rtt[j]` is the raw RTT PETALS' router sees; `prefill` gives both prefill terms at any
+    input length (the servers' values are its lines at the nominal `l_in`).
     """
 
     name: str
@@ -52,6 +55,7 @@ class Scenario:
     gpu_names: tuple[str, ...]
     l_in: int
     l_out: int
+    prefill: PrefillModel
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,15 @@ def build_scenario(
         raise ValueError(f"l_in and l_out must be >= 1, got {l_in}, {l_out}")
     message_bits = 8 * model.embedding_bytes()
     servers = []
+    tau_lines, rtt_lines = [], []
     for j, (gpu, link) in enumerate(zip(gpus, links, strict=True)):
         base = link.rtt + profiles.MESSAGE_OVERHEAD_S
         token_rtt = base + 2 * message_bits / link.bandwidth_bps
-        prefill_rtt = base + 2 * l_in * message_bits / link.bandwidth_bps
+        # the prefill round trip sends l_in hidden states; its transfer is the per-token slope
+        slope = 2 * message_bits / link.bandwidth_bps
+        rtt_lines.append((base, slope))
+        tau_lines.append((gpu.prefill_base, gpu.prefill_per_token))
+        prefill_rtt = base + slope * l_in
         servers.append(
             ServerSpec(
                 name=f"s{j}-{gpu.name}",
@@ -108,6 +117,7 @@ def build_scenario(
         tuple(gpu.name for gpu in gpus),
         l_in,
         l_out,
+        affine_prefill(tau_lines, rtt_lines),
     )
 
 
@@ -189,3 +199,25 @@ def ripe_atlas(latencies: np.ndarray, rng: np.random.Generator, l_in: int, l_out
     anchors = rng.choice(len(latencies), size=len(RIPE_GPUS), replace=False)
     links = [Link(float(latencies[a, origin])) for a in anchors]
     return build_scenario("ripe", profiles.LLAMA_2_7B, RIPE_GPUS, links, l_in, l_out)
+
+
+def scale_compute(scenario: Scenario, factor: float) -> Scenario:
+    """Every per-block time (decode `tau`, prefill) times `factor`; network terms unchanged.
+
+    A sensitivity knob: paper 001 measures ~7 s mean service on its testbed (Table 1) where its
+    footnote 11 profile predicts ~2 s, so runtime overheads the model omits are per-block compute.
+    """
+    if factor <= 0:
+        raise ValueError(f"compute scale must be positive, got {factor}")
+    if factor == 1:
+        return scenario
+    servers = tuple(
+        dataclasses.replace(s, tau=s.tau * factor, tau_prefill=s.tau_prefill * factor)
+        for s in scenario.servers
+    )
+    prefill = dataclasses.replace(
+        scenario.prefill,
+        tau_base=tuple(b * factor for b in scenario.prefill.tau_base),
+        tau_per_token=tuple(p * factor for p in scenario.prefill.tau_per_token),
+    )
+    return dataclasses.replace(scenario, servers=servers, prefill=prefill)

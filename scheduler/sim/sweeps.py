@@ -1,8 +1,10 @@
 """Figure sweeps of paper 000 (Fig. 6-9): per-token time vs #servers, eta, rate or l_out, per policy.
 
-`sweep` is pure (returns rows); `write_csv` is the only I/O here (plots live in `plots`).
-Defaults follow the figures: C = 0.4 x #nodes, eta = 0.2, lambda = 0.5, N_R = 100, l_in = 20,
-l_out = 128; the rate sweep uses N_R = 200*lambda as Fig. 8 does.
+`sweep_points` and `sweep` are pure (they return configs / rows); `write_csv` is the only I/O here
+(plots live in `plots`). The x values and defaults are the figures' own: Fig. 6 varies C (AboveNet
+6-22, BellCanada and GTS-CE 10-40), Fig. 7 eta in 0.1-0.5, Fig. 8 lambda in 0.05-2 with
+N_R = 200*lambda, Fig. 9 l_out in 64-512; otherwise C = 0.4 x #nodes, eta = 0.2, lambda = 0.5,
+N_R = 100, l_in = 20, l_out = 128. A base config's explicit values override those defaults.
 """
 
 from __future__ import annotations
@@ -17,25 +19,40 @@ from scheduler.sim.scenarios import TOPOLOGY_NODES
 
 SWEEP_POLICIES = ("petals", "opt-num", "opt-order", "opt-rr", "proposed")
 SWEEPS = ("servers", "eta", "rate", "l-out")
+FIG6_SERVERS = {
+    "abovenet": (6, 10, 15, 20, 22),
+    "bellcanada": (10, 15, 20, 25, 40),
+    "gtsce": (10, 15, 20, 25, 40),
+}
+FIG7_ETA = (0.1, 0.2, 0.3, 0.4, 0.5)
+FIG8_RATES = (0.05, 0.1, 0.5, 1.0, 2.0)
+FIG9_L_OUT = (64, 128, 256, 384, 512)
+DEFAULT_SERVER_SHARE, DEFAULT_ETA = 0.4, 0.2
+
+
+def figure_base(base: CellConfig) -> CellConfig:
+    """Fig. 6-9's deployment where `base` leaves it open: C = 0.4 x #nodes, eta = 0.2."""
+    if base.scenario not in TOPOLOGY_NODES:
+        raise ValueError(
+            f"figure sweeps need a Topology Zoo scenario ({', '.join(TOPOLOGY_NODES)}), not {base.scenario!r}"
+        )
+    servers = base.num_servers or round(DEFAULT_SERVER_SHARE * TOPOLOGY_NODES[base.scenario])
+    eta = DEFAULT_ETA if base.fast_fraction is None else base.fast_fraction
+    return replace(base, num_servers=servers, fast_fraction=eta)
 
 
 def sweep_points(kind: str, base: CellConfig) -> list[tuple[float, CellConfig]]:
     """(x value, config) for every point of the sweep `kind` around `base`."""
-    nodes = TOPOLOGY_NODES.get(base.scenario, 23)
+    if kind not in SWEEPS:
+        raise ValueError(f"unknown sweep {kind!r}; choose from {', '.join(SWEEPS)}")
+    config = figure_base(base)
     if kind == "servers":
-        return [
-            (c, replace(base, num_servers=c))
-            for c in sorted({max(3, round(f * nodes)) for f in (0.2, 0.3, 0.4, 0.5, 0.6)})
-        ]
+        return [(c, replace(config, num_servers=c)) for c in FIG6_SERVERS[base.scenario]]
     if kind == "eta":
-        return [(eta, replace(base, fast_fraction=eta)) for eta in (0.1, 0.2, 0.3, 0.4, 0.5)]
+        return [(eta, replace(config, fast_fraction=eta)) for eta in FIG7_ETA]
     if kind == "rate":
-        return [
-            (r, replace(base, rate=r, requests=max(10, round(200 * r)))) for r in (0.1, 0.3, 0.5, 0.7, 0.9)
-        ]
-    if kind == "l-out":
-        return [(n, replace(base, l_out=n)) for n in (64, 128, 256, 384, 512)]
-    raise ValueError(f"unknown sweep {kind!r}; choose from {', '.join(SWEEPS)}")
+        return [(r, replace(config, rate=r, requests=max(10, round(200 * r)))) for r in FIG8_RATES]
+    return [(n, replace(config, l_out=n)) for n in FIG9_L_OUT]
 
 
 def sweep(

@@ -58,12 +58,17 @@ def load_azure_trace(path: Path = AZURE_TRACE) -> list[TraceRecord]:
 
 
 def trace_replay(
-    records: list[TraceRecord], count: int, max_l_in: int, max_l_out: int, rng: np.random.Generator
+    records: list[TraceRecord],
+    count: int,
+    max_l_in: int | None,
+    max_l_out: int | None,
+    rng: np.random.Generator,
 ) -> list[Request]:
     """`count` consecutive trace records from a random start, re-based to t = 0.
 
-    Lengths are clipped to the scenario's maxima: caches are allocated statically for the maximum
-    sequence length (paper 001 section 2.1), so longer requests could not be admitted anyway.
+    Each request keeps its own lengths (its prefill is charged for its own `l_in`, see `prefill`),
+    clipped only where a cap is given: with caches allocated statically for a maximum sequence
+    length (paper 001 section 2.1) a deployment may refuse longer requests, which a cap models.
     """
     if not 0 < count <= len(records):
         raise ValueError(f"count must be in [1, {len(records)}], got {count}")
@@ -71,6 +76,10 @@ def trace_replay(
     window = records[start : start + count]
     base = window[0].offset
     return [
-        Request(i, r.offset - base, min(r.l_in, max_l_in), min(r.l_out, max_l_out))
+        Request(i, r.offset - base, _clip(r.l_in, max_l_in), _clip(r.l_out, max_l_out))
         for i, r in enumerate(window)
     ]
+
+
+def _clip(length: int, cap: int | None) -> int:
+    return length if cap is None else min(length, cap)

@@ -1,0 +1,255 @@
+"""A hostile client throws malformed and abusive requests at a live server (issue 4).
+
+Each gets a clear error naming what was wrong (or is handled), the server stays up, a normal client
+keeps generating correctly, and the announced free cache returns to its full value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from transformers import AutoModelForCausalLM
+
+from client import AutoDistributedModelForCausalLM
+from client.connection import SwarmConnection, run_sync
+from swarm.dht_keys import default_prefix
+from swarm.local_swarm import LocalSwarm
+from swarm.wire import Forward, Step, encode
+from tests.conftest import NUM_BLOCKS
+
+HIDDEN = 64
+MAX_LENGTH = 16
+SESSION_TIMEOUT = 3.0
+
+
+def raw(metadata: object, tensors: list[torch.Tensor] = ()) -> runtime_pb2.ExpertRequest:
+    payload = metadata if isinstance(metadata, bytes) else MSGPackSerializer.dumps(metadata)
+    return runtime_pb2.ExpertRequest(tensors=[serialize_torch_tensor(t) for t in tensors], metadata=payload)
+
+
+def open_message(session_id: str | None = None, **overrides) -> runtime_pb2.ExpertRequest:
+    fields = dict(
+        session_id=session_id or uuid.uuid4().hex,
+        max_length=MAX_LENGTH,
+        batch_size=1,
+        start=0,
+        end=NUM_BLOCKS,
+    )
+    fields.update(overrides)
+    return raw({"type": "open", "protocol": 1, **fields})
+
+
+def step(position: int, *tensors: torch.Tensor, step_id: str | None = None) -> runtime_pb2.ExpertRequest:
+    return encode(Step(step_id=step_id or f"s{position}", position=position), list(tensors))
+
+
+class RawStream:
+    """A bidirectional stream we drive by hand: send one message, read one reply."""
+
+    def __init__(self, connection: SwarmConnection, peer_id: str):
+        self.connection, self.peer_id = connection, peer_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.responses = None
+
+    async def start(self) -> None:
+        async def requests():
+            while (item := await self.queue.get()) is not None:
+                yield item
+
+        self.responses = await self.connection.stub(self.peer_id).rpc_inference(requests())
+
+    async def ask(self, request) -> tuple[dict, list[torch.Tensor]]:
+        from swarm.wire import decode_tensors
+
+        self.queue.put_nowait(request)
+        try:
+            response = await asyncio.wait_for(anext(self.responses), timeout=20)
+        except StopAsyncIteration:
+            return {"type": "closed"}, []
+        return MSGPackSerializer.loads(response.metadata), decode_tensors(response)
+
+    def close(self) -> None:
+        self.queue.put_nowait(None)
+
+
+@pytest.fixture(scope="module")
+def hostile_swarm(llama_dir, tmp_path_factory):
+    from swarm.models import load_span
+
+    span, _ = load_span(llama_dir, 0, NUM_BLOCKS)
+    session_bytes = span.cache_bytes(MAX_LENGTH) * NUM_BLOCKS
+    memory = span.block_bytes * NUM_BLOCKS + 300 * session_bytes  # ~300 short sessions fit
+    swarm = LocalSwarm(tmp_path_factory.mktemp("hostile"))
+    try:
+        swarm.start_dht()
+        swarm.start_server(
+            "target",
+            llama_dir,
+            f"0:{NUM_BLOCKS}",
+            str(memory),
+            "--max-length",
+            "64",
+            "--session-timeout",
+            str(SESSION_TIMEOUT),
+            "--max-batch-size",
+            "4",
+        )
+        swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["target"])
+        yield swarm
+    finally:
+        assert not swarm.close()
+
+
+def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llama_dir):
+    swarm = hostile_swarm
+    prefix = default_prefix(str(llama_dir))
+    ((peer_id, full_info),) = swarm.servers(prefix, NUM_BLOCKS).items()
+    full_bytes = full_info.cache_bytes_left
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    prompt = torch.tensor([[5, 17, 99, 200]])
+    expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
+    normal = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
+    connection = normal.backend.connection
+    good = torch.randn(1, 1, HIDDEN)
+    covered: list[str] = []
+
+    async def expect_error(name: str, requests: list, match: str, open_first: bool = True) -> None:
+        stream = RawStream(connection, peer_id)
+        await stream.start()
+        try:
+            if open_first:
+                reply, _ = await stream.ask(open_message())
+                assert reply["type"] == "opened", (name, reply)
+            for request in requests[:-1]:
+                await stream.ask(request)
+            reply, _ = await stream.ask(requests[-1])
+            assert reply["type"] == "error" and match in reply["message"], (name, reply)
+        finally:
+            stream.close()
+        covered.append(name)
+
+    async def scenario() -> None:
+        await expect_error("wrong hidden size", [step(0, torch.randn(1, 1, 32))], "hidden size 32 differs")
+        await expect_error(
+            "wrong dtype", [step(0, torch.ones(1, 1, HIDDEN, dtype=torch.int64))], "must be float32"
+        )
+        await expect_error("NaN", [step(0, torch.full((1, 1, HIDDEN), float("nan")))], "NaN or infinity")
+        await expect_error("infinity", [step(0, torch.full((1, 1, HIDDEN), float("inf")))], "NaN or infinity")
+        await expect_error("empty tensor", [step(0, torch.zeros(1, 0, HIDDEN))], "at least one token")
+        await expect_error(
+            "huge max_length",
+            [open_message(max_length=10**9)],
+            "exceeds the server's limit",
+            open_first=False,
+        )
+        await expect_error(
+            "oversized message", [step(0, torch.randn(1, 400, HIDDEN))], "exceeds this session's limit"
+        )
+        await expect_error(
+            "step before open", [step(0, good)], "expected a message of type ['open']", open_first=False
+        )
+        await expect_error("position skips ahead", [step(0, good), step(5, good)], "skips past")
+        await expect_error("past max_length", [step(0, torch.randn(1, MAX_LENGTH + 1, HIDDEN))], "exceed")
+        await expect_error(
+            "garbage metadata", [raw(b"\xc1\xff\x00garbage")], "not valid msgpack", open_first=False
+        )
+        await expect_error("metadata not a map", [raw([1, 2, 3])], "must be a map", open_first=False)
+        await expect_error(
+            "unknown field", [open_message(evil=True)], "invalid open message", open_first=False
+        )
+        await expect_error("batch mismatch", [step(0, torch.randn(2, 1, HIDDEN))], "batch size 2 differs")
+        await expect_error("three tensors", [step(0, good, good, good)], "1 or 2 tensors")
+        await expect_error(
+            "bad padding mask", [step(0, good, torch.ones(1, 7))], "padding mask must have shape"
+        )
+        await expect_error(
+            "blocks outside the span",
+            [open_message(start=0, end=NUM_BLOCKS + 3)],
+            "not inside this server's span",
+            open_first=False,
+        )
+        await expect_error(
+            "negative position",
+            [raw({"type": "step", "step_id": "x", "position": -1}, [good])],
+            "invalid step message",
+        )
+        await expect_error(
+            "zero max_length", [open_message(max_length=0)], "invalid open message", open_first=False
+        )
+        await expect_error(
+            "batch over the limit", [open_message(batch_size=50)], "exceeds the limit", open_first=False
+        )
+
+        # someone else's session id is refused while its owner holds it
+        owner = RawStream(connection, peer_id)
+        await owner.start()
+        taken = uuid.uuid4().hex
+        assert (await owner.ask(open_message(taken)))[0]["type"] == "opened"
+        await expect_error(
+            "someone else's session", [open_message(taken)], "already in use", open_first=False
+        )
+
+        # a replayed step id is answered from the last result, identically
+        first, outputs = await owner.ask(step(0, good, step_id="same"))
+        again, replayed = await owner.ask(step(0, good, step_id="same"))
+        assert first["type"] == again["type"] == "step_done" and torch.equal(outputs[0], replayed[0])
+        covered.append("replayed step id")
+        owner.close()  # disconnect mid-session: the server frees it
+        covered.append("disconnect mid-stream")
+
+        # a bad unary forward
+        reply = await connection.stub(peer_id).rpc_forward(
+            encode(Forward(start=0, end=NUM_BLOCKS), [torch.randn(3, HIDDEN)]), timeout=20
+        )
+        assert b"forward needs one" in reply.metadata
+        covered.append("bad forward")
+
+        # an idle session is reclaimed
+        idle = RawStream(connection, peer_id)
+        await idle.start()
+        assert (await idle.ask(open_message()))[0]["type"] == "opened"
+        await asyncio.sleep(SESSION_TIMEOUT + 1)
+        idle.queue.put_nowait(step(0, good))
+        reply = await asyncio.wait_for(anext(idle.responses), timeout=20)
+        assert b"idle" in reply.metadata
+        idle.close()
+        covered.append("idle session timeout")
+
+        # a thousand session opens: some fit, the rest get "no cache room"; all are freed
+        streams = [RawStream(connection, peer_id) for _ in range(1000)]
+        outcomes: list[str] = []
+        for batch in range(0, len(streams), 100):
+            chunk = streams[batch : batch + 100]
+            await asyncio.gather(*(s.start() for s in chunk))
+            replies = await asyncio.gather(*(s.ask(open_message()) for s in chunk))
+            outcomes += [
+                reply["type"] if reply["type"] == "opened" else reply["message"] for reply, _ in replies
+            ]
+        for stream in streams:
+            stream.close()
+        assert outcomes.count("opened") >= 250 and any("no cache room" in o for o in outcomes)
+        covered.append("a thousand session opens")
+
+    try:
+        assert torch.equal(normal.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+        run_sync(scenario())
+        assert torch.equal(normal.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+    finally:
+        normal.shutdown()
+    assert len(covered) >= 15, covered
+    assert swarm.processes["target"].poll() is None, "the server died"
+    deadline = time.monotonic() + 30
+    swarm.wait_for(
+        prefix,
+        NUM_BLOCKS,
+        lambda online: online["target"].cache_bytes_left == full_bytes,
+        timeout=max(deadline - time.monotonic(), 1),
+        what="free cache back to full",
+    )
