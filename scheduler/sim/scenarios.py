@@ -26,11 +26,11 @@ import numpy as np
 
 from scheduler.algorithms.problem import ModelSpec, ServerSpec
 from scheduler.sim import profiles
+from scheduler.sim.data_dir import DATA_DIR
 from scheduler.sim.prefill import PrefillModel, affine_prefill
 from scheduler.sim.profiles import GpuProfile, ModelProfile
 from scheduler.sim.topology import load_graph, rtt_matrix
 
-DATA_DIR = Path("/work/shared/data")
 TOPOLOGY_FILES = {"abovenet": "Abvt.graph", "bellcanada": "Bellcanada.graph", "gtsce": "GtsCe.graph"}
 # Table 5 deployments: AboveNet the 9-GPU one (2 A100 + 7 MIG), the larger graphs the 26-GPU one.
 TABLE5_SERVERS = {"abovenet": (9, 2 / 9), "bellcanada": (26, 5 / 26), "gtsce": (26, 5 / 26)}

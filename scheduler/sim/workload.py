@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-AZURE_TRACE = Path("/work/shared/data/azure_llm_inference_trace_code_2023.csv")
+from scheduler.sim.data_dir import DATA_DIR
+
+AZURE_TRACE = DATA_DIR / "azure_llm_inference_trace_code_2023.csv"
 
 
 @dataclass(frozen=True)
