@@ -150,3 +150,30 @@ def test_clear_error_when_blocks_are_no_longer_served(swarm, llama_dir):
                 model.generate(first, max_new_tokens=4, do_sample=False, session=session)
     finally:
         model.shutdown()
+
+
+def test_sigterm_drains_open_sessions_and_refuses_new_ones(swarm, llama_dir, expected):
+    """On SIGTERM a server announces OFFLINE, refuses new sessions, and lets open ones finish."""
+    prefix = default_prefix(str(llama_dir))
+    swarm.start_server("leaving", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--drain-timeout", "30")
+    swarm.wait_online(prefix, NUM_BLOCKS, ["leaving"])
+    options = ClientOptions(wait_for_servers=1.0, wait_for_room=1.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
+    try:
+        with model.inference_session(max_length=64) as session:
+            first = model.generate(PROMPT, max_new_tokens=10, do_sample=False, session=session)
+            swarm.processes["leaving"].send_signal(signal.SIGTERM)
+            swarm.wait_for(
+                prefix,
+                NUM_BLOCKS,
+                lambda online: "leaving" not in online,
+                timeout=30,
+                what="OFFLINE announcement",
+            )
+            with pytest.raises(Exception, match="no online server holds blocks"):
+                model.open_session(16)  # nobody accepts new sessions now
+            output = model.generate(first, max_new_tokens=30, do_sample=False, session=session)
+        assert torch.equal(output, expected)  # the open session finished on the draining server
+        assert swarm.processes["leaving"].wait(timeout=30) == 0  # and it left as soon as the session closed
+    finally:
+        model.shutdown()
