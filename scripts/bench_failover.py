@@ -21,6 +21,9 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks_md import write_section  # noqa: E402
 
 from client import AutoDistributedModelForCausalLM  # noqa: E402
 from swarm.dht_keys import default_prefix  # noqa: E402
@@ -106,7 +109,6 @@ def main() -> None:
     )
     print(summary)
     if args.write:
-        path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
         header = "## Failover recovery time (issue 4)"
         body = (
             f"{header}\n\nCommand: `.venv/bin/python scripts/bench_failover.py --runs {args.runs} "
@@ -116,14 +118,7 @@ def main() -> None:
             "step by step (bit-identical caches).\n\n"
             f"{summary}\n"
         )
-        text = path.read_text()
-        if header in text:
-            start = text.index(header)
-            end = text.find("\n## ", start + len(header))
-            text = text[:start] + body + (text[end:] if end != -1 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + body
-        path.write_text(text)
+        write_section(header, body)
 
 
 if __name__ == "__main__":

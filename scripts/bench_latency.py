@@ -22,6 +22,9 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks_md import write_section  # noqa: E402
 
 from client.backend import LocalSpans  # noqa: E402
 from client.model import DistributedModelForCausalLM  # noqa: E402
@@ -117,11 +120,10 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        write_section(table, args)
+        write_latency_section(table, args)
 
 
-def write_section(table: str, args: argparse.Namespace) -> None:
-    path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+def write_latency_section(table: str, args: argparse.Namespace) -> None:
     header = "## Per-token latency through a chain (issue 3)"
     command = (
         f".venv/bin/python scripts/bench_latency.py --tokens {args.tokens} --runs {args.runs} "
@@ -134,14 +136,7 @@ def write_section(table: str, args: argparse.Namespace) -> None:
         "(chain p50 - local p50) / servers. Target: <= 3 ms per hop per token (PETALS budgets 18 ms).\n\n"
         f"{table}\n"
     )
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if header in text:
-        start = text.index(header)
-        end = text.find("\n## ", start + len(header))
-        text = text[:start] + body + (text[end:] if end != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    path.write_text(text)
+    write_section(header, body)
 
 
 if __name__ == "__main__":
