@@ -235,7 +235,7 @@ class BlockServicer(ServicerBase):
         def run() -> torch.Tensor:
             output = self.span(hidden, session.cache, position, padding_mask)
             if self.compute_delay:
-                time.sleep(self.compute_delay * session.cache.num_blocks * 1.0)
+                time.sleep(self.compute_delay * session.cache.num_blocks)
             return output.to(hidden.dtype)
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, run)
