@@ -18,6 +18,16 @@ SWEEP_LABELS = {
 }
 
 
+def _finish(fig, ax, title: str, path: Path) -> None:
+    """Title, legend, layout, and save as PNG (creating the folder)."""
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_sweep(rows: Sequence[dict], kind: str, title: str, path: Path) -> None:
     """Per-token time vs the swept parameter, one line per policy (paper 000 Fig. 6-9 layout)."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -26,12 +36,7 @@ def plot_sweep(rows: Sequence[dict], kind: str, title: str, path: Path) -> None:
         ax.plot(*zip(*points, strict=True), marker="o", label=policy)
     ax.set_xlabel(SWEEP_LABELS.get(kind, kind))
     ax.set_ylabel("avg per-token time (s)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, title, path)
 
 
 def plot_comparison(
@@ -45,9 +50,4 @@ def plot_comparison(
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, title, path)
