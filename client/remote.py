@@ -41,7 +41,8 @@ class RemoteBlockSession:
         """Route blocks `[start, end)` and open a stream on every server of the chain."""
         while True:
             chain = await self.connection.route(start, end, self.shape)
-            streams = [ServerStream(hop, self.session_id, self.shape) for hop in chain]
+            # a fresh id per stream: a replacement may land on a server already in this chain
+            streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
             try:
                 for stream in streams:
                     await stream.open(self.connection)
