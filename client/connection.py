@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass
 
 from hivemind.dht import DHT
@@ -18,6 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from client.routing import Candidate, RouteHop, SessionShape, choose_chain, uncovered_blocks
+from client.scheduler_link import SchedulerLink
 from server.handler import BlockServicer
 from swarm.dht_records import fetch_servers_async
 from swarm.errors import SwarmUserError
@@ -42,6 +44,9 @@ class ClientOptions:
     ban_max: float = 60.0
     expected_l_in: int = 20
     expected_l_out: int = 128
+    use_scheduler: bool = True  # ask the scheduler for routes when one is announced
+    scheduler_timeout: float = 3.0  # seconds to wait for a scheduler reply before routing locally
+    scheduler_retry: float = 5.0  # after the scheduler failed, route locally this long before asking again
 
 
 def run_sync(coroutine):
@@ -56,6 +61,7 @@ class SwarmConnection:
         if not initial_peers:
             raise SwarmUserError("initial_peers is empty: give the multiaddr of at least one DHT peer")
         self.prefix, self.num_blocks = prefix, num_blocks
+        self.client_id = uuid.uuid4().hex  # how the scheduler tells this client's RTT reports apart
         self.options = options or ClientOptions()
         self.dht = DHT(initial_peers=initial_peers, client_mode=True, start=True)
         self.p2p = run_sync(self.dht.replicate_p2p())
@@ -63,6 +69,14 @@ class SwarmConnection:
         self._fetched_at = -math.inf
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
+        self.scheduler = (
+            SchedulerLink(self.dht, prefix, self.options.scheduler_timeout, self.options.scheduler_retry)
+            if self.options.use_scheduler
+            else None
+        )
+        self.no_cache_room_refusals = (
+            0  # sessions a server refused for lack of cache (for operators and tests)
+        )
 
     # --- what the swarm looks like ----------------------------------------------------------------
     async def servers(self, refresh: bool = False) -> dict[str, ServerInfo]:
@@ -143,6 +157,8 @@ class SwarmConnection:
 
     def shutdown(self) -> None:
         try:
+            if self.scheduler is not None:
+                run_sync(self.scheduler.close())
             run_sync(self.p2p.shutdown())
         finally:
             self.dht.shutdown()

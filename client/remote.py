@@ -10,21 +10,39 @@ continues: the other servers of the chain never notice, and the output is what i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
-from client.routing import SessionShape
+from client.routing import RouteHop, SessionShape
 from client.stream import ServerStream
 from swarm.wire import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Admission:
+    """How the scheduler admitted a session (monotonic seconds): what WS-RR predicted, what happened."""
+
+    scheduler_session: str
+    routed_at: float
+    expected_wait: float
+    admitted_at: float | None = None
+
+
 class RemoteBlockSession:
-    """A session over a chain of servers covering every block (the `BlockSession` protocol)."""
+    """A session over a chain of servers covering every block (the `BlockSession` protocol).
+
+    With a scheduler, the chain is the scheduler's WS-RR route, opened once the scheduler admits
+    the session (it waits there, not by retrying servers), kept alive with a lease and ended at
+    close. Without one (or when it fails), the client routes locally. Failover is always local.
+    """
 
     def __init__(self, connection: SwarmConnection, batch_size: int, max_length: int):
         self.connection = connection
@@ -35,10 +53,16 @@ class RemoteBlockSession:
             l_out=max(1, min(connection.options.expected_l_out, max_length)),
         )
         self.session_id = uuid.uuid4().hex
+        self.admission: Admission | None = None
+        self._keep_alive: asyncio.Future | None = None
         self.streams: list[ServerStream] = run_sync(self._open_chain(0, connection.num_blocks))
 
     async def _open_chain(self, start: int, end: int) -> list[ServerStream]:
         """Route blocks `[start, end)` and open a stream on every server of the chain."""
+        if (start, end) == (0, self.connection.num_blocks) and self.connection.scheduler is not None:
+            streams = await self._open_scheduled_chain()
+            if streams is not None:
+                return streams
         while True:
             chain = await self.connection.route(start, end, self.shape)
             # a fresh id per stream: a replacement may land on a server already in this chain
@@ -60,6 +84,7 @@ class RemoteBlockSession:
                 if error.code == ErrorCode.BAD_REQUEST:
                     raise  # our own request is wrong: another server would refuse it too
                 if error.code == ErrorCode.NO_CACHE_ROOM:
+                    self.connection.no_cache_room_refusals += 1
                     logger.info("%s; re-routing", error)  # the announced free memory was stale
                     await self.connection.servers(refresh=True)
                     await asyncio.sleep(0.2)
@@ -69,6 +94,72 @@ class RemoteBlockSession:
                 for stream in streams:
                     stream.close()
                 self._blame(getattr(error, "peer", "") or _failed_peer(streams), error)
+
+    async def _open_scheduled_chain(self) -> list[ServerStream] | None:
+        """The scheduler's route, opened once admitted; None: route locally instead."""
+        link, options = self.connection.scheduler, self.connection.options
+        candidates = await self.connection.candidates()
+        rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
+        shape = self.shape
+        reply = await link.route(
+            self.session_id, rtts, shape.l_in, shape.l_out, shape.batch_size, shape.max_length
+        )
+        if reply is None or reply.error:
+            if reply is not None:
+                logger.info("the scheduler has no route (%s): routing locally", reply.error)
+            return None
+        admission = Admission(reply.session_id, time.monotonic(), reply.expected_wait)
+        self.admission = admission
+        if not reply.admitted:
+            logger.info(
+                "session %s waits for cache room: expected %.1f s (WS-RR)",
+                self.session_id[:8],
+                reply.expected_wait,
+            )
+        while not reply.admitted:
+            if time.monotonic() - admission.routed_at > options.wait_for_room:
+                await link.end_session(reply.session_id)
+                raise SwarmUnavailable(
+                    f"the scheduler did not admit the session within {options.wait_for_room:.0f} s"
+                )
+            timeout = min(max(reply.expected_wait + 1.0, 1.0), 10.0)
+            reply = await link.await_admission(admission.scheduler_session, timeout)
+            if reply is None or reply.error:
+                if reply is not None:
+                    logger.info("scheduler: %s; routing locally", reply.error)
+                return None
+        admission.admitted_at = time.monotonic()
+        hops = [RouteHop(hop.peer_id, hop.start, hop.end) for hop in reply.chain]
+        streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in hops]
+        try:
+            for stream in streams:
+                await stream.open(self.connection)
+        except Exception as error:
+            for stream in streams:
+                stream.close()
+            await link.end_session(admission.scheduler_session)
+            if isinstance(error, RemoteError) and error.code == ErrorCode.BAD_REQUEST:
+                raise
+            if isinstance(error, RemoteError) and error.code == ErrorCode.NO_CACHE_ROOM:
+                self.connection.no_cache_room_refusals += 1
+                logger.warning("%s on the scheduler's route; routing locally", error)
+            else:
+                self._blame(getattr(error, "peer", "") or _failed_peer(streams), error)
+            return None
+        self._keep_alive = asyncio.ensure_future(self._renew_lease(admission.scheduler_session, reply.lease))
+        logger.info(
+            "session %s routed by the scheduler through %s (waited %.2f s, predicted %.2f s)",
+            self.session_id[:8],
+            " -> ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in streams),
+            admission.admitted_at - admission.routed_at,
+            admission.expected_wait,
+        )
+        return streams
+
+    async def _renew_lease(self, scheduler_session: str, lease: float) -> None:
+        while True:
+            await asyncio.sleep(max(lease / 3, 0.5))
+            await self.connection.scheduler.keep_alive(scheduler_session)
 
     def step(self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
         return run_sync(self._step(hidden, position, padding_mask))
@@ -151,13 +242,18 @@ class RemoteBlockSession:
 
     def close(self) -> None:
         streams, self.streams = self.streams, []
-        if streams:
+        if streams or self._keep_alive is not None:
             run_sync(self._close(streams))
 
-    @staticmethod
-    async def _close(streams: list[ServerStream]) -> None:
-        for stream in streams:
-            stream.close()
+    async def _close(self, streams: list[ServerStream]) -> None:
+        """Close every stream and wait (briefly) until the servers freed the caches, then tell the
+        scheduler: it may admit the next session onto this memory at once."""
+        await asyncio.gather(*(stream.close_and_wait(timeout=2.0) for stream in streams))
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            self._keep_alive = None
+            with contextlib.suppress(Exception):
+                await self.connection.scheduler.end_session(self.admission.scheduler_session)
 
 
 class RemoteBlocks:

@@ -46,6 +46,7 @@ def _usable(candidate: Candidate, start: int, end: int) -> bool:
     info = candidate.info
     return (
         info.state == ServerState.ONLINE
+        and info.has_blocks
         and info.tau is not None
         and info.start < end
         and info.end > start

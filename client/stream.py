@@ -112,3 +112,20 @@ class ServerStream:
         if self._queue is not None:
             self._queue.put_nowait(None)  # ends our request stream: the server frees the session
             self._queue = None
+
+    async def close_and_wait(self, timeout: float) -> None:
+        """Close, then wait (at most `timeout`) until the server ends its side: by then it has freed
+        the session's cache, so a scheduler told right after can safely admit the next session."""
+        responses = self._responses if self._queue is not None else None
+        self.close()
+        if responses is None:
+            return
+        try:
+            await asyncio.wait_for(_drain(responses), timeout)
+        except Exception:  # a server that is gone or slow to answer has nothing more to tell us
+            pass
+
+
+async def _drain(responses) -> None:
+    async for _ in responses:
+        pass

@@ -29,5 +29,12 @@ def block_key(prefix: str, block: int) -> str:
     return f"{prefix}.{block}"
 
 
+def roster_key(prefix: str) -> str:
+    """Key listing every server of the model (subkey: peer id), with or without blocks: what the
+    scheduler places. Clients read block keys instead, which only hold servers with blocks."""
+    return f"{prefix}._servers"
+
+
 def scheduler_key(prefix: str) -> str:
+    """Key of the scheduler's record: its gRPC address and the current placement."""
     return f"{prefix}._scheduler"

@@ -57,7 +57,10 @@ class LocalSwarm:
         self.initial_peers = maddr_file.read_text().split()
         return self.initial_peers
 
-    def start_server(self, name: str, model_dir: Path, blocks: str, memory: str = "1GB", *extra: str):
+    def start_server(
+        self, name: str, model_dir: Path, blocks: str | None, memory: str = "1GB", *extra: str
+    ) -> subprocess.Popen:
+        """A server of `blocks` ("0:3"), or managed by the scheduler when `blocks` is None."""
         argv = [
             PYTHON,
             "-m",
@@ -65,8 +68,7 @@ class LocalSwarm:
             str(model_dir),
             "--initial-peers",
             *self.initial_peers,
-            "--blocks",
-            blocks,
+            *(["--blocks", blocks] if blocks is not None else []),
             "--memory",
             memory,
             "--announce-period",
@@ -78,6 +80,20 @@ class LocalSwarm:
             *extra,
         ]
         return self.start(name, argv)
+
+    def start_scheduler(self, name: str, model_dir: Path, *extra: str, timeout: float = 60.0) -> str:
+        """Start `swarm-scheduler`; returns its gRPC address once it serves."""
+        address_file = self.log_dir / f"{name}.address"
+        address_file.unlink(missing_ok=True)
+        argv = [PYTHON, "-m", "scheduler.cli", "--initial-peers", *self.initial_peers]
+        argv += ["--model-dir", str(model_dir), "--address-file", str(address_file), *extra]
+        process = self.start(name, argv)
+        deadline = time.monotonic() + timeout
+        while not address_file.exists() or not address_file.read_text().strip():
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the scheduler did not start: {self.log(name)[-3000:]}")
+            time.sleep(0.1)
+        return address_file.read_text().strip()
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()

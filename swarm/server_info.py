@@ -17,6 +17,7 @@ class ServerState(StrEnum):
     JOINING = "joining"  # loading blocks: visible, but not serving yet
     ONLINE = "online"
     OFFLINE = "offline"  # leaving (or draining): accepts no new sessions
+    MOVING = "moving"  # draining to switch to a new span the scheduler assigned
 
 
 class ServerInfo(BaseModel):
@@ -24,8 +25,10 @@ class ServerInfo(BaseModel):
 
     schema_version: int = SCHEMA_VERSION
     state: ServerState
-    start: int = Field(ge=0)
-    end: int = Field(gt=0)
+    start: int | None = Field(default=None, ge=0)  # None: no blocks yet (waiting for an assignment)
+    end: int | None = Field(default=None, gt=0)
+    managed: bool = False  # takes its span from the scheduler (started without --blocks)
+    announced_at: float = Field(default=0.0, ge=0)  # DHT time of the announcement: newest record wins
     public_name: str = Field(default="", max_length=128)
     version: str = Field(default="", max_length=64)
     memory_bytes: int = Field(ge=0)  # M_j: the whole budget, blocks included
@@ -43,13 +46,19 @@ class ServerInfo(BaseModel):
 
     @model_validator(mode="after")
     def _span_is_ordered(self) -> ServerInfo:
-        if self.end <= self.start:
+        if (self.start is None) != (self.end is None):
+            raise ValueError("start and end are both set or both absent")
+        if self.start is not None and self.end <= self.start:
             raise ValueError("end must be greater than start")
         return self
 
     @property
+    def has_blocks(self) -> bool:
+        return self.start is not None
+
+    @property
     def num_blocks(self) -> int:
-        return self.end - self.start
+        return self.end - self.start if self.start is not None else 0
 
     def cache_bytes_for(self, num_blocks: int, max_length: int, batch_size: int) -> int:
         """Cache bytes a session of `batch_size` x `max_length` tokens reserves on `num_blocks` blocks."""

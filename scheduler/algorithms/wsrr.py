@@ -141,6 +141,19 @@ class RoutingState:
         wait = max(hop_waits)
         return WsRrRoute(chain, wait, wait + sum(hop_times), hop_waits, hop_times)
 
+    def set_client_rtts(
+        self, client: str, rtt: Sequence[float], rtt_prefill: Sequence[float] | None = None
+    ) -> None:
+        """Use per-server round trips `rtt[j]` (and `rtt_prefill[j]`, default the same) for `client`
+        from now on, instead of the ones in the server specs: a live scheduler learns RTTs from
+        each query. `inf` means the client cannot reach that server."""
+        if len(rtt) != len(self.servers) or (rtt_prefill is not None and len(rtt_prefill) != len(rtt)):
+            raise ValueError("one round trip per server is needed")
+        links = self.graph.link_server
+        per_server = np.asarray(rtt, dtype=float)
+        per_server_prefill = per_server if rtt_prefill is None else np.asarray(rtt_prefill, dtype=float)
+        self._client_rtts[client] = (per_server_prefill[links], per_server[links])
+
     # -- session book-keeping ----------------------------------------------------------------
 
     def admit(self, session_id: Hashable, route: WsRrRoute, now: float, lease_s: float | None = None) -> None:

@@ -1,0 +1,129 @@
+"""`swarm-scheduler`: place blocks (CG-BP by default) and route sessions (WS-RR) for a swarm."""
+
+from __future__ import annotations
+
+import argparse
+
+from scheduler.service.core import CoreSettings
+from scheduler.service.planner import POLICIES, PlanSettings
+from scheduler.service.runner import SchedulerConfig, run_scheduler
+from scheduler.service.view import ModelShape
+from swarm.cli.errors import run_cli
+from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.dht_keys import default_prefix, validate_prefix
+from swarm.errors import SwarmUserError
+from swarm.models.checkpoint import load_config
+from swarm.models.family import family_for
+
+EXAMPLES = """examples:
+  swarm-scheduler --initial-peers $(head -1 dht.maddrs) --model-dir models/tiny-llama
+  swarm-scheduler --initial-peers $(head -1 dht.maddrs) --model-dir models/bloom --policy cg-bp \\
+      --period 30 --arrival-rate auto --l-in 20 --l-out 128 \\
+      --host 0.0.0.0 --port 50051 --announce-host PUBLIC_ADDRESS
+
+Servers started without --blocks ask it for their span; clients ask it for routes. Both find it
+through the DHT and fall back to local decisions when it is unreachable.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-scheduler",
+        description="Place the model's blocks on the swarm's servers periodically and route sessions.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
+    parser.add_argument("--model-dir", required=True, help="the model's directory (only its config is read)")
+    parser.add_argument("--dht-prefix", help="swarm namespace of the model (default: the directory's name)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    parser.add_argument("--announce-host", help="address published in the DHT (default: --host)")
+    parser.add_argument("--policy", choices=POLICIES, default="cg-bp", help="placement policy")
+    parser.add_argument("--period", type=float, default=30.0, help="seconds between placement reviews")
+    parser.add_argument(
+        "--arrival-rate",
+        default="auto",
+        help="requests/s used to choose R (SPEC 3.1), or 'auto' to estimate it online",
+    )
+    parser.add_argument("--num-requests", type=int, help="fix R instead of choosing it from the arrival rate")
+    parser.add_argument("--l-in", type=int, default=20, help="prompt tokens a request is planned for")
+    parser.add_argument("--l-out", type=int, default=128, help="generated tokens a request is planned for")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="after servers join or leave, wait this long before re-placing",
+    )
+    parser.add_argument("--lease", type=float, default=60.0, help="seconds a session lives without KeepAlive")
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.1,
+        help="re-place a working swarm only if this much faster (0.1 = 10%%)",
+    )
+    parser.add_argument("--address-file", help="write the gRPC address (host:port) here once serving")
+    add_log_level_argument(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    model_config = load_config(args.model_dir)
+    family = family_for(model_config)
+    shape = ModelShape(
+        num_blocks=family.num_blocks(model_config),
+        hidden_size=family.hidden_size(model_config),
+        kv_dim=family.num_kv_heads(model_config) * family.head_dim(model_config),
+    )
+    for name in ("period", "lease", "l_in", "l_out"):
+        if getattr(args, name) <= 0:
+            raise SwarmUserError(f"--{name.replace('_', '-')} must be positive")
+    if args.settle < 0 or not 0 <= args.min_gain < 1:
+        raise SwarmUserError("--settle must be >= 0 and --min-gain in [0, 1)")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise SwarmUserError("--num-requests must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise SwarmUserError(f"--port must be in 0..65535, got {args.port}")
+    arrival_rate = None
+    if args.arrival_rate != "auto":
+        try:
+            arrival_rate = float(args.arrival_rate)
+        except ValueError:
+            raise SwarmUserError(
+                f"--arrival-rate must be 'auto' or a number, got {args.arrival_rate!r}"
+            ) from None
+        if not arrival_rate > 0 or arrival_rate == float("inf"):
+            raise SwarmUserError("--arrival-rate must be a positive number of requests per second")
+    core = CoreSettings(
+        plan=PlanSettings(
+            policy=args.policy,
+            num_requests=args.num_requests,
+            arrival_rate=arrival_rate,
+            min_gain=args.min_gain,
+        ),
+        l_in=args.l_in,
+        l_out=args.l_out,
+        period=args.period,
+        settle=args.settle,
+        lease=args.lease,
+    )
+    return SchedulerConfig(
+        initial_peers=args.initial_peers,
+        dht_prefix=validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir),
+        shape=shape,
+        core=core,
+        host=args.host,
+        port=args.port,
+        announce_host=args.announce_host,
+        address_file=args.address_file,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    run_cli("swarm-scheduler", lambda: run_scheduler(config_from_args(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The scheduler's state machine: roster in, placements and routes out (pure; `now` is passed in).
+
+`SchedulerCore` owns the swarm view, the current assignment and the session book. The gRPC
+servicer and the DHT loop (`scheduler.service.runner`) only feed it records and requests and
+send its answers on; every decision is made here, so it is tested without sockets.
+
+Restarting the scheduler loses nothing the swarm needs: the servers keep serving, and a new
+scheduler adopts the spans it finds in the DHT as its starting placement (re-placing only for
+the reasons `planner` lists), and counts the cache the servers announce in use until the
+sessions it never saw end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from scheduler.algorithms.problem import Span, uncovered_blocks
+from scheduler.plan_commands import Infeasible
+from scheduler.plan_io import PlanInputError
+from scheduler.service.planner import (
+    ArrivalRate,
+    Plan,
+    PlanSettings,
+    choose_requests,
+    compute_plan,
+    guarantees,
+    idle_per_token_time,
+    plan_summary,
+    r_changed,
+)
+from scheduler.service.sessions import RouteDecision, SessionBook
+from scheduler.service.view import ModelShape, SwarmView
+from swarm.server_info import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    plan: PlanSettings = field(default_factory=PlanSettings)
+    l_in: int = 20
+    l_out: int = 128
+    period: float = 30.0  # seconds between placement reviews
+    settle: float = 2.0  # after the servers changed, wait this long for more changes before re-placing
+    lease: float = 60.0  # seconds a session lives without KeepAlive
+    client_ttl: float = 600.0  # forget a client's round trips after this long without queries
+
+
+@dataclass(frozen=True)
+class Assignment:
+    assigned: bool
+    span: Span | None
+    epoch: int
+    reason: str = ""
+
+
+class SchedulerCore:
+    def __init__(self, shape: ModelShape, settings: CoreSettings, now: float):
+        self.settings = settings
+        self.view = SwarmView(shape, settings.l_in, settings.l_out)
+        self.book = SessionBook(settings.lease, settings.l_in + settings.l_out, settings.plan.policy)
+        self.rate = ArrivalRate(settings.plan.rate_window, now)
+        self.started_at = now
+        self.epoch = 0
+        self.plan: Plan | None = None  # the last adopted placement
+        self.assignment: dict[str, Span | None] = {}
+        self.num_requests = settings.plan.num_requests or 1
+        self.placed_members: frozenset[str] | None = None  # managed servers the assignment was made for
+        self._members_changed_at: float | None = None
+        self._last_review = now
+        self._first_roster = True
+
+    # --- the roster (from the DHT) -------------------------------------------------------------
+    def update_roster(self, records: Mapping[str, ServerInfo], now: float) -> None:
+        """Take the latest server records; re-index routing over the servers that serve now."""
+        self.view.records = dict(records)
+        members = frozenset(self.view.placeable())
+        if self._first_roster:
+            self._first_roster = False
+            self._adopt_live(members)
+        if members != self.placed_members and self._members_changed_at is None:
+            self._members_changed_at = now
+        live = self.view.live()
+        model = self.view.model_spec()
+        announced = {peer: self.view.used_units(peer, model) for peer in live} if model else {}
+        self.book.set_servers(
+            live, self.view.server_specs(live), model, self.view.live_spans(live), announced
+        )
+
+    def _adopt_live(self, members: frozenset[str]) -> None:
+        """After a (re)start: the servers' current spans are the assignment, if every one has one."""
+        spans = {peer: self.view.live_spans([peer])[0] for peer in members}
+        if members and all(span is not None for span in spans.values()):
+            self.assignment, self.placed_members = spans, members
+            self.epoch += 1
+            logger.info(
+                "adopted the %d managed servers' current spans as placement %d", len(members), self.epoch
+            )
+
+    # --- placement ---------------------------------------------------------------------------------
+    def review(self, now: float, force: bool = False) -> bool:
+        """Re-place if there is a reason to (planner's list); returns whether a new placement was adopted."""
+        members = frozenset(self.view.placeable())
+        settled = (
+            self._members_changed_at is not None and now - self._members_changed_at >= self.settings.settle
+        )
+        periodic = now - self._last_review >= self.settings.period
+        if not (force or settled or periodic):
+            return False
+        self._last_review = now
+        self.view.forget_clients(now - self.settings.client_ttl)
+        if not members:
+            return False
+        peers = sorted(members)
+        proposed_r = choose_requests(self.view, peers, self.settings.plan, self.rate.rate(now))
+        reason = None
+        if members != self.placed_members:
+            reason = "servers changed"
+            self.num_requests = proposed_r
+        elif r_changed(self.num_requests, proposed_r, self.settings.plan.r_hysteresis):
+            reason = f"R {self.num_requests} -> {proposed_r}"
+            self.num_requests = proposed_r
+        current = [self.assignment.get(peer) for peer in peers]
+        live_now = self.view.live_spans(peers)
+        if reason is None and not guarantees(self.view, peers, live_now, self.num_requests):
+            reason = f"the live spans do not guarantee R={self.num_requests}"
+        candidate = self._compute(peers)
+        if candidate is None:
+            self._members_changed_at = None
+            return False
+        if reason is None:
+            old_time = idle_per_token_time(self.view, peers, current)
+            new_time = idle_per_token_time(self.view, peers, [candidate.spans.get(p) for p in peers])
+            if new_time < old_time * (1 - self.settings.plan.min_gain):
+                reason = f"{(1 - new_time / old_time) * 100:.0f}% faster per token"
+        self._members_changed_at = None
+        if reason is None or candidate.spans == {p: self.assignment.get(p) for p in peers}:
+            if self.plan is None:
+                self.plan = candidate  # first review after adopting live spans: keep the documents
+            return False
+        self.plan, self.assignment, self.placed_members = candidate, dict(candidate.spans), members
+        self.epoch += 1
+        bound = f"{candidate.bound * 1e3:.1f} ms" if candidate.bound is not None else "n/a"
+        logger.info(
+            "placement %d (%s; %s, R=%d, bound %s): %s",
+            self.epoch,
+            reason,
+            self.settings.plan.policy,
+            candidate.num_requests,
+            bound,
+            plan_summary(candidate),
+        )
+        return True
+
+    def _compute(self, peers: list[str]) -> Plan | None:
+        """The policy's placement; with too little memory for R, the largest R that still fits."""
+        requests = self.num_requests
+        while requests >= 1:
+            try:
+                return compute_plan(self.view, peers, self.settings.plan, requests)
+            except Infeasible as error:
+                if requests == 1 or self.settings.plan.policy == "petals":
+                    logger.warning("no placement: %s (uncovered blocks %s)", error, error.uncovered[:10])
+                    return None
+                requests = max(requests // 2, 1) if requests > 8 else requests - 1
+                self.num_requests = requests
+            except (PlanInputError, ValueError) as error:
+                logger.warning("no placement: %s", error)
+                return None
+        return None
+
+    def assignment_for(self, peer: str) -> Assignment:
+        if peer not in self.assignment:
+            return Assignment(False, None, self.epoch, "not placed yet: wait for the next placement")
+        span = self.assignment[peer]
+        if span is None:
+            return Assignment(
+                False, None, self.epoch, f"no blocks: not enough memory for R={self.num_requests}"
+            )
+        return Assignment(True, span, self.epoch)
+
+    # --- routing --------------------------------------------------------------------------------------
+    def route(
+        self,
+        client_id: str,
+        rtts: Mapping[str, float],
+        l_in: int,
+        l_out: int,
+        batch_size: int,
+        max_length: int,
+        now: float,
+    ) -> RouteDecision | None:
+        self.rate.record(now)
+        self.view.report_rtts(client_id, rtts, now)
+        self.book.expire(now)
+        decision = self.book.route(
+            uuid.uuid4().hex, client_id, rtts, l_out, self.book.units_for(batch_size, max_length), now
+        )
+        if decision is not None:
+            self.book.admit_ready(now)
+        return decision
+
+    def tick(self, now: float) -> list[str]:
+        """Expire leases and admit whoever fits now; returns newly admitted session ids."""
+        self.book.expire(now)
+        return self.book.admit_ready(now)
+
+    # --- status --------------------------------------------------------------------------------------
+    def status(self, now: float) -> dict:
+        view, book = self.view, self.book
+        num_blocks = view.shape.num_blocks
+        live = view.live()
+        live_spans = view.live_spans(live)
+        coverage = [0] * num_blocks
+        for span in live_spans:
+            if span is not None:
+                for block in range(span.start, span.end):
+                    coverage[block] += 1
+        servers = []
+        for peer in sorted(view.records):
+            info = view.records[peer]
+            assigned = self.assignment.get(peer)
+            servers.append(
+                {
+                    "peer_id": peer,
+                    "public_name": info.public_name,
+                    "state": str(info.state),
+                    "managed": info.managed,
+                    "start": info.start if info.has_blocks else -1,
+                    "end": info.end if info.has_blocks else -1,
+                    "assigned_start": assigned.start if assigned else -1,
+                    "assigned_end": assigned.end if assigned else -1,
+                    "memory_bytes": float(info.memory_bytes),
+                    "tau": info.tau or 0.0,
+                    "tau_prefill": info.tau_prefill or 0.0,
+                    "cache_slots": book.capacity(peer),
+                    "slots_in_use": book.granted(peer),
+                    "active_sessions": info.active_sessions,
+                }
+            )
+        plan = self.plan
+        bound = plan.bound if plan is not None and plan.bound is not None else -1.0
+        rate = self.settings.plan.arrival_rate or self.rate.rate(now) or 0.0
+        return {
+            "policy": self.settings.plan.policy,
+            "epoch": self.epoch,
+            "num_blocks": num_blocks,
+            "num_requests": self.num_requests,
+            "bound": bound if math.isfinite(bound) else -1.0,
+            "arrival_rate": rate,
+            "servers": servers,
+            "coverage": coverage,
+            "active_sessions": book.num_admitted,
+            "waiting_sessions": book.num_waiting,
+            "uncovered_blocks": uncovered_blocks(live_spans, num_blocks),
+            "plan_input": plan.plan_input if plan else None,
+            "plan_output": plan.plan_output if plan else None,
+            "uptime": now - self.started_at,
+        }

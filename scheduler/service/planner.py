@@ -1,0 +1,164 @@
+"""When to re-place blocks, and with which R (pure: times are passed in, nothing touches the network).
+
+The slow time scale of the two-time-scale design (paper 000 section 3): a placement is computed
+with `swarm-plan place`'s own functions and adopted when
+
+- the set of managed servers changed (a server joined, left or was never placed), or
+- the live spans cannot guarantee R sessions on some block (a server moved away, capacity fell), or
+- R changed materially (hysteresis: by at least a quarter and by at least 1), or
+- the new placement is faster by at least `min_gain` (per-token time of the slowest client's
+  shortest route through an idle swarm).
+
+Anything else keeps the servers where they are: moving a server drains its sessions and reloads
+blocks, which costs far more than a few percent of per-token time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.algorithms.cgbp import (
+    choose_num_requests,
+    max_requests,
+    session_capacity,
+    slowest_client_request_time,
+)
+from scheduler.algorithms.problem import Span
+from scheduler.plan_commands import place_cg_bp, place_gbp_cr, place_petals
+from scheduler.plan_io import dumps, parse_problem
+from scheduler.service.view import SwarmView
+
+POLICIES = ("cg-bp", "gbp-cr", "petals")
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    policy: str = "cg-bp"
+    num_requests: int | None = None  # fixed R; None: from the arrival rate
+    arrival_rate: float | None = None  # fixed lambda (requests/s); None: estimated online
+    min_gain: float = 0.1  # adopt a merely faster placement only if at least this much faster
+    r_hysteresis: float = 0.25  # re-place for R only when it changes by this fraction (and >= 1)
+    rate_window: float = 300.0  # seconds of arrivals the online rate estimate looks at
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One computed placement, with the documents that reproduce it."""
+
+    spans: dict[str, Span | None]  # peer id -> span (None: no blocks)
+    num_requests: int
+    bound: float | None  # eq. 17 (CG-BP only)
+    plan_input: dict
+    plan_output: dict
+
+    def same_spans(self, other: dict[str, Span | None]) -> bool:
+        return self.spans == other
+
+
+@dataclass
+class ArrivalRate:
+    """Requests per second over a sliding window (SPEC 3.1: the scheduler re-estimates lambda)."""
+
+    window: float
+    started_at: float
+    arrivals: deque = field(default_factory=deque)
+
+    def record(self, now: float) -> None:
+        self.arrivals.append(now)
+
+    def rate(self, now: float) -> float | None:
+        while self.arrivals and self.arrivals[0] < now - self.window:
+            self.arrivals.popleft()
+        observed = min(now - self.started_at, self.window)
+        if not self.arrivals or observed <= 0:
+            return None
+        return len(self.arrivals) / max(observed, 1.0)
+
+
+def compute_plan(view: SwarmView, peers: Sequence[str], settings: PlanSettings, num_requests: int) -> Plan:
+    """Place `peers` with the policy; raises `Infeasible`/`PlanInputError` like `swarm-plan place`."""
+    document = view.problem_document(peers, num_requests if settings.policy == "cg-bp" else None)
+    if settings.policy == "gbp-cr":
+        document["c"] = num_requests
+    problem = parse_problem(dumps(document))  # the very path `swarm-plan place` takes
+    place = {"cg-bp": place_cg_bp, "gbp-cr": place_gbp_cr, "petals": place_petals}[settings.policy]
+    output = place(problem)
+    spans = {
+        entry["name"]: Span(entry["start"], entry["end"]) if entry["start"] is not None else None
+        for entry in output["placement"]
+    }
+    return Plan(spans, num_requests, output.get("bound"), document, output)
+
+
+def choose_requests(
+    view: SwarmView, peers: Sequence[str], settings: PlanSettings, arrival_rate: float | None
+) -> int:
+    """R (SPEC 3.1): fixed, or `min(round(mean + std), R_max)` for the given or estimated rate (>= 1)."""
+    if settings.num_requests is not None:
+        return settings.num_requests
+    rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate
+    if not rate or not peers:
+        return 1
+    document = view.problem_document(peers)
+    document["arrival_rate"] = rate
+    problem = parse_problem(dumps(document))
+    chosen = choose_num_requests(problem.servers, problem.model, rate, view.l_out)
+    return chosen if chosen is not None else 1
+
+
+def r_changed(current: int, proposed: int, hysteresis: float) -> bool:
+    """Whether R moved enough to re-place (do not flap between neighbours)."""
+    return abs(proposed - current) >= max(1, math.ceil(hysteresis * current))
+
+
+def guarantees(
+    view: SwarmView, peers: Sequence[str], spans: Sequence[Span | None], num_requests: int
+) -> bool:
+    """Whether spans give every block room for R sessions using all of each server's blocks (eq. 15)."""
+    model = view.model_spec()
+    if model is None:
+        return False
+    specs = {spec.name: spec for spec in view.server_specs(peers)}
+    capacity = [0] * model.num_blocks
+    for peer, span in zip(peers, spans, strict=True):
+        if span is None:
+            continue
+        sessions = session_capacity(specs[peer], model, span.length)
+        for block in range(span.start, span.end):
+            capacity[block] += sessions
+    return min(capacity, default=0) >= num_requests
+
+
+def idle_per_token_time(view: SwarmView, peers: Sequence[str], spans: Sequence[Span | None]) -> float:
+    """Per-token time of the slowest client's shortest route through an idle swarm (inf: not served)."""
+    model = view.model_spec()
+    if model is None or all(span is None for span in spans):
+        return math.inf
+    try:
+        total = slowest_client_request_time(view.server_specs(peers), model, spans, view.l_out)
+    except ValueError:
+        return math.inf
+    return total / view.l_out
+
+
+def max_supported_requests(view: SwarmView, peers: Sequence[str]) -> int:
+    """Eq. 19's R_max for these servers (at least 1)."""
+    model = view.model_spec()
+    if model is None or not peers:
+        return 1
+    return max(max_requests(view.server_specs(peers), model), 1)
+
+
+def plan_summary(plan: Plan) -> str:
+    """One log line's worth: the spans by short peer id."""
+    placed = sorted((span.start, span.end, peer) for peer, span in plan.spans.items() if span)
+    parts = [f"{peer[-6:]}={start}:{end}" for start, end, peer in placed]
+    parts += [f"{peer[-6:]}=none" for peer, span in plan.spans.items() if span is None]
+    return " ".join(parts)

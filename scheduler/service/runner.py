@@ -1,0 +1,120 @@
+"""The scheduler process: a DHT peer, a gRPC server, and the loop that keeps the core current.
+
+Every `refresh` seconds it reads the roster from the DHT, lets the core review the placement and
+admit waiting sessions, and re-publishes its address and placement under the scheduler key (so
+servers and clients find it without configuration, and see a dead scheduler's record expire).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import grpc
+from hivemind.dht import DHT
+
+from scheduler.service.core import CoreSettings, SchedulerCore
+from scheduler.service.grpc_api import SchedulerApi
+from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
+from scheduler.service.view import ModelShape
+from swarm.dht_records import fetch_roster_async, publish_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    initial_peers: list[str]
+    dht_prefix: str
+    shape: ModelShape
+    core: CoreSettings
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_host: str | None = None  # address published in the DHT (default: host)
+    refresh: float = 0.5  # seconds between roster reads
+    record_ttl: float = 20.0  # the DHT record of a dead scheduler disappears after this long
+    address_file: str | None = None  # write "host:port" here once serving (for scripts and tests)
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.core = SchedulerCore(config.shape, config.core, time.monotonic())
+        self.api = SchedulerApi(self.core)
+        self.dht: DHT | None = None
+        self.address = ""
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        config = self.config
+        loop = asyncio.get_running_loop()
+        self.dht = DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after the DHT forked: its process keeps defaults
+            loop.add_signal_handler(sig, self._stop.set)
+        server = grpc.aio.server()
+        pb_grpc.add_SchedulerServicer_to_server(self.api, server)
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        await server.start()
+        self.address = f"{config.announce_host or config.host}:{port}"
+        logger.info(
+            "scheduler for %s serving gRPC on %s (policy %s, period %.0f s, l_in %d, l_out %d)",
+            config.dht_prefix,
+            self.address,
+            config.core.plan.policy,
+            config.core.period,
+            config.core.l_in,
+            config.core.l_out,
+        )
+        if config.address_file:
+            with open(config.address_file, "w") as file:
+                file.write(self.address + "\n")
+        try:
+            await self._loop()
+        finally:
+            await server.stop(grace=1.0)
+            self.dht.shutdown()
+            logger.info("stopped")
+
+    async def _loop(self) -> None:
+        config = self.config
+        last_published, published_epoch = -float("inf"), -1
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                roster = await fetch_roster_async(self.dht, config.dht_prefix, config.shape.num_blocks)
+                self.core.update_roster(roster, now)
+                self.core.review(now)
+            except Exception as error:  # a flaky DHT read must not stop routing; next round retries
+                logger.warning("roster update failed: %s", error or type(error).__name__)
+            self.api.pump()
+            if self.core.epoch != published_epoch or now - last_published > config.record_ttl / 3:
+                try:
+                    await publish_scheduler(
+                        self.dht, config.dht_prefix, self._record(), ttl=config.record_ttl, wait=False
+                    )
+                    last_published, published_epoch = now, self.core.epoch
+                except Exception as error:
+                    logger.warning("publishing the scheduler record failed: %s", error)
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=config.refresh)
+            except TimeoutError:
+                pass
+
+    def _record(self) -> dict:
+        core = self.core
+        return {
+            "address": self.address,
+            "policy": core.settings.plan.policy,
+            "epoch": core.epoch,
+            "num_requests": core.num_requests,
+            "placement": {
+                peer: [span.start, span.end] if span else None for peer, span in core.assignment.items()
+            },
+        }
+
+
+def run_scheduler(config: SchedulerConfig) -> None:
+    asyncio.run(SchedulerService(config).run())

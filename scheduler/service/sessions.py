@@ -1,0 +1,264 @@
+"""Sessions the scheduler routed: WS-RR decisions, admission in predicted order, leases (pure).
+
+The fast time scale (paper 000 section 3.2): every new session gets the WS-RR route and expected
+wait of eq. 20 from a `RoutingState` over the servers that serve now. Our servers refuse a session
+that does not fit their cache instead of queueing it, so "waiting" happens here: a session is
+*admitted* (may open its chain) only when every server of its chain has room for it. Waiting
+sessions are admitted in the order WS-RR predicted (expected start time, then arrival), and none
+overtakes an earlier one on a server they share, so the prediction is also the order.
+
+Room is counted in cache slots (units of `s_c`, SPEC 3.2): what this scheduler granted, or what
+the server announces in use when that is more (sessions routed without the scheduler, or a
+client's local failover). A session of `batch x max_length` tokens takes
+`ceil(batch * max_length / (l_in + l_out))` slots per block, the same bytes the server reserves.
+
+Sessions hold a lease: a client that vanishes without ending its session frees it when the lease
+runs out (clients renew it while they run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from scheduler.algorithms import petals
+from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, placement_cache_slots
+from scheduler.algorithms.wsrr import RoutingState
+
+
+@dataclass(frozen=True)
+class Hop:
+    peer: str
+    start: int  # blocks this server processes for the session
+    end: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    client_id: str
+    hops: tuple[Hop, ...]
+    units: int  # cache slots per block
+    expected_start: float  # absolute: routed_at + WS-RR wait
+    ends_at: float  # absolute expected end (WS-RR completion)
+    lease_expires_at: float
+    order: int
+    admitted: bool = False
+    admitted_at: float | None = None
+    routed_at: float = 0.0
+
+    def slots(self) -> dict[str, int]:
+        return {hop.peer: hop.num_blocks * self.units for hop in self.hops}
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    session: SessionRecord
+    wait: float  # expected wait (eq. 20), seconds from now
+    completion: float  # expected seconds until done
+    cost: float
+
+
+class SessionBook:
+    """Routing state over the live servers, the sessions routed through it, and admission."""
+
+    def __init__(self, lease_s: float, slot_tokens: int, policy: str = "cg-bp"):
+        self.lease_s, self.slot_tokens, self.policy = lease_s, slot_tokens, policy
+        self.sessions: dict[str, SessionRecord] = {}
+        self._order = itertools.count()
+        self._peers: list[str] = []
+        self._specs: list[ServerSpec] = []
+        self._model: ModelSpec | None = None
+        self._spans: list[Span | None] = []
+        self._state: RoutingState | None = None
+        self._capacity: dict[str, int] = {}  # n_j under the live spans
+        self._announced_use: dict[str, int] = {}
+        self._granted: dict[str, int] = {}  # slots held by admitted sessions, by server
+
+    # --- the servers routes go through ----------------------------------------------------------
+    def set_servers(
+        self,
+        peers: Sequence[str],
+        specs: Sequence[ServerSpec],
+        model: ModelSpec | None,
+        spans: Sequence[Span | None],
+        announced_use: Mapping[str, int],
+    ) -> None:
+        """New live servers (or new spans): rebuild the routing state and replay the sessions into it."""
+        self._announced_use = dict(announced_use)
+        if list(peers) == self._peers and list(spans) == self._spans and model == self._model:
+            return
+        self._peers, self._specs, self._model, self._spans = list(peers), list(specs), model, list(spans)
+        self._state = None
+        self._capacity = {}
+        if model is None or not peers:
+            return
+        self._state = RoutingState(self._specs, model, self._spans)
+        slots = placement_cache_slots(self._specs, model, self._spans)
+        self._capacity = dict(zip(self._peers, slots, strict=True))
+        index = {peer: j for j, peer in enumerate(self._peers)}
+        for session in sorted(self.sessions.values(), key=lambda s: s.order):
+            slots = {index[peer]: count for peer, count in session.slots().items() if peer in index}
+            if slots:
+                self._state.add_session(session.session_id, slots, session.ends_at)
+
+    def update_announced_use(self, announced_use: Mapping[str, int]) -> None:
+        self._announced_use = dict(announced_use)
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def capacity(self, peer: str) -> int:
+        return self._capacity.get(peer, 0)
+
+    # --- routing ----------------------------------------------------------------------------------
+    def units_for(self, batch_size: int, max_length: int) -> int:
+        return max(math.ceil(batch_size * max_length / self.slot_tokens), 1)
+
+    def route(
+        self,
+        session_id: str,
+        client_id: str,
+        rtts: Mapping[str, float],
+        l_out: int,
+        units: int,
+        now: float,
+    ) -> RouteDecision | None:
+        """Route and record a new session (None: no chain of reachable servers covers the model)."""
+        if self._state is None:
+            return None
+        per_server = [rtts.get(peer, math.inf) for peer in self._peers]
+        if self.policy == "petals":
+            decision = self._route_petals(client_id, per_server, l_out)
+        else:
+            self._state.set_client_rtts(client_id, per_server)
+            route = self._state.route(client_id, l_out, now)
+            decision = None if route is None else (route.chain, route.wait, route.completion, route.cost)
+        if decision is None:
+            return None
+        chain, wait, completion, cost = decision
+        hops = tuple(Hop(self._peers[hop.server], hop.start, hop.end) for hop in chain.hops)
+        session = SessionRecord(
+            session_id=session_id,
+            client_id=client_id,
+            hops=hops,
+            units=units,
+            expected_start=now + wait,
+            ends_at=now + completion,
+            lease_expires_at=now + self.lease_s,
+            order=next(self._order),
+            routed_at=now,
+        )
+        self.sessions[session_id] = session
+        index = {peer: j for j, peer in enumerate(self._peers)}
+        by_index = {index[peer]: count for peer, count in session.slots().items()}
+        self._state.add_session(session_id, by_index, session.ends_at)
+        return RouteDecision(session, wait, completion, cost)
+
+    def _route_petals(self, client_id: str, per_server_rtt: list[float], l_out: int):
+        """PETALS' own router (SPEC 3.3) over the live servers; it predicts no wait."""
+        specs = [
+            ServerSpec(
+                name=spec.name,
+                memory_bytes=spec.memory_bytes,
+                tau=spec.tau,
+                rtt={client_id: rtt} if math.isfinite(rtt) else {},  # no RTT: unreachable, no link
+            )
+            for spec, rtt in zip(self._specs, per_server_rtt, strict=True)
+        ]
+        used = [self._in_use(peer) for peer in self._peers]
+        chain = petals.route(specs, self._model, self._spans, client_id, used)
+        if chain is None:
+            return None
+        completion = sum(
+            (per_server_rtt[hop.server] + hop.num_blocks * self._specs[hop.server].tau) * l_out
+            for hop in chain.hops
+        )
+        return chain, 0.0, completion, chain.cost
+
+    # --- admission --------------------------------------------------------------------------------
+    def _in_use(self, peer: str) -> int:
+        return max(self._granted.get(peer, 0), self._announced_use.get(peer, 0))
+
+    def _grant(self, session: SessionRecord, sign: int) -> None:
+        for peer, slots in session.slots().items():
+            self._granted[peer] = self._granted.get(peer, 0) + sign * slots
+
+    def admit_ready(self, now: float) -> list[str]:
+        """Admit waiting sessions in predicted order while their servers have room; returns their ids.
+
+        PETALS admits everyone at once (its clients find out about full servers by being refused).
+        """
+        waiting = sorted(
+            (s for s in self.sessions.values() if not s.admitted), key=lambda s: (s.expected_start, s.order)
+        )
+        if not waiting:
+            return []
+        free = {peer: self.capacity(peer) - self._in_use(peer) for peer in self._peers}
+        blocked: set[str] = set()
+        admitted = []
+        for session in waiting:
+            peers = [hop.peer for hop in session.hops]
+            fits = all(free.get(hop.peer, -1) >= hop.num_blocks * session.units for hop in session.hops)
+            if self.policy == "petals" or (fits and not blocked.intersection(peers)):
+                session.admitted, session.admitted_at = True, now
+                self._grant(session, +1)
+                for hop in session.hops:
+                    free[hop.peer] = free.get(hop.peer, 0) - hop.num_blocks * session.units
+                admitted.append(session.session_id)
+            else:
+                blocked.update(peers)  # later sessions must not overtake it on these servers
+        return admitted
+
+    def expected_wait(self, session_id: str, now: float) -> float:
+        session = self.sessions[session_id]
+        return 0.0 if session.admitted else max(session.expected_start - now, 0.0)
+
+    def routable(self, session_id: str) -> bool:
+        """Whether every server of the session's chain still serves (else the client must re-route)."""
+        live = set(self._peers)
+        return all(hop.peer in live for hop in self.sessions[session_id].hops)
+
+    # --- the end of sessions ---------------------------------------------------------------------
+    def renew(self, session_id: str, now: float) -> bool:
+        session = self.sessions.get(session_id)
+        if session is None:
+            return False
+        session.lease_expires_at = now + self.lease_s
+        return True
+
+    def end(self, session_id: str) -> bool:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        if session.admitted:
+            self._grant(session, -1)
+        if self._state is not None:
+            self._state.end_session(session_id)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """End every session whose lease ran out (its client vanished); returns their ids."""
+        expired = [s.session_id for s in self.sessions.values() if s.lease_expires_at <= now]
+        for session_id in expired:
+            self.end(session_id)
+        return expired
+
+    # --- what operators see --------------------------------------------------------------------------
+    def granted(self, peer: str) -> int:
+        return self._in_use(peer)
+
+    @property
+    def num_admitted(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.admitted)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self.sessions.values() if not s.admitted)

@@ -1,0 +1,192 @@
+"""What the scheduler knows about the swarm, turned into the algorithms' inputs (pure, no I/O).
+
+Servers are known from their DHT records (`ServerInfo`); clients' round trips from their routing
+queries. This module maps both to `ModelSpec`/`ServerSpec` (SPEC sections 2-3) and to the
+`swarm-plan` problem document, so a placement the service computes can be reproduced exactly with
+`swarm-plan place` from the document it publishes.
+
+Choices SPEC leaves open:
+- `s_m` is the largest `block_bytes` servers announce (all serve the same model; the largest
+  is the safe one when dtypes differ), `s_c = cache_token_bytes * (l_in + l_out)`.
+- A client that has not measured some server (it may not have existed when the client asked) is
+  assumed to see it at the median of its other round trips; with no client known at all, a
+  virtual client `"any"` with zero round trips stands in, so eq. 14 and eq. 17 reduce to compute.
+- `tau_prefill` is announced for the server's own `prefill_tokens`; it is scaled linearly to
+  the scheduler's `l_in`, and `t_prefill_cj` is taken equal to `t_cj` (hidden states of a short
+  prompt are small next to a round trip).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from swarm.server_info import ServerInfo, ServerState
+
+VIRTUAL_CLIENT = "any"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the scheduler knows of the model without loading it (from its config)."""
+
+    num_blocks: int
+    hidden_size: int
+    kv_dim: int
+
+
+@dataclass
+class ClientRtts:
+    """One client's latest reported round trips (seconds) by server peer id."""
+
+    rtts: dict[str, float]
+    reported_at: float
+
+
+@dataclass
+class SwarmView:
+    """Servers by peer id (their latest DHT records) and clients' reported round trips."""
+
+    shape: ModelShape
+    l_in: int
+    l_out: int
+    records: dict[str, ServerInfo] = field(default_factory=dict)
+    clients: dict[str, ClientRtts] = field(default_factory=dict)
+
+    # --- who is who -------------------------------------------------------------------------------
+    def placeable(self) -> list[str]:
+        """Managed servers the scheduler places: measured, not leaving, in peer id order (stable)."""
+        return sorted(
+            peer
+            for peer, info in self.records.items()
+            if info.managed and info.state != ServerState.OFFLINE and _measured(info)
+        )
+
+    def live(self) -> list[str]:
+        """Servers that serve blocks now (what routes go through), in peer id order."""
+        return sorted(
+            peer
+            for peer, info in self.records.items()
+            if info.state == ServerState.ONLINE and info.has_blocks and _measured(info)
+        )
+
+    def live_spans(self, peers: Sequence[str]) -> list[Span | None]:
+        spans = []
+        for peer in peers:
+            info = self.records.get(peer)
+            spans.append(Span(info.start, info.end) if info is not None and info.has_blocks else None)
+        return spans
+
+    # --- clients ----------------------------------------------------------------------------------
+    def report_rtts(self, client_id: str, rtts: Mapping[str, float], now: float) -> None:
+        usable = {peer: rtt for peer, rtt in rtts.items() if math.isfinite(rtt) and rtt >= 0}
+        self.clients[client_id] = ClientRtts(usable, now)
+
+    def forget_clients(self, older_than: float) -> None:
+        for client_id in [c for c, report in self.clients.items() if report.reported_at < older_than]:
+            del self.clients[client_id]
+
+    def client_rtt(self, client_id: str, peer: str) -> float:
+        """A client's round trip to a server: measured, else its median (module docstring)."""
+        report = self.clients[client_id]
+        if peer in report.rtts:
+            return report.rtts[peer]
+        return statistics.median(report.rtts.values()) if report.rtts else 0.0
+
+    # --- the algorithms' inputs -------------------------------------------------------------------
+    def model_spec(self) -> ModelSpec | None:
+        """`L`, `s_m`, `s_c` from the announcements; None until some server announced its sizes."""
+        sizes = [(info.block_bytes, info.cache_token_bytes) for info in self.records.values()]
+        block_bytes = max((size[0] for size in sizes), default=0)
+        token_bytes = max((size[1] for size in sizes), default=0)
+        if block_bytes <= 0 or token_bytes <= 0:
+            return None
+        return ModelSpec(
+            num_blocks=self.shape.num_blocks,
+            block_bytes=block_bytes,
+            cache_bytes=token_bytes * (self.l_in + self.l_out),
+            hidden_size=self.shape.hidden_size,
+            kv_dim=self.shape.kv_dim,
+            dtype_bytes=max(token_bytes // (2 * self.shape.kv_dim), 1),
+        )
+
+    def server_specs(self, peers: Sequence[str]) -> list[ServerSpec]:
+        """Specs of `peers` with every known client's round trips (the virtual client if none)."""
+        clients = sorted(self.clients)
+        specs = []
+        for peer in peers:
+            info = self.records[peer]
+            rtt = {client: self.client_rtt(client, peer) for client in clients} or {VIRTUAL_CLIENT: 0.0}
+            tau_prefill = prefill_time(info, self.l_in)
+            # paper 001's per-request times for GBP-CR: the farthest client's traffic, compute per block
+            worst = max(rtt.values())
+            specs.append(
+                ServerSpec(
+                    name=peer,
+                    memory_bytes=float(info.memory_bytes),
+                    tau=info.tau,
+                    tau_prefill=tau_prefill,
+                    rtt=rtt,
+                    rtt_prefill=dict(rtt),
+                    tau_c=worst * self.l_out,
+                    tau_p=tau_prefill + (self.l_out - 1) * info.tau,
+                )
+            )
+        return specs
+
+    def problem_document(self, peers: Sequence[str], num_requests: int | None = None) -> dict:
+        """The `swarm-plan` problem.json (SPEC 4) for placing `peers`; exact floats, so re-running
+        `swarm-plan place` on it gives the same placement."""
+        model = self.model_spec()
+        if model is None:
+            raise ValueError("no server has announced its block and cache sizes yet")
+        document: dict = {
+            "model": {
+                "num_blocks": model.num_blocks,
+                "block_bytes": model.block_bytes,
+                "cache_bytes": model.cache_bytes,
+                "hidden_size": model.hidden_size,
+                "kv_dim": model.kv_dim,
+                "dtype_bytes": model.dtype_bytes,
+            },
+            "servers": [
+                {
+                    "name": spec.name,
+                    "memory_bytes": spec.memory_bytes,
+                    "tau": spec.tau,
+                    "tau_prefill": spec.tau_prefill,
+                    "rtt": dict(spec.rtt),
+                    "rtt_prefill": dict(spec.rtt_prefill),
+                    "tau_c": spec.tau_c,
+                    "tau_p": spec.tau_p,
+                }
+                for spec in self.server_specs(peers)
+            ],
+            "l_out": self.l_out,
+        }
+        if num_requests is not None:
+            document["num_requests"] = num_requests
+        return document
+
+    def used_units(self, peer: str, model: ModelSpec) -> int:
+        """Cache slots (units of `s_c`) the server says are in use, from its free cache bytes."""
+        info = self.records.get(peer)
+        if info is None or not info.has_blocks:
+            return 0
+        total = info.memory_bytes - model.block_bytes * info.num_blocks
+        slots = math.floor(total / model.cache_bytes)
+        return max(slots - math.floor(info.cache_bytes_left / model.cache_bytes), 0)
+
+
+def prefill_time(info: ServerInfo, l_in: int) -> float:
+    """Per-block prefill time for `l_in` tokens, scaled from the announced measurement."""
+    if info.tau_prefill is None or info.prefill_tokens <= 0:
+        return (info.tau or 0.0) * l_in
+    return info.tau_prefill * l_in / info.prefill_tokens
+
+
+def _measured(info: ServerInfo) -> bool:
+    return info.tau is not None and info.block_bytes > 0 and info.cache_token_bytes > 0

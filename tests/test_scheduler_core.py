@@ -1,0 +1,176 @@
+"""The scheduler service's decisions, without sockets: placement adoption, WS-RR admission, leases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduler.algorithms.problem import Span
+from scheduler.plan_commands import place_cg_bp
+from scheduler.plan_io import parse_problem
+from scheduler.service.core import CoreSettings, SchedulerCore
+from scheduler.service.planner import PlanSettings, r_changed
+from scheduler.service.view import ModelShape
+from swarm.server_info import ServerInfo, ServerState
+
+L = 8
+BLOCK = 1000
+TOKEN = 10  # cache bytes per token per block
+SLOT = TOKEN * (4 + 6)  # s_c for l_in=4, l_out=6
+SHAPE = ModelShape(num_blocks=L, hidden_size=16, kv_dim=16)
+
+
+def info(memory, tau, span=None, state=ServerState.JOINING, managed=True, used_slots=0):
+    start, end = span if span else (None, None)
+    blocks = (end - start) if span else 0
+    left = memory - BLOCK * blocks - used_slots * SLOT
+    return ServerInfo(
+        state=state,
+        start=start,
+        end=end,
+        managed=managed,
+        memory_bytes=memory,
+        block_bytes=BLOCK,
+        cache_token_bytes=TOKEN,
+        cache_bytes_left=max(left, 0),
+        cache_slots_left=0,
+        slot_tokens=10,
+        max_length=64,
+        tau=tau,
+        tau_prefill=tau * 4,
+        prefill_tokens=4,
+    )
+
+
+def core_with(settings=None, now=0.0):
+    settings = settings or CoreSettings(plan=PlanSettings(num_requests=2), l_in=4, l_out=6, settle=1.0)
+    return SchedulerCore(SHAPE, settings, now)
+
+
+SERVERS = {
+    "peer-a": info(6 * BLOCK + 12 * SLOT, 0.001),
+    "peer-b": info(5 * BLOCK + 10 * SLOT, 0.004),
+    "peer-c": info(4 * BLOCK + 8 * SLOT, 0.002),
+    "peer-d": info(3 * BLOCK + 6 * SLOT, 0.003),
+    "peer-e": info(2 * BLOCK + 4 * SLOT, 0.005),
+}
+
+
+def serving(assignment, base=SERVERS, used=None):
+    """The records servers announce once they serve their assigned spans."""
+    used = used or {}
+    return {
+        peer: info(
+            record.memory_bytes,
+            record.tau,
+            span=(assignment[peer].start, assignment[peer].end) if assignment.get(peer) else None,
+            state=ServerState.ONLINE if assignment.get(peer) else ServerState.JOINING,
+            used_slots=used.get(peer, 0),
+        )
+        for peer, record in base.items()
+    }
+
+
+def test_placement_waits_to_settle_then_equals_swarm_plan():
+    core = core_with()
+    core.update_roster(SERVERS, now=0.0)
+    assert not core.review(now=0.5)  # servers are still arriving
+    assert core.review(now=1.2)
+    plan_output = place_cg_bp(parse_problem(json.dumps(core.plan.plan_input)))
+    expected = {entry["name"]: (entry["start"], entry["end"]) for entry in plan_output["placement"]}
+    got = {peer: (span.start, span.end) if span else (None, None) for peer, span in core.assignment.items()}
+    assert got == expected
+    assert core.assignment_for("peer-a").assigned and core.epoch == 1
+    assert core.status(2.0)["bound"] == pytest.approx(plan_output["bound"])
+    # nothing changed: later reviews keep the placement
+    core.update_roster(serving(core.assignment), now=2.0)
+    assert not core.review(now=100.0)
+    assert core.epoch == 1
+
+
+def test_restarted_scheduler_adopts_the_live_spans():
+    first = core_with()
+    first.update_roster(SERVERS, now=0.0)
+    first.review(now=2.0)
+    records = serving(first.assignment)
+    second = core_with(now=50.0)
+    second.update_roster(records, now=50.0)
+    assert second.assignment == first.assignment  # no server moves
+    assert not second.review(now=200.0)
+
+
+def test_a_server_leaving_triggers_re_placement_after_settle():
+    core = core_with()
+    core.update_roster(SERVERS, now=0.0)
+    core.review(now=2.0)
+    records = serving(core.assignment)
+    core.update_roster(records, now=3.0)
+    del records["peer-a"]
+    core.update_roster(records, now=4.0)
+    assert not core.review(now=4.5)
+    assert core.review(now=5.1)
+    assert "peer-a" not in core.assignment and core.epoch == 2
+
+
+def test_waiting_sessions_are_admitted_in_ws_rr_order_and_never_overfill():
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    servers = {"peer-a": info(L * BLOCK + 2 * SLOT * L, 0.001)}  # one server, room for exactly 2 sessions
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    core.update_roster(serving(core.assignment, servers), 0.2)
+    decisions = [core.route(f"c{k}", {"peer-a": 0.001}, 4, 6, 1, 10, now=1.0) for k in range(4)]
+    admitted = [core.book.sessions[d.session.session_id].admitted for d in decisions]
+    assert admitted == [True, True, False, False]
+    waits = [d.wait for d in decisions]
+    assert waits[0] == waits[1] == 0 and 0 < waits[2] <= waits[3]
+    # a session ending frees room for exactly the first waiting one
+    core.book.end(decisions[1].session.session_id)
+    assert core.tick(10.0) == [decisions[2].session.session_id]
+    core.book.end(decisions[0].session.session_id)
+    assert core.tick(11.0) == [decisions[3].session.session_id]
+
+
+def test_announced_use_blocks_admission_and_leases_expire():
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0, lease=5.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    servers = {"peer-a": info(L * BLOCK + 2 * SLOT * L, 0.001)}
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    # the server says sessions routed without the scheduler hold its whole cache
+    core.update_roster(serving(core.assignment, servers, used={"peer-a": 2 * L}), 0.2)
+    first = core.route("c1", {"peer-a": 0.001}, 4, 6, 1, 10, now=1.0)
+    assert not core.book.sessions[first.session.session_id].admitted
+    core.update_roster(serving(core.assignment, servers, used={"peer-a": L}), 2.0)  # one of them ended
+    assert core.tick(2.0) == [first.session.session_id]
+    second = core.route("c2", {"peer-a": 0.001}, 4, 6, 1, 10, now=2.0)
+    assert core.book.renew(first.session.session_id, 4.0)
+    assert core.tick(7.5) == []
+    assert first.session.session_id in core.book.sessions  # renewed at 4.0: lease until 9.0
+    assert second.session.session_id not in core.book.sessions  # never renewed: expired at 7.0
+    core.tick(9.5)
+    assert not core.book.sessions
+
+
+def test_sessions_longer_than_a_slot_take_several():
+    core = core_with()
+    assert core.book.units_for(batch_size=1, max_length=10) == 1
+    assert core.book.units_for(batch_size=2, max_length=10) == 2
+    assert core.book.units_for(batch_size=1, max_length=11) == 2
+
+
+def test_r_hysteresis():
+    assert not r_changed(8, 9, 0.25) and r_changed(8, 10, 0.25)
+    assert r_changed(1, 2, 0.25) and not r_changed(3, 3, 0.25)
+
+
+def test_unplaceable_servers_and_spans():
+    core = core_with()
+    records = dict(SERVERS)
+    records["pinned"] = info(4 * BLOCK, 0.001, span=(0, 2), state=ServerState.ONLINE, managed=False)
+    records["leaving"] = info(4 * BLOCK, 0.001, state=ServerState.OFFLINE)
+    core.update_roster(records, 0.0)
+    assert core.view.placeable() == sorted(SERVERS)
+    assert core.view.live() == ["pinned"]
+    assert core.view.live_spans(["pinned"]) == [Span(0, 2)]
