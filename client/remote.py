@@ -53,6 +53,9 @@ class RemoteBlockSession:
             l_out=max(1, min(connection.options.expected_l_out, max_length)),
         )
         self.session_id = uuid.uuid4().hex
+        self.created_at = time.monotonic()
+        self.first_step_done_at: float | None = None
+        self.later_step_seconds: list[float] = []  # for TPOT, reported to the scheduler at the end
         self.admission: Admission | None = None
         self._keep_alive: asyncio.Future | None = None
         self.streams: list[ServerStream] = run_sync(self._open_chain(0, connection.num_blocks))
@@ -162,7 +165,13 @@ class RemoteBlockSession:
             await self.connection.scheduler.keep_alive(scheduler_session)
 
     def step(self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        return run_sync(self._step(hidden, position, padding_mask))
+        started = time.monotonic()
+        output = run_sync(self._step(hidden, position, padding_mask))
+        if self.first_step_done_at is None:
+            self.first_step_done_at = time.monotonic()
+        else:
+            self.later_step_seconds.append(time.monotonic() - started)
+        return output
 
     async def _step(
         self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
@@ -252,8 +261,13 @@ class RemoteBlockSession:
         if self._keep_alive is not None:
             self._keep_alive.cancel()
             self._keep_alive = None
+            ttft = self.first_step_done_at - self.created_at if self.first_step_done_at else 0.0
+            steps = self.later_step_seconds
+            tpot = sum(steps) / len(steps) if steps else 0.0
             with contextlib.suppress(Exception):
-                await self.connection.scheduler.end_session(self.admission.scheduler_session)
+                await self.connection.scheduler.end_session(
+                    self.admission.scheduler_session, ttft=ttft, tpot=tpot, tokens=len(steps)
+                )
 
 
 class RemoteBlocks:

@@ -101,8 +101,12 @@ class SchedulerLink:
         reply = await self._call("KeepAlive", pb.SessionRef(session_id=session_id))
         return bool(reply and reply.known)
 
-    async def end_session(self, session_id: str) -> None:
-        await self._call("EndSession", pb.SessionRef(session_id=session_id))
+    async def end_session(
+        self, session_id: str, ttft: float = 0.0, tpot: float = 0.0, tokens: int = 0
+    ) -> None:
+        """End the session; TTFT/TPOT (seconds) and the token count feed the operators' metrics."""
+        request = pb.SessionRef(session_id=session_id, ttft=ttft, tpot=tpot, tokens=tokens)
+        await self._call("EndSession", request)
 
     async def close(self) -> None:
         if self._channel is not None:

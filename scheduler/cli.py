@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-place a working swarm only if this much faster (0.1 = 10%%)",
     )
     parser.add_argument("--address-file", help="write the gRPC address (host:port) here once serving")
+    parser.add_argument("--http-host", help="address of the status page and /metrics (default: --host)")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="port of the status page and /metrics (0: any free; -1: none)",
+    )
     add_log_level_argument(parser)
     return parser
 
@@ -84,6 +91,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         raise SwarmUserError("--num-requests must be at least 1")
     if not 0 <= args.port <= 65535:
         raise SwarmUserError(f"--port must be in 0..65535, got {args.port}")
+    if not -1 <= args.http_port <= 65535:
+        raise SwarmUserError(f"--http-port must be in 0..65535 (or -1 for none), got {args.http_port}")
     arrival_rate = None
     if args.arrival_rate != "auto":
         try:
@@ -116,6 +125,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         port=args.port,
         announce_host=args.announce_host,
         address_file=args.address_file,
+        http_host=args.http_host,
+        http_port=None if args.http_port == -1 else args.http_port,
     )
 
 

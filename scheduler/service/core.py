@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler.algorithms.problem import Span, uncovered_blocks
+from scheduler.algorithms.problem import Span
 from scheduler.plan_commands import Infeasible
 from scheduler.plan_io import PlanInputError
 from scheduler.service.planner import (
@@ -32,7 +32,9 @@ from scheduler.service.planner import (
     plan_summary,
     r_changed,
 )
+from scheduler.service.request_stats import RequestStats
 from scheduler.service.sessions import RouteDecision, SessionBook
+from scheduler.service.status import describe_servers
 from scheduler.service.view import ModelShape, SwarmView
 from swarm.server_info import ServerInfo
 
@@ -64,6 +66,7 @@ class SchedulerCore:
         self.view = SwarmView(shape, settings.l_in, settings.l_out)
         self.book = SessionBook(settings.lease, settings.l_in + settings.l_out, settings.plan.policy)
         self.rate = ArrivalRate(settings.plan.rate_window, now)
+        self.requests = RequestStats()
         self.started_at = now
         self.epoch = 0
         self.plan: Plan | None = None  # the last adopted placement
@@ -201,63 +204,42 @@ class SchedulerCore:
             uuid.uuid4().hex, client_id, rtts, l_out, self.book.units_for(batch_size, max_length), now
         )
         if decision is not None:
-            self.book.admit_ready(now)
+            self.tick(now)
         return decision
 
     def tick(self, now: float) -> list[str]:
         """Expire leases and admit whoever fits now; returns newly admitted session ids."""
         self.book.expire(now)
-        return self.book.admit_ready(now)
+        admitted = self.book.admit_ready(now)
+        for session_id in admitted:
+            session = self.book.sessions[session_id]
+            self.requests.record_wait(now - session.routed_at)
+        return admitted
 
     # --- status --------------------------------------------------------------------------------------
+    def end_session(self, session_id: str, ttft: float = 0.0, tpot: float = 0.0, tokens: int = 0) -> bool:
+        """The client is done; it may report what it measured (SPEC 6 metrics for operators)."""
+        self.requests.record_finished(ttft, tpot, tokens)
+        return self.book.end(session_id)
+
     def status(self, now: float) -> dict:
-        view, book = self.view, self.book
-        num_blocks = view.shape.num_blocks
-        live = view.live()
-        live_spans = view.live_spans(live)
-        coverage = [0] * num_blocks
-        for span in live_spans:
-            if span is not None:
-                for block in range(span.start, span.end):
-                    coverage[block] += 1
-        servers = []
-        for peer in sorted(view.records):
-            info = view.records[peer]
-            assigned = self.assignment.get(peer)
-            servers.append(
-                {
-                    "peer_id": peer,
-                    "public_name": info.public_name,
-                    "state": str(info.state),
-                    "managed": info.managed,
-                    "start": info.start if info.has_blocks else -1,
-                    "end": info.end if info.has_blocks else -1,
-                    "assigned_start": assigned.start if assigned else -1,
-                    "assigned_end": assigned.end if assigned else -1,
-                    "memory_bytes": float(info.memory_bytes),
-                    "tau": info.tau or 0.0,
-                    "tau_prefill": info.tau_prefill or 0.0,
-                    "cache_slots": book.capacity(peer),
-                    "slots_in_use": book.granted(peer),
-                    "active_sessions": info.active_sessions,
-                }
-            )
+        book = self.book
+        described = describe_servers(self.view, self.assignment, book.capacity, book.granted)
         plan = self.plan
         bound = plan.bound if plan is not None and plan.bound is not None else -1.0
         rate = self.settings.plan.arrival_rate or self.rate.rate(now) or 0.0
         return {
             "policy": self.settings.plan.policy,
             "epoch": self.epoch,
-            "num_blocks": num_blocks,
+            "num_blocks": self.view.shape.num_blocks,
             "num_requests": self.num_requests,
             "bound": bound if math.isfinite(bound) else -1.0,
             "arrival_rate": rate,
-            "servers": servers,
-            "coverage": coverage,
+            **described,
             "active_sessions": book.num_admitted,
             "waiting_sessions": book.num_waiting,
-            "uncovered_blocks": uncovered_blocks(live_spans, num_blocks),
             "plan_input": plan.plan_input if plan else None,
             "plan_output": plan.plan_output if plan else None,
             "uptime": now - self.started_at,
+            **self.requests.summary(),
         }

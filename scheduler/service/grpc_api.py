@@ -14,6 +14,7 @@ import time
 import grpc
 
 from scheduler.service.core import SchedulerCore
+from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 
@@ -24,13 +25,18 @@ ID_LIMIT = 128
 
 
 class SchedulerApi(pb_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore, clock=time.monotonic):
+    def __init__(self, core: SchedulerCore, clock=time.monotonic, metrics: SchedulerMetrics | None = None):
         self.core, self.clock = core, clock
+        self.metrics = metrics or SchedulerMetrics()
+        self.status_url = ""  # set by the runner when it serves the web page
         self._admitted: dict[str, asyncio.Event] = {}
 
     # --- called by the runner when the core admitted sessions ---------------------------------
     def notify_admitted(self, session_ids: list[str]) -> None:
         for session_id in session_ids:
+            session = self.core.book.sessions.get(session_id)
+            if session is not None and session.admitted_at is not None:
+                self.metrics.wait.observe(session.admitted_at - session.routed_at)
             event = self._admitted.get(session_id)
             if event is not None:
                 event.set()
@@ -79,10 +85,14 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
             now,
         )
         if decision is None:
+            self.metrics.routes.labels(outcome="no_route").inc()
             return pb.RouteReply(error="no chain of servers reachable from this client covers the model")
         session = decision.session
         self._admitted[session.session_id] = asyncio.Event()
+        if session.admitted:  # admitted on the spot by core.route
+            self.metrics.wait.observe(0.0)
         self.pump()
+        self.metrics.routes.labels(outcome="admitted" if session.admitted else "waiting").inc()
         return self._reply(session.session_id, now, decision.completion, decision.cost)
 
     async def AwaitAdmission(self, request: pb.AwaitRequest, context) -> pb.RouteReply:
@@ -116,7 +126,13 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
 
     async def EndSession(self, request: pb.SessionRef, context) -> pb.EndReply:
         await _check_id(context, request.session_id, "session_id")
-        known = self.core.book.end(request.session_id)
+        known = self.core.end_session(request.session_id, request.ttft, request.tpot, request.tokens)
+        if known:
+            self.metrics.ended.inc()
+            if request.ttft > 0:
+                self.metrics.ttft.observe(request.ttft)
+            if request.tokens > 0 and request.tpot > 0:
+                self.metrics.tpot.observe(request.tpot)
         self._admitted.pop(request.session_id, None)
         self.pump()
         return pb.EndReply(known=known)
@@ -142,11 +158,24 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
 
     # --- operators ----------------------------------------------------------------------------------
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.Status:
-        return status_message(self.core.status(self.clock()))
+        return status_message({**self.core.status(self.clock()), "status_url": self.status_url})
+
+
+STATUS_SCALARS = (
+    "finished_requests",
+    "ttft_p50",
+    "ttft_p95",
+    "tpot_p50",
+    "tpot_p95",
+    "wait_p50",
+    "wait_p95",
+    "status_url",
+)
 
 
 def status_message(status: dict) -> pb.Status:
     return pb.Status(
+        **{name: status[name] for name in STATUS_SCALARS if name in status},
         policy=status["policy"],
         epoch=status["epoch"],
         num_blocks=status["num_blocks"],

@@ -18,8 +18,10 @@ from hivemind.dht import DHT
 
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.grpc_api import SchedulerApi
+from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from scheduler.service.view import ModelShape
+from scheduler.service.web import make_app, start_web
 from swarm.dht_records import fetch_roster_async, publish_scheduler
 
 logger = logging.getLogger(__name__)
@@ -37,13 +39,16 @@ class SchedulerConfig:
     refresh: float = 0.5  # seconds between roster reads
     record_ttl: float = 20.0  # the DHT record of a dead scheduler disappears after this long
     address_file: str | None = None  # write "host:port" here once serving (for scripts and tests)
+    http_host: str | None = None  # status page, /api/status and /metrics (default: host)
+    http_port: int | None = 0  # 0: any free port; None: no web server
 
 
 class SchedulerService:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.core = SchedulerCore(config.shape, config.core, time.monotonic())
-        self.api = SchedulerApi(self.core)
+        self.metrics = SchedulerMetrics()
+        self.api = SchedulerApi(self.core, metrics=self.metrics)
         self.dht: DHT | None = None
         self.address = ""
         self._stop = asyncio.Event()
@@ -68,12 +73,21 @@ class SchedulerService:
             config.core.l_in,
             config.core.l_out,
         )
+        web_runner = None
+        if config.http_port is not None:
+            app = make_app(self._status, f"llm-swarm: {config.dht_prefix}", "scheduler", self._metrics)
+            http_host = config.http_host or config.host
+            web_runner, http_port = await start_web(app, http_host, config.http_port)
+            self.api.status_url = f"http://{config.announce_host or http_host}:{http_port}/"
+            logger.info("status page at %s", self.api.status_url)
         if config.address_file:
             with open(config.address_file, "w") as file:
                 file.write(self.address + "\n")
         try:
             await self._loop()
         finally:
+            if web_runner is not None:
+                await web_runner.cleanup()
             await server.stop(grace=1.0)
             self.dht.shutdown()
             logger.info("stopped")
@@ -103,10 +117,18 @@ class SchedulerService:
             except TimeoutError:
                 pass
 
+    async def _status(self) -> dict:
+        return {**self.core.status(time.monotonic()), "status_url": self.api.status_url}
+
+    def _metrics(self) -> bytes:
+        self.metrics.update(self.core.status(time.monotonic()))
+        return self.metrics.exposition()
+
     def _record(self) -> dict:
         core = self.core
         return {
             "address": self.address,
+            "status_url": self.api.status_url,
             "policy": core.settings.plan.policy,
             "epoch": core.epoch,
             "num_requests": core.num_requests,

@@ -95,10 +95,16 @@ class AwaitRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class SessionRef(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "ttft", "tpot", "tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TPOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    ttft: float
+    tpot: float
+    tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., ttft: _Optional[float] = ..., tpot: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("known", "lease")
@@ -151,7 +157,7 @@ class ServerStatus(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., public_name: _Optional[str] = ..., state: _Optional[str] = ..., managed: _Optional[bool] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., assigned_start: _Optional[int] = ..., assigned_end: _Optional[int] = ..., memory_bytes: _Optional[float] = ..., tau: _Optional[float] = ..., tau_prefill: _Optional[float] = ..., cache_slots: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("policy", "epoch", "num_blocks", "num_requests", "bound", "arrival_rate", "servers", "coverage", "active_sessions", "waiting_sessions", "uncovered_blocks", "plan_input", "plan_output", "uptime")
+    __slots__ = ("policy", "epoch", "num_blocks", "num_requests", "bound", "arrival_rate", "servers", "coverage", "active_sessions", "waiting_sessions", "uncovered_blocks", "plan_input", "plan_output", "uptime", "finished_requests", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "wait_p50", "wait_p95", "status_url")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +172,14 @@ class Status(_message.Message):
     PLAN_INPUT_FIELD_NUMBER: _ClassVar[int]
     PLAN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     UPTIME_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P95_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P50_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P95_FIELD_NUMBER: _ClassVar[int]
+    WAIT_P50_FIELD_NUMBER: _ClassVar[int]
+    WAIT_P95_FIELD_NUMBER: _ClassVar[int]
+    STATUS_URL_FIELD_NUMBER: _ClassVar[int]
     policy: str
     epoch: int
     num_blocks: int
@@ -180,4 +194,12 @@ class Status(_message.Message):
     plan_input: str
     plan_output: str
     uptime: float
-    def __init__(self, policy: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., bound: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., coverage: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., uncovered_blocks: _Optional[_Iterable[int]] = ..., plan_input: _Optional[str] = ..., plan_output: _Optional[str] = ..., uptime: _Optional[float] = ...) -> None: ...
+    finished_requests: int
+    ttft_p50: float
+    ttft_p95: float
+    tpot_p50: float
+    tpot_p95: float
+    wait_p50: float
+    wait_p95: float
+    status_url: str
+    def __init__(self, policy: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., bound: _Optional[float] = ..., arrival_rate: _Optional[float] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., coverage: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., uncovered_blocks: _Optional[_Iterable[int]] = ..., plan_input: _Optional[str] = ..., plan_output: _Optional[str] = ..., uptime: _Optional[float] = ..., finished_requests: _Optional[int] = ..., ttft_p50: _Optional[float] = ..., ttft_p95: _Optional[float] = ..., tpot_p50: _Optional[float] = ..., tpot_p95: _Optional[float] = ..., wait_p50: _Optional[float] = ..., wait_p95: _Optional[float] = ..., status_url: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,300 @@
+"""The scheduler service with real processes (issue 6): a DHT, `swarm-scheduler`, managed servers
+started without --blocks, and clients in this process.
+
+Two swarms: five servers of different memory budgets and emulated speeds (placement, generation,
+a server leaving), and two servers with room for exactly R = 2 sessions (admission in WS-RR order,
+the scheduler killed and restarted).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client import AutoDistributedModelForCausalLM, ClientOptions
+from scheduler.service.proto import scheduler_pb2 as pb
+from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
+from swarm.local_swarm import LocalSwarm
+from swarm.models.span import load_span
+from tests.conftest import NUM_BLOCKS
+
+L_IN, L_OUT = 16, 48  # the scheduler's planned session: 64 tokens = one cache slot
+SLOT_TOKENS = L_IN + L_OUT
+OPTIONS = ClientOptions(scheduler_retry=1.0, wait_for_room=120.0)
+
+
+def sizes(model_dir) -> tuple[int, int]:
+    """(s_m, s_c) of the model in float32, as servers announce them."""
+    span, _ = load_span(model_dir, 0, 1)
+    return span.block_bytes, span.cache_bytes(SLOT_TOKENS)
+
+
+def budget(model_dir, blocks: int, sessions: int) -> str:
+    """Memory for exactly `blocks` blocks and `sessions` full sessions on each (plus half a slot)."""
+    block_bytes, slot_bytes = sizes(model_dir)
+    return str(blocks * (block_bytes + sessions * slot_bytes) + slot_bytes // 2)
+
+
+def status(address: str) -> pb.Status:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.SchedulerStub(channel).GetStatus(pb.StatusRequest(), timeout=10)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.3)
+
+
+def placed(address: str, count: int) -> pb.Status | None:
+    """The status once `count` managed servers serve exactly their assigned spans."""
+    try:
+        current = status(address)
+    except grpc.RpcError:
+        return None
+    servers = [s for s in current.servers if s.managed]
+    ready = (
+        len(servers) == count
+        and all(s.state == "online" and s.assigned_start >= 0 for s in servers)
+        and all((s.start, s.end) == (s.assigned_start, s.assigned_end) for s in servers)
+        and not current.uncovered_blocks
+    )
+    return current if ready else None
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return AutoModelForCausalLM.from_pretrained(llama_dir).eval(), AutoTokenizer.from_pretrained(llama_dir)
+
+
+def expected(reference, prompt: str, new_tokens: int) -> torch.Tensor:
+    model, tokenizer = reference
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+
+
+def generate(client, reference, prompt: str, new_tokens: int, max_length: int = SLOT_TOKENS):
+    """Generate in an explicit session; returns (tokens, the session's scheduler admission or None)."""
+    _, tokenizer = reference
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with client.inference_session(max_length=max_length) as session:
+        output = client.generate(ids, max_new_tokens=new_tokens, do_sample=False, session=session)
+        return output, session.blocks.admission
+
+
+# --- five servers: placement, generation, a server leaving ---------------------------------------
+
+FIVE = {  # name: (blocks its budget holds with R = 2, emulated per-block delay in seconds)
+    "m1": (4, 0.0),
+    "m2": (3, 0.002),
+    "m3": (3, 0.004),
+    "m4": (2, 0.001),
+    "m5": (2, 0.006),
+}
+
+
+@pytest.fixture(scope="module")
+def five(llama_dir, tmp_path_factory):
+    swarm = LocalSwarm(tmp_path_factory.mktemp("scheduler-five"))
+    try:
+        swarm.start_dht()
+        address = swarm.start_scheduler(
+            "scheduler",
+            llama_dir,
+            *("--num-requests", "2", "--l-in", str(L_IN), "--l-out", str(L_OUT)),
+            *("--period", "5", "--settle", "4"),
+        )
+        for name, (blocks, delay) in FIVE.items():
+            memory = budget(llama_dir, blocks, sessions=2)
+            swarm.start_server(name, llama_dir, None, memory, "--compute-delay", str(delay))
+        yield swarm, address
+    finally:
+        leaked = swarm.close()
+        assert not leaked, f"process groups left running: {leaked}"
+
+
+def test_managed_spans_equal_swarm_plan_and_generation_is_exact(five, llama_dir, reference):
+    swarm, address = five
+    current = wait_until(lambda: placed(address, len(FIVE)), 150, "the five servers to serve their spans")
+    plan = subprocess.run(
+        [sys.executable, "-m", "scheduler.plan_cli", "place", "--algo", "cg-bp"],
+        input=current.plan_input,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    planned = {
+        entry["name"]: (entry["start"], entry["end"]) for entry in json.loads(plan.stdout)["placement"]
+    }
+    live = {server.peer_id: (server.start, server.end) for server in current.servers}
+    assert live == planned
+    assert json.loads(current.plan_input)["num_requests"] == 2
+    assert min(current.coverage) >= 1 and len(current.coverage) == NUM_BLOCKS
+    assert current.bound > 0
+
+    client = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+    )
+    try:
+        output, admission = generate(client, reference, "Once upon a time", 24)
+        assert admission is not None  # routed by the scheduler
+        assert torch.equal(output, expected(reference, "Once upon a time", 24))
+    finally:
+        client.shutdown()
+
+
+def test_a_server_leaving_triggers_re_placement_and_loses_no_session(five, llama_dir, reference):
+    swarm, address = five
+    before = wait_until(lambda: placed(address, len(FIVE)), 150, "a settled placement")
+    client = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+    )
+    results, errors = {}, []
+
+    def run(index: int, prompt: str) -> None:
+        try:
+            results[index] = generate(client, reference, prompt, 40)[0]
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    prompts = ["The quick brown fox", "A swarm"]
+    threads = [threading.Thread(target=run, args=(k, p)) for k, p in enumerate(prompts)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        left_at = time.monotonic()
+        swarm.stop("m1", signal.SIGTERM)  # the biggest server leaves while sessions run through it
+        after = wait_until(
+            lambda: (s := status(address)).epoch > before.epoch and s, 30, "a re-placement after m1 left"
+        )
+        # within one period (5 s) plus the settle time (4 s) and the drain of m1 (<= 10 s)
+        assert time.monotonic() - left_at < 5 + 4 + 10 + 3
+        assert len([s for s in after.servers if s.managed and s.state != "offline"]) == len(FIVE) - 1
+        for thread in threads:
+            thread.join(timeout=180)
+    finally:
+        client.shutdown()
+    assert not errors, errors
+    for index, prompt in enumerate(prompts):
+        assert torch.equal(results[index], expected(reference, prompt, 40)), prompt
+    wait_until(lambda: placed(address, len(FIVE) - 1), 150, "the four servers to serve their new spans")
+
+
+# --- two servers with room for exactly R = 2 sessions: admission and the scheduler's death ----------
+
+
+@pytest.fixture(scope="module")
+def tight(llama_dir, tmp_path_factory):
+    swarm = LocalSwarm(tmp_path_factory.mktemp("scheduler-tight"))
+    scheduler_args = (
+        *("--num-requests", "2", "--l-in", str(L_IN), "--l-out", str(L_OUT)),
+        *("--period", "5", "--settle", "3"),
+    )
+    try:
+        swarm.start_dht()
+        address = swarm.start_scheduler("scheduler", llama_dir, *scheduler_args)
+        memory = budget(llama_dir, NUM_BLOCKS // 2, sessions=2)
+        for name in ("t1", "t2"):  # same budget: CG-BP gives each half the blocks, room for 2 sessions
+            swarm.start_server(name, llama_dir, None, memory, "--compute-delay", "0.01")
+        wait_until(lambda: placed(address, 2), 150, "the two servers to serve their spans")
+        yield swarm, address, scheduler_args
+    finally:
+        leaked = swarm.close()
+        assert not leaked, f"process groups left running: {leaked}"
+
+
+def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, llama_dir, reference):
+    swarm, _, _ = tight
+    client = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+    )
+    # A and B fill both slots; B is short, so C (routed before D) is predicted, and admitted, first
+    plan = [
+        ("A", "Once upon a time", 40, 0.0),
+        ("B", "Paris London", 6, 0.0),
+        ("C", "It learned", 8, 0.6),
+        ("D", "one two", 8, 1.2),
+    ]
+    results, admissions, errors = {}, {}, []
+
+    def run(name: str, prompt: str, new_tokens: int, delay: float) -> None:
+        try:
+            time.sleep(delay)
+            results[name], admissions[name] = generate(client, reference, prompt, new_tokens)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=entry) for entry in plan]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        refusals = client.backend.connection.no_cache_room_refusals
+    finally:
+        client.shutdown()
+    assert not errors, errors
+    for name, prompt, new_tokens, _ in plan:
+        assert torch.equal(results[name], expected(reference, prompt, new_tokens)), name
+    assert refusals == 0  # the scheduler never sent a session to a server without room
+    assert all(admissions[name] is not None for name in "ABCD")
+    waited = {name: admissions[name].admitted_at - admissions[name].routed_at for name in "ABCD"}
+    assert waited["C"] > 0.2 and waited["D"] > 0.2, waited
+    predicted = sorted("CD", key=lambda n: admissions[n].routed_at + admissions[n].expected_wait)
+    actual = sorted("CD", key=lambda n: admissions[n].admitted_at)
+    assert predicted == actual == ["C", "D"]
+
+
+def test_killing_and_restarting_the_scheduler(tight, llama_dir, reference):
+    swarm, address, scheduler_args = tight
+    before = status(address)
+    client = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+    )
+    results, errors = {}, []
+
+    def run(name: str, prompt: str) -> None:
+        try:
+            results[name] = generate(client, reference, prompt, 40)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    try:
+        running = threading.Thread(target=run, args=("running", "The quick brown fox"))
+        running.start()
+        time.sleep(1.0)
+        swarm.stop("scheduler", signal.SIGKILL)
+        # a new session while the scheduler is dead: routed locally
+        fallback, admission = generate(client, reference, "A swarm", 12)
+        assert admission is None
+        assert torch.equal(fallback, expected(reference, "A swarm", 12))
+        running.join(timeout=180)
+        assert not errors, errors
+        assert torch.equal(results["running"][0], expected(reference, "The quick brown fox", 40))
+
+        # a new scheduler rebuilds its state from the DHT: same servers, same spans, no moves
+        address = swarm.start_scheduler("scheduler-2", llama_dir, *scheduler_args)
+        rebuilt = wait_until(lambda: placed(address, 2), 60, "the restarted scheduler to see the servers")
+        spans = lambda s: sorted((x.peer_id, x.start, x.end) for x in s.servers)  # noqa: E731
+        assert spans(rebuilt) == spans(before)
+        time.sleep(OPTIONS.scheduler_retry + 0.5)
+        resumed, admission = generate(client, reference, "Paris London", 12)
+        assert admission is not None  # the client found the new scheduler in the DHT
+        assert torch.equal(resumed, expected(reference, "Paris London", 12))
+    finally:
+        client.shutdown()
