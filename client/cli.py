@@ -22,6 +22,7 @@ EXAMPLES = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
         prog="swarm-generate",
         description="Generate text through a chain of transformer-block spans.",
         epilog=EXAMPLES,

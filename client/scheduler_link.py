@@ -48,7 +48,6 @@ class SchedulerLink:
         self._address = record["address"]
         self._channel = grpc.aio.insecure_channel(self._address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
-        self._announced_absence = False
         return self._stub
 
     def _quiet(self, error: BaseException | None) -> None:
@@ -72,7 +71,11 @@ class SchedulerLink:
         if stub is None:
             return None
         try:
-            return await getattr(stub, method)(request, timeout=timeout or self.call_timeout)
+            reply = await getattr(stub, method)(request, timeout=timeout or self.call_timeout)
+            if self._announced_absence:
+                logger.info("scheduler at %s answers again: routing through it", self._address)
+                self._announced_absence = False
+            return reply
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(f"the scheduler rejected {method}: {error.details()}") from error

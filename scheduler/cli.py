@@ -28,6 +28,7 @@ through the DHT and fall back to local decisions when it is unreachable.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
         prog="swarm-scheduler",
         description="Place the model's blocks on the swarm's servers periodically and route sessions.",
         epilog=EXAMPLES,

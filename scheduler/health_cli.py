@@ -36,6 +36,7 @@ EXAMPLES = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
         prog="swarm-health",
         description="Serve a status page (and /api/status JSON) of a swarm, read from its DHT.",
         epilog=EXAMPLES,

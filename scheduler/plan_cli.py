@@ -111,7 +111,10 @@ example:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="swarm-plan", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
+        prog="swarm-plan",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{place,route,compose}")
 

@@ -36,6 +36,7 @@ class _OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="swarm-sim",
+        fromfile_prefix_chars="@",  # arguments from a file: swarm-sim @args.txt
         description="Simulate a PETALS-style swarm (placement + routing policy) and report per-request "
         "metrics averaged over Monte Carlo seeds.",
         epilog="example: swarm-sim --scenario clustered --policy proposed --client-cluster 0 --rate 0.5 "

@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
+source scripts/_system_packages.sh
 ensure_venv test
+ensure_system_packages
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"

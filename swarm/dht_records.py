@@ -48,7 +48,9 @@ def announce(dht: DHT, prefix: str, peer_id: str, info: ServerInfo, ttl: float, 
 
 
 async def _get(_dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str, object]]:
-    found = await node.get_many(keys)
+    # latest: search the peers for the newest value instead of stopping at the first one found,
+    # which may be this node's own cached copy (a server that moved, a scheduler that restarted)
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
     records: dict[str, dict[str, object]] = {}
     for key, entry in found.items():
         if entry is None or not isinstance(entry.value, dict):

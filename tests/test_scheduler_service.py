@@ -226,9 +226,9 @@ def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, lla
     # A and B fill both slots; B is short, so C (routed before D) is predicted, and admitted, first
     plan = [
         ("A", "Once upon a time", 40, 0.0),
-        ("B", "Paris London", 6, 0.0),
-        ("C", "It learned", 8, 0.6),
-        ("D", "one two", 8, 1.2),
+        ("B", "Paris London", 16, 0.0),
+        ("C", "It learned", 8, 0.4),
+        ("D", "one two", 8, 0.8),
     ]
     results, admissions, errors = {}, {}, []
 

@@ -11,6 +11,7 @@ from hivemind.dht import DHT
 
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.errors import SwarmUserError
 
 EXAMPLES = """example:
   swarm-dht --host 127.0.0.1 --port 0 --maddr-file dht.maddrs
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="swarm-dht",
         description="Run a bootstrap peer of the swarm's DHT until SIGINT/SIGTERM.",
+        fromfile_prefix_chars="@",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -32,6 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--maddr-file", type=Path, help="write the visible multiaddrs here, one per line")
     parser.add_argument("--identity-path", help="private key file, so the peer id survives restarts")
+    parser.add_argument(
+        "--announce-host",
+        help="public IPv4 address peers should dial (behind NAT or when listening on 0.0.0.0)",
+    )
     add_log_level_argument(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -42,7 +48,11 @@ def run(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    options = {"identity_path": args.identity_path} if args.identity_path else {}
+    options: dict = {"identity_path": args.identity_path} if args.identity_path else {}
+    if args.announce_host:
+        if args.port == 0:
+            raise SwarmUserError("--announce-host needs a fixed --port (peers dial that port)")
+        options["announce_maddrs"] = [f"/ip4/{args.announce_host}/tcp/{args.port}"]
     dht = DHT(
         initial_peers=args.initial_peers,
         host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],

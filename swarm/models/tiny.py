@@ -139,6 +139,7 @@ def build_tiny_model(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
+        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
         prog="swarm-make-tiny-model",
         description="Build a tiny random-weight BLOOM or LLaMA checkpoint with a trained tokenizer.",
         epilog="example: swarm-make-tiny-model models/tiny-llama --family llama --layers 6 --kv-heads 2",
