@@ -13,7 +13,6 @@ from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.errors import SwarmUserError
 from swarm.models.checkpoint import load_config
-from swarm.models.family import family_for
 
 EXAMPLES = """examples:
   swarm-scheduler --initial-peers $(head -1 dht.maddrs) --model-dir models/tiny-llama
@@ -76,13 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    model_config = load_config(args.model_dir)
-    family = family_for(model_config)
-    shape = ModelShape(
-        num_blocks=family.num_blocks(model_config),
-        hidden_size=family.hidden_size(model_config),
-        kv_dim=family.num_kv_heads(model_config) * family.head_dim(model_config),
-    )
+    shape = ModelShape.from_config(load_config(args.model_dir))
     for name in ("period", "lease", "l_in", "l_out"):
         if getattr(args, name) <= 0:
             raise SwarmUserError(f"--{name.replace('_', '-')} must be positive")

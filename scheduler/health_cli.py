@@ -24,7 +24,6 @@ from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.dht_records import fetch_roster_async
 from swarm.errors import SwarmUserError
 from swarm.models.checkpoint import load_config
-from swarm.models.family import family_for
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     def run() -> None:
         if args.refresh <= 0 or not 0 <= args.port <= 65535:
             raise SwarmUserError("--refresh must be positive and --port in 0..65535")
-        config = load_config(args.model_dir)
-        family = family_for(config)
-        shape = ModelShape(
-            num_blocks=family.num_blocks(config),
-            hidden_size=family.hidden_size(config),
-            kv_dim=family.num_kv_heads(config) * family.head_dim(config),
-        )
+        shape = ModelShape.from_config(load_config(args.model_dir))
         prefix = validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir)
         asyncio.run(serve(args, prefix, shape))
 

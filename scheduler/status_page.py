@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from scheduler.service.request_stats import SUMMARY_KEYS
+
 STATE_COLORS = {"online": "#2e9d5b", "moving": "#e39b21", "joining": "#8d99ae", "offline": "#c8553d"}
 
 
@@ -90,18 +92,7 @@ def coverage_map(status: dict) -> dict:
 def render_status_page(status: dict, title: str, subtitle: str = "", refresh: int = 5) -> str:
     bound = status.get("bound", -1.0)
     rate = status.get("arrival_rate", 0.0)
-    requests = {
-        key: status.get(key, 0)
-        for key in (
-            "finished_requests",
-            "ttft_p50",
-            "ttft_p95",
-            "tpot_p50",
-            "tpot_p95",
-            "wait_p50",
-            "wait_p95",
-        )
-    }
+    requests = {key: status.get(key, 0) for key in SUMMARY_KEYS}
     return _template.render(
         title=title,
         subtitle=subtitle,

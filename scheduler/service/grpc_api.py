@@ -17,6 +17,7 @@ from scheduler.service.core import SchedulerCore
 from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
+from scheduler.service.request_stats import SUMMARY_KEYS
 
 MAX_AWAIT_S = 30.0  # one AwaitAdmission blocks at most this long; clients call again
 MAX_TOKENS = 1 << 20
@@ -161,16 +162,7 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
         return status_message({**self.core.status(self.clock()), "status_url": self.status_url})
 
 
-STATUS_SCALARS = (
-    "finished_requests",
-    "ttft_p50",
-    "ttft_p95",
-    "tpot_p50",
-    "tpot_p95",
-    "wait_p50",
-    "wait_p95",
-    "status_url",
-)
+STATUS_SCALARS = (*SUMMARY_KEYS, "status_url")
 
 
 def status_message(status: dict) -> pb.Status:

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 1000
+SUMMARY_KEYS = ("finished_requests", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "wait_p50", "wait_p95")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from swarm.models.family import family_for
 from swarm.server_info import ServerInfo, ServerState
 
 VIRTUAL_CLIENT = "any"
@@ -36,6 +37,16 @@ class ModelShape:
     num_blocks: int
     hidden_size: int
     kv_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a transformers config (`swarm.models.checkpoint.load_config`)."""
+        family = family_for(config)
+        return cls(
+            num_blocks=family.num_blocks(config),
+            hidden_size=family.hidden_size(config),
+            kv_dim=family.num_kv_heads(config) * family.head_dim(config),
+        )
 
 
 @dataclass
