@@ -1,4 +1,8 @@
-"""`swarm-server`: serve a span of a model's blocks to the swarm."""
+"""`swarm-server`: serve a span of a model's blocks to the swarm.
+
+With `--blocks` the span is pinned. Without it the server is managed: it takes its span from the
+scheduler service, or chooses one PETALS-style when no scheduler answers (see `server.server`).
+"""
 
 from __future__ import annotations
 
@@ -17,27 +21,43 @@ from swarm.units import parse_bytes
 
 EXAMPLES = """examples:
   swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --blocks 0:3 --memory 1GB
+  swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --memory 1GB  # managed
   swarm-server models/bloom --initial-peers $(cat dht.maddrs) --blocks 0:35 --memory 70GB --dtype bfloat16
+  swarm-server models/bloom @server.args --metrics-port 9100  # flags from a file, one per line
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarm-server",
-        description="Load blocks START:END of a local checkpoint and serve them to the swarm.",
+        description="Load blocks of a local checkpoint and serve them to the swarm: the span given by "
+        "--blocks, or (without it) the span the scheduler assigns, chosen PETALS-style if no scheduler "
+        "answers.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        fromfile_prefix_chars="@",  # arguments from a file: swarm-server @server.args
     )
     parser.add_argument("model_dir")
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
     parser.add_argument(
-        "--blocks", type=span_argument, required=True, help="0-based half-open span, e.g. 0:12"
+        "--blocks",
+        type=span_argument,
+        help="0-based half-open span, e.g. 0:12 (default: managed, the scheduler assigns the span)",
     )
     parser.add_argument("--memory", required=True, help="memory budget M_j for blocks + caches, e.g. 8GB")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument(
+        "--announce-host", help="address clients dial, behind NAT or with --host 0.0.0.0 (needs --port)"
+    )
+    parser.add_argument("--identity-path", help="private key file, so the peer id survives restarts")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on --host at this port (0: any free port, logged)",
+    )
     parser.add_argument("--public-name", default="", help="a name shown to operators")
     parser.add_argument(
         "--dht-prefix", help="swarm namespace of the model (default: the model directory's name)"
@@ -60,10 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="emulation: extra seconds per block per step, to make a CPU server behave like a slower GPU",
     )
     parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=2.0,
+        help="how long a decode step waits to be batched with other sessions' steps (0: no batching)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=10.0,
-        help="on SIGTERM, seconds to let open sessions finish before closing them",
+        help="on SIGTERM or a move to a new span, seconds to let open sessions finish before closing them",
+    )
+    parser.add_argument(
+        "--scheduler-timeout",
+        type=float,
+        default=10.0,
+        help="managed: choose blocks PETALS-style if no scheduler answers for this many seconds",
+    )
+    parser.add_argument(
+        "--assignment-poll",
+        type=float,
+        default=2.0,
+        help="managed: seconds between asking the scheduler for our span while serving",
     )
     parser.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's choice)")
     add_log_level_argument(parser)
@@ -71,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    start, end = args.blocks
+    start, end = args.blocks if args.blocks is not None else (None, None)
     model_config = load_config(args.model_dir)
-    validate_span(start, end, family_for(model_config).num_blocks(model_config))
+    if args.blocks is not None:
+        validate_span(start, end, family_for(model_config).num_blocks(model_config))
     for name in ("max_length", "slot_tokens", "max_batch_size"):
         if getattr(args, name) < 1:
             raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
@@ -81,6 +120,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SwarmUserError("--announce-period and --session-timeout must be positive")
     if args.compute_delay < 0 or args.drain_timeout < 0:
         raise SwarmUserError("--compute-delay and --drain-timeout must be >= 0")
+    if not args.batch_wait_ms >= 0:  # also rejects nan
+        raise SwarmUserError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}")
+    for name in ("scheduler_timeout", "assignment_poll"):
+        if not getattr(args, name) > 0:  # also rejects nan
+            raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise SwarmUserError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    dht_options: dict = {"identity_path": args.identity_path} if args.identity_path else {}
+    if args.announce_host:
+        if args.port == 0:
+            raise SwarmUserError("--announce-host needs a fixed --port (clients dial that port)")
+        dht_options["announce_maddrs"] = [f"/ip4/{args.announce_host}/tcp/{args.port}"]
     return ServerConfig(
         model_dir=args.model_dir,
         initial_peers=args.initial_peers,
@@ -99,7 +150,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         announce_period=args.announce_period,
         session_idle_timeout=args.session_timeout,
         compute_delay=args.compute_delay,
+        batch_wait_ms=args.batch_wait_ms,
         drain_timeout=args.drain_timeout,
+        scheduler_timeout=args.scheduler_timeout,
+        assignment_poll=args.assignment_poll,
+        metrics_port=args.metrics_port,
+        extra_dht_options=dht_options,
     )
 
 

@@ -21,7 +21,9 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from server.engine import BatchingEngine
 from server.memory import CacheBudget, NoCacheRoom
+from server.metrics import ServerMetrics
 from server.session import Session, check_step_inputs
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
@@ -51,18 +53,34 @@ class BlockServicer(ServicerBase):
         max_batch_size: int = 64,
         session_idle_timeout: float = 300.0,
         compute_delay: float = 0.0,
+        batch_wait_ms: float = 2.0,
         get_info: Callable[[], dict],
         on_sessions_changed: Callable[[], None] = lambda: None,
+        metrics: ServerMetrics | None = None,
     ):
         self.span, self.budget = span, budget
         self.max_length, self.max_batch_size = max_length, max_batch_size
         self.session_idle_timeout = session_idle_timeout
-        self.compute_delay = compute_delay  # emulation: seconds added per block per step (SPEC section 8)
+        # emulation: seconds added per block per step (SPEC section 8); a batched decode pays it once
+        self.compute_delay = compute_delay
         self.get_info, self.on_sessions_changed = get_info, on_sessions_changed
+        # a fresh servicer per span (moves), one metrics object per server: counters survive moves
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         self.sessions: dict[str, Session] = {}
         self.accepting = True
-        # one compute thread: steps of different sessions run one at a time, like one accelerator
+        # one compute thread: steps of different sessions run one at a time, like one accelerator;
+        # with batching on (batch_wait_ms > 0) the engine's thread runs concurrent sessions' decode
+        # steps as one batched forward (server/engine.py), otherwise each step runs alone, as before
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.engine = (
+            BatchingEngine(
+                batch_wait=batch_wait_ms / 1e3,
+                compute_delay=compute_delay,
+                max_batch_rows=max(max_batch_size, 64),
+            )
+            if batch_wait_ms > 0
+            else None
+        )
 
     # --- info -----------------------------------------------------------------------------------
     async def rpc_info(
@@ -76,6 +94,7 @@ class BlockServicer(ServicerBase):
     ) -> runtime_pb2.ExpertResponse:
         """Run blocks [start, end) on a whole sequence without keeping any cache."""
         owner = f"forward:{id(request)}"
+        self.metrics.received.inc(request.ByteSize())
         try:
             size, limit = request.ByteSize(), self._message_limit(self.max_batch_size, self.max_length)
             if size > limit:
@@ -97,11 +116,11 @@ class BlockServicer(ServicerBase):
             )
             hidden, padding_mask = check_step_inputs(session, self.span.hidden_size, 0, tensors)
             output = await self._compute(session, hidden, 0, padding_mask)
-            return encode(StepDone(step_id="forward", position=0), [output], request=False)
+            return self._reply(StepDone(step_id="forward", position=0), [output])
         except ProtocolError as error:
-            return encode(Error(code=error.code, message=str(error)), request=False)
+            return self._error(error.code, str(error))
         except NoCacheRoom as error:
-            return encode(Error(code=ErrorCode.NO_CACHE_ROOM, message=str(error)), request=False)
+            return self._error(ErrorCode.NO_CACHE_ROOM, str(error))
         finally:
             self.budget.release(owner)
 
@@ -118,19 +137,19 @@ class BlockServicer(ServicerBase):
             try:
                 session = self._open(parse(first.metadata, Open), peer)
             except ProtocolError as error:
-                yield encode(Error(code=error.code, message=str(error)), request=False)
+                yield self._error(error.code, str(error))
                 return
             except NoCacheRoom as error:
-                yield encode(Error(code=ErrorCode.NO_CACHE_ROOM, message=str(error)), request=False)
+                yield self._error(ErrorCode.NO_CACHE_ROOM, str(error))
                 return
-            yield encode(
+            yield self._reply(
                 Opened(
                     session_id=session.session_id,
                     start=session.start,
                     end=session.end,
                     reserved_bytes=session.reserved_bytes,
                 ),
-                request=False,
+                [],
             )
             while True:
                 request = await self._next_request(requests)
@@ -144,18 +163,18 @@ class BlockServicer(ServicerBase):
                 self.session_idle_timeout,
             )
             with contextlib.suppress(Exception):
-                yield encode(
-                    Error(code=ErrorCode.SESSION_EXPIRED, message="session idle for too long"), request=False
-                )
+                yield self._error(ErrorCode.SESSION_EXPIRED, "session idle for too long")
         finally:
             if session is not None:
                 self._close(session)
 
     async def _next_request(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
         try:
-            return await asyncio.wait_for(anext(requests), timeout=self.session_idle_timeout)
+            request = await asyncio.wait_for(anext(requests), timeout=self.session_idle_timeout)
         except StopAsyncIteration:
             return None
+        self.metrics.received.inc(request.ByteSize())
+        return request
 
     def _open(self, message: Open, peer: str) -> Session:
         if not self.accepting:
@@ -184,6 +203,8 @@ class BlockServicer(ServicerBase):
             needed,
         )
         self.sessions[session.session_id] = session
+        self.metrics.sessions_opened.inc()
+        self.metrics.sessions.set(len(self.sessions))
         logger.info(
             "session %s opened by %s: blocks %d:%d, batch %d, max_length %d, %d cache bytes",
             session.session_id[:8],
@@ -199,6 +220,7 @@ class BlockServicer(ServicerBase):
 
     def _close(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
+        self.metrics.sessions.set(len(self.sessions))
         self.budget.release(session.session_id)
         session.cache = None  # drop the tensors now, not when the stream object is collected
         logger.info("session %s closed, %d cache bytes free", session.session_id[:8], self.budget.bytes_left)
@@ -215,23 +237,25 @@ class BlockServicer(ServicerBase):
             message = parse(request.metadata, Step)
             replay = session.replayed_output(message.step_id, message.position)
             if replay is not None:
-                return encode(
-                    StepDone(step_id=message.step_id, position=message.position), [replay], request=False
-                )
+                return self._reply(StepDone(step_id=message.step_id, position=message.position), [replay])
             hidden, padding_mask = check_step_inputs(
                 session, self.span.hidden_size, message.position, decode_tensors(request)
             )
+            started = time.perf_counter()
             output = await self._compute(session, hidden, message.position, padding_mask)
+            kind = "decode" if hidden.shape[1] == 1 else "prefill"
+            self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
             session.record(message.step_id, message.position, output)
-            return encode(
-                StepDone(step_id=message.step_id, position=message.position), [output], request=False
-            )
+            return self._reply(StepDone(step_id=message.step_id, position=message.position), [output])
         except ProtocolError as error:
-            return encode(Error(code=error.code, message=str(error)), request=False)
+            return self._error(error.code, str(error))
 
     async def _compute(
         self, session: Session, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.engine is not None:
+            return await self.engine.run(self.span, session.cache, hidden, position, padding_mask)
+
         def run() -> torch.Tensor:
             output = self.span(hidden, session.cache, position, padding_mask)
             if self.compute_delay:
@@ -239,6 +263,17 @@ class BlockServicer(ServicerBase):
             return output.to(hidden.dtype)
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+
+    def _reply(self, message, tensors: list[torch.Tensor]) -> runtime_pb2.ExpertResponse:
+        response = encode(message, tensors, request=False)
+        self.metrics.sent.inc(response.ByteSize())
+        return response
+
+    def _error(self, code: ErrorCode, text: str) -> runtime_pb2.ExpertResponse:
+        self.metrics.errors.labels(code=str(code)).inc()
+        response = encode(Error(code=code, message=text), request=False)
+        self.metrics.sent.inc(response.ByteSize())
+        return response
 
     def _message_limit(self, batch_size: int, tokens: int) -> int:
         """The largest legitimate step: float32 hidden states and a padding mask for every position."""
@@ -265,3 +300,6 @@ class BlockServicer(ServicerBase):
     def shutdown(self) -> None:
         self.accepting = False
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.shutdown()
+            logger.info("batching engine: %s", self.engine.stats.summary())

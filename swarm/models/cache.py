@@ -79,3 +79,66 @@ class SpanCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
+
+
+class BatchedStepCache:
+    """Several sessions' `SpanCache`s seen as one batch, for one decode step run as a single forward.
+
+    Each member contributes its own rows (its session's batch) and writes its new keys and values
+    into its *own* cache at its *own* position; attention then reads a gathered, padded copy of every
+    member's prefix, `[rows, kv_heads, total, head_dim]`. Prefixes are right-aligned (padding first,
+    like left-padded `transformers` batches), so the usual padding-mask rules give every row the
+    position ids and ALiBi offsets it would have alone; padded keys are masked out by the caller.
+
+    All members must serve the same span-local block range (`block_offset`, `num_blocks`): the view
+    maps a block's `layer_idx` to a cache layer exactly as `SpanCache.update` does. Each member
+    must have had `begin_step(position, 1)` called; the caller calls `end_step()` afterwards.
+    """
+
+    def __init__(self, caches: list[SpanCache], positions: list[int], total: int):
+        if not caches or len(caches) != len(positions):
+            raise ValueError("a batched step needs one position per cache, and at least one cache")
+        first = caches[0]
+        if any((c.block_offset, c.num_blocks) != (first.block_offset, first.num_blocks) for c in caches):
+            raise ValueError("a batched step needs caches of the same block range")
+        if any(position + 1 > total for position in positions):
+            raise ValueError("the batched view is shorter than a member's prefix")
+        self.caches, self.positions, self.total = caches, positions, total
+        self.block_offset, self.num_blocks = first.block_offset, first.num_blocks
+        bounds, row = [], 0
+        for cache in caches:
+            bounds.append((row, row + cache.batch_size))
+            row += cache.batch_size
+        self.row_bounds: list[tuple[int, int]] = bounds
+        self.num_rows = row
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    # --- the transformers cache protocol -------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = layer_idx - self.block_offset
+        if self._keys is None:
+            # one pair of buffers serves every block of the step: each block overwrites the same
+            # (non-padding) places, and attention is done with a block's keys before the next
+            # block's update. Zeroed once: padded keys are masked out but must stay finite.
+            rows, heads, _new, head_dim = key_states.shape
+            shape = (rows, heads, self.total, head_dim)
+            self._keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+            self._values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        keys, values = self._keys, self._values
+        keys[:, :, -1:] = key_states  # right-aligned: every row's new token is the last column
+        values[:, :, -1:] = value_states
+        for cache, position, (first, last) in zip(self.caches, self.positions, self.row_bounds, strict=True):
+            cache_keys, cache_values = cache.keys[layer], cache.values[layer]
+            cache_keys[:, :, position : position + 1] = key_states[first:last]
+            cache_values[:, :, position : position + 1] = value_states[first:last]
+            if position:
+                start = self.total - 1 - position
+                keys[first:last, :, start:-1] = cache_keys[:, :, :position]
+                values[first:last, :, start:-1] = cache_values[:, :, :position]
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.total - 1

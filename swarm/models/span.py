@@ -7,7 +7,7 @@ decode step of any number of tokens at an explicit position against a session's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -21,9 +21,12 @@ from swarm.dtypes import parse_dtype
 from swarm.errors import CheckpointError, SpanError
 from swarm.models import bloom as _bloom  # noqa: F401  (registers the family)
 from swarm.models import llama as _llama  # noqa: F401  (registers the family)
-from swarm.models.cache import SpanCache
+from swarm.models.cache import BatchedStepCache, SpanCache
 from swarm.models.checkpoint import CheckpointReader, load_config
 from swarm.models.family import ModelFamily, family_for
+
+# one session's single-token step, as `TransformerSpan.forward` takes it: (hidden, cache, position, mask)
+BatchedStep = tuple[torch.Tensor, SpanCache, int, torch.Tensor | None]
 
 ATTENTION_IMPLEMENTATION = "sdpa"  # what transformers picks for these models on load, so results match it
 
@@ -144,6 +147,52 @@ class TransformerSpan(nn.Module):
         cache.end_step()
         return hidden
 
+    @torch.inference_mode()
+    def forward_batch(self, steps: Sequence[BatchedStep]) -> list[torch.Tensor]:
+        """Single-token steps of several sessions, run as ONE forward over their (shared) blocks.
+
+        Each step is `(hidden [batch_i, 1, hidden], cache, position, padding_mask or None)`, exactly
+        the arguments `forward` takes; the caches may hold different lengths and positions but must
+        cover the same blocks. A busy server would otherwise do one tiny matrix product per session
+        per block; here every block's weights are read once per batch. Every session keeps its own
+        cache: `BatchedStepCache` writes each row's new keys/values at its own position and hands
+        attention a padded copy of all prefixes, right-aligned so that masking the padding (the
+        family's usual padding-mask path, queried at the common last position) reproduces each
+        session's own positions, rotary angles and ALiBi offsets. Returns one output per step,
+        equal to what `forward` returns for it (up to float summation order).
+        """
+        if not steps:
+            return []
+        if any(hidden.ndim != 3 or hidden.shape[1] != 1 for hidden, *_ in steps):
+            raise ValueError("a batched step carries exactly one new token per session")
+        caches = [cache for _, cache, _, _ in steps]
+        positions = [position for _, _, position, _ in steps]
+        if len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("a session can take part in a batched step only once")
+        for cache, position in zip(caches, positions, strict=True):
+            cache.begin_step(position, 1)  # validates each position against its own cache
+        total = max(positions) + 1
+        view = BatchedStepCache(caches, positions, total)
+        # keys of row r are the last `position + 1` columns (1 = a real key, 0 = padding)
+        first_key = [
+            total - 1 - position
+            for cache, position in zip(caches, positions, strict=True)
+            for _ in range(cache.batch_size)
+        ]
+        columns = torch.arange(total, device=self.device)
+        key_mask = (columns >= torch.tensor(first_key, device=self.device)[:, None]).float()
+        for (_, _, position, padding_mask), (first, last) in zip(steps, view.row_bounds, strict=True):
+            if padding_mask is not None:  # a padded batch: its own padding stays masked too
+                real = padding_mask[:, : position + 1].to(self.device, key_mask.dtype)
+                key_mask[first:last, total - 1 - position :] = real
+        hidden = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for hidden, *_ in steps])
+        inputs = self.family.step_inputs(self.config, self.helpers, hidden, total - 1, key_mask)
+        for local in range(view.block_offset, view.block_offset + view.num_blocks):
+            hidden = self.family.run_block(self.blocks[local], hidden, view, inputs)
+        for cache in caches:
+            cache.end_step()
+        return list(hidden.split([cache.batch_size for cache in caches]))
+
 
 def validate_span(start: int, end: int, num_blocks: int) -> None:
     if not (0 <= start < end <= num_blocks):
@@ -166,21 +215,114 @@ def load_span(
     config = prepare_config(load_config(model_dir))
     family = family_for(config)
     validate_span(start, end, family.num_blocks(config))
-    blocks = nn.ModuleList()
+    loaded, opened_files = _load_blocks(
+        model_dir, family, config, range(start, end), start, dtype, device, on_block_loaded
+    )
+    blocks = nn.ModuleList(loaded[index] for index in range(start, end))
+    helpers = family.make_span_helpers(config, device)
+    span = TransformerSpan(family, config, start, end, blocks, helpers, dtype, device).eval()
+    return span, opened_files
+
+
+def _load_blocks(
+    model_dir: str | Path,
+    family: ModelFamily,
+    config: PretrainedConfig,
+    indices: Iterable[int],
+    span_start: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_block_loaded: Callable[[int], None] | None,
+) -> tuple[dict[int, nn.Module], list[str]]:
+    """Build and fill the blocks `indices` (absolute) of a span starting at `span_start`."""
+    blocks: dict[int, nn.Module] = {}
     with CheckpointReader(model_dir) as reader:
         base = find_base_prefix(family, reader)
-        for index in range(start, end):
+        for index in indices:
             with init_empty_weights():
-                block = family.build_block(config, local_index=index - start)
+                block = family.build_block(config, local_index=index - span_start)
             prefix = f"{base}{family.blocks_attribute}{index}."
             names = reader.names_with_prefix(prefix)
             if not names:
                 raise CheckpointError(f"checkpoint {reader.model_dir} has no tensors for block {index}")
             tensors = {name[len(prefix) :]: tensor for name, tensor in reader.read(names).items()}
             materialize(block, tensors, dtype, device, what=f"block {index}")
-            blocks.append(block.eval())
+            blocks[index] = block.eval()
             if on_block_loaded is not None:
                 on_block_loaded(index)
-    helpers = family.make_span_helpers(config, device)
-    span = TransformerSpan(family, config, start, end, blocks, helpers, dtype, device).eval()
-    return span, list(reader.opened_files)
+    return blocks, list(reader.opened_files)
+
+
+def set_block_local_index(block: nn.Module, local_index: int) -> None:
+    """Make `block` address cache layer `local_index`, i.e. sit at that position inside its span.
+
+    `transformers`' attention modules keep the `layer_idx` they were built with and pass it to the
+    cache's `update`; `SpanCache` reads it as the span-local block index. A block reused at another
+    position of a new span must be renumbered, or it would write (and read) another block's keys
+    and values: silently wrong outputs, not an error.
+    """
+    found = 0
+    for module in block.modules():
+        if getattr(module, "layer_idx", None) is not None:
+            module.layer_idx = local_index
+            found += 1
+    if not found:
+        raise SpanError(
+            f"cannot renumber a {type(block).__name__}: none of its modules has a layer_idx "
+            "(the transformers version may have changed how attention finds its cache layer)"
+        )
+
+
+def rebuild_span(
+    old_span: TransformerSpan,
+    model_dir: str | Path,
+    start: int,
+    end: int,
+    on_block_loaded: Callable[[int], None] | None = None,
+) -> tuple[TransformerSpan, list[int], list[int]]:
+    """Span `[start, end)` of the same model, reusing the blocks `old_span` already holds.
+
+    A server the scheduler moves usually keeps most of its blocks (a shift or a resize); reading
+    them again from disk (and, on a GPU, copying them again) would make the move take as long as a
+    restart. Blocks in both spans are moved over and renumbered (`set_block_local_index`); only the
+    missing ones are read from the checkpoint. The result computes exactly what `load_span(model_dir,
+    start, end)` would, in the old span's dtype and device.
+
+    `old_span` is consumed: its blocks move to the new span, and the ones the new span does not
+    need are released *before* loading, so peak memory stays near max(old, new) blocks instead of
+    old + new. The caller must not run `old_span` afterwards.
+
+    Returns the new span and the absolute indices of the blocks reused and loaded.
+    """
+    config = prepare_config(load_config(model_dir))
+    family = family_for(config)
+    validate_span(start, end, family.num_blocks(config))
+    old_config = old_span.config
+    same_model = (
+        family is old_span.family
+        and family.num_blocks(config) == family.num_blocks(old_config)
+        and family.hidden_size(config) == family.hidden_size(old_config)
+        and family.num_kv_heads(config) == family.num_kv_heads(old_config)
+    )
+    if not same_model:
+        raise SpanError(f"the span to rebuild does not hold blocks of the model in {model_dir}")
+    if len(old_span.blocks) != old_span.num_blocks:
+        raise SpanError("the span to rebuild was already consumed by an earlier rebuild")
+    kept = {
+        index: old_span.blocks[index - old_span.start]
+        for index in range(max(start, old_span.start), min(end, old_span.end))
+    }
+    old_span.blocks = nn.ModuleList()  # release the blocks the new span does not keep
+    missing = [index for index in range(start, end) if index not in kept]
+    loaded: dict[int, nn.Module] = {}
+    if missing:
+        loaded, _files = _load_blocks(
+            model_dir, family, config, missing, start, old_span.dtype, old_span.device, on_block_loaded
+        )
+    for index, block in kept.items():
+        set_block_local_index(block, index - start)
+    blocks = nn.ModuleList({**kept, **loaded}[index] for index in range(start, end))
+    span = TransformerSpan(
+        family, config, start, end, blocks, old_span.helpers, old_span.dtype, old_span.device
+    ).eval()
+    return span, sorted(kept), missing

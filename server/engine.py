@@ -1,0 +1,329 @@
+"""The server's compute engine: one compute thread that batches decode steps across sessions.
+
+Without it, every session's step is its own forward on the compute thread, so a busy server does
+many tiny matrix products (PETALS does the same). Here steps are queued, and the compute thread
+runs, at each iteration, either
+
+- one *batched decode*: the single-token steps of several sessions that serve the same block range,
+  as one forward (`TransformerSpan.forward_batch`; each session keeps its own cache and position),
+  collected over a short window (`batch_wait`, 2 ms by default) or whatever piled up while the
+  previous iteration ran; or
+- one *prefill* (any step of several tokens, or a single-token step whose own padding masks the new
+  token, which must run alone to be exact), run as today.
+
+Which of the two goes next is `server.step_scheduler.decide` (paper 004's prefill-vs-decode rule
+with starvation caps), fed with cost fits of this thread's own measured run times.
+
+Errors stay with their session: a step that fails validation against its cache (e.g. it would
+overflow its `max_length`) is run alone and fails alone, and if a batched forward fails for any
+other reason every step of the batch is rerun individually, so each session gets exactly the
+result or error it would have got without batching.
+
+`compute_delay` (emulating a slower accelerator, seconds per block per step) is paid once per
+block per *iteration*: a batched decode of 16 sessions sleeps as long as one session's step, like a
+GPU whose step time hardly depends on the batch size for small batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from server.step_scheduler import (
+    Action,
+    CostModel,
+    LinearCost,
+    LinearFit,
+    QueueView,
+    SchedulerPolicy,
+    decide,
+)
+from swarm.models.cache import SpanCache
+from swarm.models.span import TransformerSpan
+
+logger = logging.getLogger(__name__)
+
+# Until this thread has measured anything, a decode row and a prefill token cost the same (paper
+# 004 measured 0.21 vs 0.13 ms per token); only the ratio matters to the decision.
+DEFAULT_PRIOR = LinearCost(fixed=0.0, per_unit=1e-3)
+
+
+@dataclass(eq=False)
+class _Step:
+    span: TransformerSpan
+    cache: SpanCache
+    hidden: torch.Tensor
+    position: int
+    padding_mask: torch.Tensor | None
+    arrived: float
+    future: Future = field(default_factory=Future)
+    skips: int = 0  # decode iterations that ran while this (prefill) step waited
+
+    def __post_init__(self) -> None:
+        # batchable: one new token that is itself not padding (a masked-out query has no key to
+        # attend to, and its softmax would then depend on how many padded keys the batch holds)
+        self.decode = self.hidden.shape[1] == 1 and (
+            self.padding_mask is None or bool(self.padding_mask[:, -1].all())
+        )
+        self.group = (id(self.span), self.cache.block_offset, self.cache.num_blocks)
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def ahead(self) -> int:
+        """Tokens this session may still decode, this one included: its cache's room (`N^d_i`)."""
+        return max(self.cache.max_length - self.position, 1)
+
+    @property
+    def tokens(self) -> int:
+        return self.hidden.shape[0] * self.hidden.shape[1]
+
+
+@dataclass
+class EngineStats:
+    """Counters for logs, tests and benchmarks."""
+
+    decode_iterations: int = 0
+    decode_steps: int = 0  # session steps run inside decode iterations
+    max_batch: int = 0  # most session steps in one decode iteration
+    prefills: int = 0
+    fallbacks: int = 0  # batched forwards that failed and were rerun step by step
+    decisions: dict[str, int] = field(default_factory=dict)  # rule tag -> iterations it decided
+
+    def summary(self) -> str:
+        average = self.decode_steps / self.decode_iterations if self.decode_iterations else 0.0
+        return (
+            f"{self.decode_iterations} decode iterations ({average:.1f} steps each, max {self.max_batch}), "
+            f"{self.prefills} prefills, {self.fallbacks} fallbacks, decisions {self.decisions}"
+        )
+
+
+class BatchingEngine:
+    """Queue of steps plus the compute thread that runs them; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        batch_wait: float = 0.002,
+        compute_delay: float = 0.0,
+        max_batch_rows: int = 64,
+        policy: SchedulerPolicy | None = None,
+        decode_prior: LinearCost = DEFAULT_PRIOR,
+        prefill_prior: LinearCost = DEFAULT_PRIOR,
+        clock: Callable[[], float] = time.monotonic,
+        active_horizon: float = 0.25,
+    ):
+        self.policy = policy or SchedulerPolicy(batch_wait=batch_wait, max_batch_rows=max_batch_rows)
+        self.compute_delay = compute_delay
+        self.decode_fit, self.prefill_fit = LinearFit(decode_prior), LinearFit(prefill_prior)
+        self.stats = EngineStats()
+        self._clock = clock
+        self._condition = threading.Condition()
+        self._decodes: list[_Step] = []  # in arrival order
+        self._prefills: deque[_Step] = deque()
+        # per block range: when each session last sent a decode step (id(cache) -> time), to know
+        # how many sessions a decode batch can expect; forgotten after `active_horizon` seconds
+        self._decoders: dict[tuple, dict[int, float]] = {}
+        self.active_horizon = active_horizon
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
+        self._thread.start()
+
+    # --- submitting -----------------------------------------------------------------------------
+    def submit(
+        self,
+        span: TransformerSpan,
+        cache: SpanCache,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None = None,
+    ) -> Future:
+        """Queue `span(hidden, cache, position, padding_mask)`; the future gets its output (in
+        `hidden`'s dtype) or its exception."""
+        step = _Step(span, cache, hidden, position, padding_mask, arrived=self._clock())
+        with self._condition:
+            if self._stopped:
+                step.future.cancel()
+                return step.future
+            (self._decodes if step.decode else self._prefills).append(step)
+            if step.decode:
+                self._decoders.setdefault(step.group, {})[id(cache)] = step.arrived
+            self._condition.notify()
+        return step.future
+
+    async def run(
+        self,
+        span: TransformerSpan,
+        cache: SpanCache,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return await asyncio.wrap_future(self.submit(span, cache, hidden, position, padding_mask))
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop the thread; steps not started yet are cancelled (like `executor.shutdown(cancel_futures)`)."""
+        with self._condition:
+            self._stopped = True
+            pending = [*self._decodes, *self._prefills]
+            self._decodes.clear()
+            self._prefills.clear()
+            self._condition.notify_all()
+        for step in pending:
+            step.future.cancel()
+        if wait:
+            self._thread.join()
+
+    # --- the compute thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                while True:
+                    if self._stopped:
+                        return
+                    view, batch = self._view()
+                    decision = decide(view, self.costs(), self.policy)
+                    if decision.action is Action.IDLE:
+                        self._condition.wait()
+                    elif decision.action is Action.WAIT:
+                        self._condition.wait(decision.wait)
+                    else:
+                        break
+                self.stats.decisions[decision.rule] = self.stats.decisions.get(decision.rule, 0) + 1
+                if decision.action is Action.DECODE:
+                    work = self._take_decodes(batch)
+                else:
+                    work = [self._prefills.popleft()]
+                # a step whose caller went away (cancelled future) is dropped here, not computed
+                work = [step for step in work if step.future.set_running_or_notify_cancel()]
+            try:
+                if decision.action is Action.DECODE:
+                    self._run_decode(work)
+                else:
+                    self._run_prefill(work)
+            except BaseException as error:  # never let the thread die with callers waiting
+                logger.exception("compute iteration failed")
+                for step in work:
+                    if not step.future.done():
+                        step.future.set_exception(error)
+
+    def costs(self) -> CostModel:
+        return CostModel(decode=self.decode_fit.cost(), prefill=self.prefill_fit.cost())
+
+    def _view(self) -> tuple[QueueView, list[_Step]]:
+        """The queue as the scheduler sees it, and the decode batch that would run next: the steps
+        of the oldest waiting decode step's block range, oldest first, up to `max_batch_rows`."""
+        now = self._clock()
+        batch: list[_Step] = []
+        expected = 0
+        if self._decodes:
+            group, rows = self._decodes[0].group, 0
+            for step in self._decodes:
+                if step.group != group:
+                    continue
+                if batch and rows + step.rows > self.policy.max_batch_rows:
+                    break
+                batch.append(step)
+                rows += step.rows
+            expected = len(self._recent_decoders(now).get(group, {}))
+        prefill = self._prefills[0] if self._prefills else None
+        view = QueueView(
+            now=now,
+            decode_rows=sum(step.rows for step in batch),
+            decode_oldest=batch[0].arrived if batch else None,
+            decode_sessions=len({id(step.cache) for step in batch}),
+            decode_expected=expected,
+            decode_ahead_max=max((step.ahead for step in batch), default=0),
+            decode_ahead_rows=sum(step.ahead * step.rows for step in batch),
+            prefill_tokens=prefill.tokens if prefill else 0,
+            prefill_oldest=prefill.arrived if prefill else None,
+            prefill_skips=prefill.skips if prefill else 0,
+        )
+        return view, batch
+
+    def _recent_decoders(self, now: float) -> dict[tuple, dict[int, float]]:
+        """Forget sessions (and block ranges) that sent no decode step for `active_horizon` s."""
+        for group in list(self._decoders):
+            seen = self._decoders[group]
+            for key in [key for key, at in seen.items() if now - at > self.active_horizon]:
+                del seen[key]
+            if not seen:
+                del self._decoders[group]
+        return self._decoders
+
+    def _take_decodes(self, batch: list[_Step]) -> list[_Step]:
+        taken, seen = [], set()
+        for step in batch:
+            if id(step.cache) in seen:
+                continue  # a second step of the same session waits for the next iteration
+            seen.add(id(step.cache))
+            taken.append(step)
+        chosen = {id(step) for step in taken}
+        self._decodes = [step for step in self._decodes if id(step) not in chosen]
+        for prefill in self._prefills:
+            prefill.skips += 1
+        return taken
+
+    def _run_prefill(self, work: list[_Step]) -> None:
+        for step in work:
+            started = time.perf_counter()
+            self._run_alone(step)
+            self.prefill_fit.observe(step.tokens, time.perf_counter() - started)
+            self.stats.prefills += 1
+
+    def _run_decode(self, work: list[_Step]) -> None:
+        if not work:
+            return
+        started = time.perf_counter()
+        batchable: list[_Step] = []
+        for step in work:
+            try:
+                step.cache.begin_step(step.position, 1)  # what `forward` checks first; no side effects
+                batchable.append(step)
+            except ValueError:
+                self._run_alone(step)  # fails with the same error it gets without batching
+        if len(batchable) == 1:
+            self._run_alone(batchable[0])
+        elif batchable:
+            try:
+                outputs = batchable[0].span.forward_batch(
+                    [(step.hidden, step.cache, step.position, step.padding_mask) for step in batchable]
+                )
+            except Exception as error:
+                logger.warning(
+                    "batched step of %d sessions failed (%s): running them one by one", len(batchable), error
+                )
+                self.stats.fallbacks += 1
+                for step in batchable:
+                    self._run_alone(step)
+            else:
+                self._delay(batchable[0].cache)
+                for step, output in zip(batchable, outputs, strict=True):
+                    step.future.set_result(output.to(step.hidden.dtype))
+        self.decode_fit.observe(sum(step.rows for step in work), time.perf_counter() - started)
+        self.stats.decode_iterations += 1
+        self.stats.decode_steps += len(work)
+        self.stats.max_batch = max(self.stats.max_batch, len(work))
+
+    def _run_alone(self, step: _Step) -> None:
+        """Exactly what the server did before batching: one forward, then the emulated delay."""
+        try:
+            output = step.span(step.hidden, step.cache, step.position, step.padding_mask)
+            self._delay(step.cache)
+            step.future.set_result(output.to(step.hidden.dtype))
+        except Exception as error:
+            step.future.set_exception(error)
+
+    def _delay(self, cache: SpanCache) -> None:
+        if self.compute_delay:
+            time.sleep(self.compute_delay * cache.num_blocks)

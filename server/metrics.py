@@ -1,0 +1,61 @@
+"""Prometheus metrics of a server (`swarm-server --metrics-port`): sessions, cache, steps, errors, bytes.
+
+The handler reports events; the gauges of the cache are read when scraped (a callback), so they
+are never stale. One registry per server object keeps several servers in one process apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.sessions = Gauge("swarm_server_sessions", "Open inference sessions", registry=r)
+        self.sessions_opened = Counter("swarm_server_sessions_opened", "Sessions opened", registry=r)
+        self.slots_free = Gauge(
+            "swarm_server_cache_slots_free",
+            "Cache slots (sessions of slot_tokens on one block) free",
+            registry=r,
+        )
+        self.slots_total = Gauge(
+            "swarm_server_cache_slots_total", "Cache slots in the whole budget", registry=r
+        )
+        self.bytes_free = Gauge(
+            "swarm_server_cache_bytes_free", "Cache bytes new sessions may reserve", registry=r
+        )
+        self.steps = Histogram(
+            "swarm_server_step_seconds", "Compute time of one step over the session's blocks", ["kind"],
+            buckets=STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "swarm_server_errors", "Requests answered with an error, by code", ["code"], registry=r
+        )
+        self.received = Counter("swarm_server_bytes_received", "Request bytes received", registry=r)
+        self.sent = Counter("swarm_server_bytes_sent", "Response bytes sent", registry=r)
+        self.span_changes = Counter(
+            "swarm_server_span_changes", "Times the server moved to a new span", registry=r
+        )
+
+    def watch_cache(
+        self, free_slots: Callable[[], int], total_slots: Callable[[], int], free_bytes: Callable[[], int]
+    ) -> None:
+        """Read the cache gauges from the live budget whenever they are scraped."""
+        self.slots_free.set_function(free_slots)
+        self.slots_total.set_function(total_slots)
+        self.bytes_free.set_function(free_bytes)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint in a daemon thread; returns its port (for port 0)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = server.server_port
+        logger.info("metrics at http://%s:%d/metrics", host, bound)
+        return bound

@@ -1,0 +1,171 @@
+"""What the compute thread runs next: a batch of decode steps, a waiting prefill, or nothing yet.
+
+Pure decision logic (no I/O, no torch, no clocks of its own), so that the rule can be tested on
+hand-computed cases and reasoned about apart from threads and tensors.
+
+The rule follows the online iteration scheduling of paper 004 (the "Lagrangian" heuristic, eqs.
+41-43): at every iteration compare the cost of inserting a prefill stage, `C_p = sum_l T^p_l` (the
+time the prefill takes), with the decode time it would preempt, `C_d = T^d * sum_i N^d_i w_i` (eq.
+43: the decode work still ahead of the sessions waiting to decode). If `C_p < C_d` the prefill is
+cheap next to the decoding it interrupts, so it is inserted now (its session then joins the decode
+batches, which costs little more per iteration); otherwise decoding goes on and the prefill waits,
+e.g. when the decoders are about to finish and the prefill would delay every one of them for
+little gain. `N^d_i` is what session i may still decode: the positions its cache reserves past
+its current one (an upper bound: the server cannot know when a client stops early). With the
+fitted per-iteration cost `fixed + per_row * rows`, decoding those tokens takes
+`C_d = fixed * max_i N^d_i + per_row * sum_i rows_i N^d_i` (iterations shrink as sessions end);
+when `N^d_i` is unknown, `C_d` is one iteration. Because an expensive prefill could lose this
+comparison for a long time, and a stream of cheap prefills could hold decoding up, two caps bound
+the waits: a prefill runs once it was passed over `max_prefill_skips` decode iterations or waited
+`max_prefill_wait` seconds, and decoding runs once its oldest step waited `max_decode_wait`.
+
+Decode steps are also batched over a short window (`batch_wait`): the first decode step that
+arrives waits up to that long for others, unless the batch is already full or every session that
+has been decoding lately on this block range is already in it (so a lone session, or sessions in
+lockstep, never wait for nobody). While the compute thread is busy, steps pile up anyway, so under
+load the window rarely costs anything.
+
+Costs come from `LinearCost` fits of measured run times (seconds = fixed + per_unit * units, where a
+unit is a decode row or a prefill token), updated after every run by the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Action(Enum):
+    IDLE = "idle"  # nothing waits: sleep until a step arrives
+    WAIT = "wait"  # decode steps wait for their batch to fill, for at most `Decision.wait` seconds
+    DECODE = "decode"  # run the waiting decode steps (of one block range) as one batch
+    PREFILL = "prefill"  # run the oldest waiting prefill (or multi-token step) alone
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    rule: str  # which part of the rule decided (a short tag, counted by the engine)
+    wait: float = 0.0  # for WAIT: seconds until the decision should be taken again
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    batch_wait: float = 0.002  # seconds a decode step waits for others to batch with
+    max_batch_rows: int = 64  # a decode batch this large runs without waiting further
+    max_prefill_skips: int = 8  # decode iterations a waiting prefill may be passed over
+    max_prefill_wait: float = 0.5  # seconds a prefill may wait behind decoding
+    max_decode_wait: float = 0.2  # seconds decode steps may wait behind prefills
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """What waits, as the decision needs it. Times are on the caller's monotonic clock."""
+
+    now: float
+    decode_rows: int = 0  # rows of the decode batch that would run next (0: no decode step waits)
+    decode_oldest: float | None = None  # arrival time of the oldest of those steps
+    decode_sessions: int = 0  # sessions with a step in that batch
+    decode_expected: int = 0  # sessions of that block range decoding lately (0: unknown)
+    decode_ahead_max: int = 0  # most tokens one of those sessions may still decode (0: unknown)
+    decode_ahead_rows: int = 0  # sum over their rows of the tokens each may still decode
+    prefill_tokens: int = 0  # tokens (rows x new positions) of the oldest waiting prefill
+    prefill_oldest: float | None = None  # its arrival time (None: no prefill waits)
+    prefill_skips: int = 0  # decode iterations that ran while it waited
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """`seconds = fixed + per_unit * units`: the shape paper 004 measured for both stages."""
+
+    fixed: float
+    per_unit: float
+
+    def __call__(self, units: float) -> float:
+        return self.fixed + self.per_unit * units
+
+
+@dataclass(frozen=True)
+class CostModel:
+    decode: LinearCost  # units: rows in the decode batch
+    prefill: LinearCost  # units: tokens in the prefill
+
+
+def decide(view: QueueView, costs: CostModel, policy: SchedulerPolicy) -> Decision:
+    """The next action for the compute thread (see the module docstring for the rule)."""
+    has_decode = view.decode_rows > 0 and view.decode_oldest is not None
+    has_prefill = view.prefill_oldest is not None
+    if not has_decode and not has_prefill:
+        return Decision(Action.IDLE, "idle")
+    if not has_decode:
+        return Decision(Action.PREFILL, "prefill-alone")
+    decode_age = view.now - view.decode_oldest
+    everyone_here = 0 < view.decode_expected <= view.decode_sessions
+    full = view.decode_rows >= policy.max_batch_rows or everyone_here
+    window_left = 0.0 if full else policy.batch_wait - decode_age
+    if has_prefill:
+        prefill_age = view.now - view.prefill_oldest
+        if view.prefill_skips >= policy.max_prefill_skips:
+            return Decision(Action.PREFILL, "prefill-skips-cap")
+        if prefill_age >= policy.max_prefill_wait:
+            return Decision(Action.PREFILL, "prefill-wait-cap")
+        if decode_age < policy.max_decode_wait:
+            if costs.prefill(view.prefill_tokens) < decode_stage_cost(view, costs):
+                return Decision(Action.PREFILL, "prefill-cheaper")  # C_p < C_d
+    if window_left > 0:
+        return Decision(Action.WAIT, "batch-window", wait=window_left)
+    return Decision(Action.DECODE, "decode")
+
+
+def decode_stage_cost(view: QueueView, costs: CostModel) -> float:
+    """`C_d`: the decode time still ahead of the waiting decode steps (one iteration if unknown)."""
+    if view.decode_ahead_max <= 0:
+        return costs.decode(view.decode_rows)
+    rows_tokens = max(view.decode_ahead_rows, view.decode_rows)
+    return costs.decode.fixed * view.decode_ahead_max + costs.decode.per_unit * rows_tokens
+
+
+class LinearFit:
+    """Online least-squares fit of `seconds = fixed + per_unit * units` from measured runs.
+
+    Recent runs weigh more (each new run multiplies older weights by `decay`), so the fit follows a
+    machine whose speed changes (other load, thermal limits). The prior enters as two fixed
+    pseudo-runs of small weight, at 1 unit and at `prior_span` units: they keep the fit defined
+    while every real run had the same size (e.g. always 16 decode rows), and are soon outweighed.
+    """
+
+    def __init__(
+        self, prior: LinearCost, decay: float = 0.98, prior_weight: float = 0.01, prior_span: float = 64.0
+    ):
+        if not 0 < decay <= 1:
+            raise ValueError("decay must be in (0, 1]")
+        self.decay = decay
+        self._prior = [(1.0, prior(1.0), prior_weight), (prior_span, prior(prior_span), prior_weight)]
+        self._w = self._wx = self._wy = self._wxx = self._wxy = 0.0
+        self.observations = 0
+
+    def observe(self, units: float, seconds: float) -> None:
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._wx = self._wx * d + units
+        self._wy = self._wy * d + seconds
+        self._wxx = self._wxx * d + units * units
+        self._wxy = self._wxy * d + units * seconds
+        self.observations += 1
+
+    def cost(self) -> LinearCost:
+        w, wx, wy, wxx, wxy = self._w, self._wx, self._wy, self._wxx, self._wxy
+        for x, y, weight in self._prior:
+            w, wx, wy, wxx, wxy = (
+                w + weight,
+                wx + weight * x,
+                wy + weight * y,
+                wxx + weight * x * x,
+                wxy + weight * x * y,
+            )
+        denominator = w * wxx - wx * wx
+        per_unit = max((w * wxy - wx * wy) / denominator, 0.0) if denominator > 0 else 0.0
+        fixed = (wy - per_unit * wx) / w
+        if fixed < 0:  # a negative overhead is noise: fit a line through the origin instead
+            return LinearCost(fixed=0.0, per_unit=max(wxy / wxx, 0.0) if wxx > 0 else 0.0)
+        return LinearCost(fixed=fixed, per_unit=per_unit)

@@ -1,0 +1,341 @@
+"""Iteration-level batching (issue 10): concurrent sessions' decode steps run as one forward.
+
+Batched results must equal unbatched ones (same tokens; outputs within 1e-5 in float32), a failing
+step must fail alone, and the pure prefill-vs-decode rule must do what paper 004's heuristic says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from server.engine import BatchingEngine
+from server.step_scheduler import (
+    Action,
+    CostModel,
+    LinearCost,
+    LinearFit,
+    QueueView,
+    SchedulerPolicy,
+    decide,
+)
+from swarm.models import load_client_parts, load_span
+from tests.conftest import NUM_BLOCKS
+
+NEW_TOKENS = 12
+# how a session covers the span's blocks: the whole span, or two caches on two sub-ranges (as when
+# a client's chain enters or leaves this server mid-span); different ranges batch separately
+RANGES = [[(0, NUM_BLOCKS)], [(0, 3), (3, NUM_BLOCKS)], [(0, 2), (2, NUM_BLOCKS)]]
+
+
+@dataclass
+class SessionSpec:
+    prompt: torch.Tensor  # [batch, length]
+    padding_mask: torch.Tensor | None  # [batch, length] for a left-padded batch
+    ranges: list[tuple[int, int]]
+
+
+def session_specs(count: int = 16) -> list[SessionSpec]:
+    generator = torch.Generator().manual_seed(10)
+    specs = []
+    for index in range(count):
+        length = 2 + (index * 5) % 13  # mixed prompt lengths, 2..14
+        batch = 2 if index in (5, 11) else 1
+        prompt = torch.randint(4, 500, (batch, length), generator=generator)
+        mask = None
+        if batch > 1:  # a padded batch: the second row is shorter, padded on the left
+            mask = torch.ones(batch, length)
+            mask[1, : length // 2] = 0
+            prompt[1, : length // 2] = 0
+        specs.append(SessionSpec(prompt, mask, RANGES[index % len(RANGES)]))
+    return specs
+
+
+async def generate(span, client, spec: SessionSpec, step) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy decoding of one session, every span call going through `step`; returns the new tokens
+    and the last span output of every step."""
+    batch, length = spec.prompt.shape
+    caches = [span.new_cache(batch, length + NEW_TOKENS + 1, first, last) for first, last in spec.ranges]
+    new, position, mask = spec.prompt, 0, spec.padding_mask
+    tokens, outputs = [], []
+    for _ in range(NEW_TOKENS + 1):
+        hidden = client.embed_tokens(new)
+        step_mask = None if mask is None else mask[:, : position + new.shape[1]]
+        for cache in caches:
+            hidden = await step(cache, hidden, position, step_mask)
+        outputs.append(hidden[:, -1].clone())
+        position += new.shape[1]
+        new = client.logits(hidden[:, -1:]).argmax(-1)
+        tokens.append(new)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones(batch, 1)], dim=1)
+    return torch.cat(tokens, dim=1), outputs
+
+
+@pytest.fixture(scope="module")
+def span_and_client(model_dir):
+    return load_span(model_dir, 0, NUM_BLOCKS)[0], load_client_parts(model_dir)
+
+
+def test_sixteen_concurrent_sessions_match_sequential_runs(span_and_client):
+    span, client = span_and_client
+    specs = session_specs(16)
+
+    async def alone(cache, hidden, position, mask):
+        return span(hidden, cache, position, mask)
+
+    async def sequential():
+        return [await generate(span, client, spec, alone) for spec in specs]
+
+    expected = asyncio.run(sequential())
+
+    engine = BatchingEngine(batch_wait=0.005)
+
+    async def batched(cache, hidden, position, mask):
+        return await engine.run(span, cache, hidden, position, mask)
+
+    async def concurrent():
+        return await asyncio.gather(*(generate(span, client, spec, batched) for spec in specs))
+
+    try:
+        results = asyncio.run(concurrent())
+    finally:
+        engine.shutdown(wait=True)
+    for index, ((tokens, outputs), (want_tokens, want_outputs)) in enumerate(
+        zip(results, expected, strict=True)
+    ):
+        assert torch.equal(tokens, want_tokens), index
+        worst = max((a - b).abs().max().item() for a, b in zip(outputs, want_outputs, strict=True))
+        assert worst <= 1e-5, (index, worst)
+    stats = engine.stats
+    # the sessions really were batched: far fewer decode iterations than decode steps (each block
+    # range is its own batch: at most 6 of the 16 sessions share one)
+    assert stats.max_batch >= 5, stats.summary()
+    assert stats.decode_iterations * 3 <= stats.decode_steps, stats.summary()
+    assert stats.fallbacks == 0
+
+
+def test_a_failing_step_does_not_poison_its_batch(span_and_client):
+    span, client = span_and_client
+    generator = torch.Generator().manual_seed(3)
+    caches, steps = [], []
+    for index in range(6):
+        length = 3 + index
+        cache = span.new_cache(1, length + 2 if index != 2 else length)  # session 2 is full
+        span(torch.randn(1, length, span.hidden_size, generator=generator), cache, 0)
+        caches.append(cache)
+        steps.append((torch.randn(1, 1, span.hidden_size, generator=generator), length))
+    # session 4 sends a step that breaks the batched forward itself (a hidden size the span
+    # does not have); validation in the handler would refuse it, here it forces the fallback
+    bad_hidden = torch.randn(1, 1, span.hidden_size + 1, generator=generator)
+
+    def reference(index):
+        cache = caches[index]
+        clone = span.new_cache(1, cache.max_length)
+        for layer in range(cache.num_blocks):
+            clone.keys[layer].copy_(cache.keys[layer])
+            clone.values[layer].copy_(cache.values[layer])
+        clone.length = cache.length
+        hidden, position = steps[index]
+        return span(hidden, clone, position)
+
+    expected = {index: reference(index) for index in (0, 1, 3, 5)}
+    # the batch starts only once all six steps are queued: a long window, a full batch of six rows
+    engine = BatchingEngine(batch_wait=10.0, max_batch_rows=6, active_horizon=0.1)
+    try:
+        futures = []
+        for index, (hidden, position) in enumerate(steps):
+            futures.append(engine.submit(span, caches[index], bad_hidden if index == 4 else hidden, position))
+        for index in (0, 1, 3, 5):
+            assert (futures[index].result(timeout=30) - expected[index]).abs().max().item() <= 1e-5
+        with pytest.raises(ValueError, match="max_length"):
+            futures[2].result(timeout=30)
+        with pytest.raises(RuntimeError):
+            futures[4].result(timeout=30)
+        # the engine keeps serving afterwards (once the batch's sessions count as gone, a lone step
+        # does not wait for them)
+        time.sleep(engine.active_horizon + 0.05)
+        hidden, position = torch.randn(1, 1, span.hidden_size, generator=generator), caches[0].length
+        assert engine.submit(span, caches[0], hidden, position).result(timeout=30).shape == hidden.shape
+    finally:
+        engine.shutdown(wait=True)
+    assert engine.stats.fallbacks == 1
+    assert engine.stats.max_batch == 6
+
+
+def test_shutdown_cancels_waiting_steps(span_and_client):
+    span, _client = span_and_client
+    engine = BatchingEngine(batch_wait=10.0)
+    cache = span.new_cache(1, 8)
+    future = engine.submit(span, cache, torch.randn(1, 1, span.hidden_size), 0)
+    engine.shutdown(wait=True)
+    assert future.cancelled()
+    assert engine.submit(span, cache, torch.randn(1, 1, span.hidden_size), 0).cancelled()
+
+
+# --- the pure prefill/decode rule, on hand-computed cases ------------------------------------------
+POLICY = SchedulerPolicy(
+    batch_wait=0.002, max_batch_rows=16, max_prefill_skips=4, max_prefill_wait=0.5, max_decode_wait=0.5
+)
+# decode: 10 ms per iteration + 1 ms per row; prefill: 5 ms + 0.5 ms per token
+COSTS = CostModel(decode=LinearCost(0.010, 0.001), prefill=LinearCost(0.005, 0.0005))
+
+
+def view(
+    now=1.0, rows=0, decode_at=None, tokens=0, prefill_at=None, skips=0, expected=0, ahead=()
+) -> QueueView:
+    """`ahead`: tokens each waiting decode session (one row each) may still decode; () = unknown."""
+    return QueueView(
+        now=now,
+        decode_rows=rows,
+        decode_oldest=decode_at,
+        decode_sessions=rows,
+        decode_expected=expected,
+        prefill_tokens=tokens,
+        prefill_oldest=prefill_at,
+        prefill_skips=skips,
+        decode_ahead_max=max(ahead, default=0),
+        decode_ahead_rows=sum(ahead),
+    )
+
+
+def test_rule_nothing_or_one_kind_waiting():
+    assert decide(view(), COSTS, POLICY).action is Action.IDLE
+    assert decide(view(tokens=500, prefill_at=0.9), COSTS, POLICY).action is Action.PREFILL
+    # a lone decode step waits for the rest of its 2 ms window: 0.5 ms arrived, 1.5 ms to go
+    waiting = decide(view(now=1.0005, rows=3, decode_at=1.0), COSTS, POLICY)
+    assert waiting.action is Action.WAIT and waiting.wait == pytest.approx(0.0015)
+    assert decide(view(now=1.002, rows=3, decode_at=1.0), COSTS, POLICY).action is Action.DECODE
+    # a full batch does not wait for the window
+    assert decide(view(now=1.0, rows=16, decode_at=1.0), COSTS, POLICY).action is Action.DECODE
+    # nor does a batch that already holds every session decoding lately (here: 3 of 3)
+    assert decide(view(now=1.0, rows=3, decode_at=1.0, expected=3), COSTS, POLICY).action is Action.DECODE
+    assert decide(view(now=1.0, rows=3, decode_at=1.0, expected=4), COSTS, POLICY).action is Action.WAIT
+
+
+def test_rule_compares_prefill_cost_with_waiting_decode_time():
+    # 8 decode rows: C_d = 10 + 8 = 18 ms. A 20-token prefill: C_p = 5 + 10 = 15 ms < 18: prefill now
+    cheap = decide(view(now=1.003, rows=8, decode_at=1.0, tokens=20, prefill_at=1.0), COSTS, POLICY)
+    assert (cheap.action, cheap.rule) == (Action.PREFILL, "prefill-cheaper")
+    # a 40-token prefill: C_p = 25 ms >= 18 ms: keep decoding
+    dear = decide(view(now=1.003, rows=8, decode_at=1.0, tokens=40, prefill_at=1.0), COSTS, POLICY)
+    assert dear.action is Action.DECODE
+    # the boundary: 26 tokens make C_p = 18 ms = C_d, which is not below: decode
+    edge = decide(view(now=1.003, rows=8, decode_at=1.0, tokens=26, prefill_at=1.0), COSTS, POLICY)
+    assert edge.action is Action.DECODE
+    # 16 rows make C_d = 26 ms > 25 ms: the same 40-token prefill now goes first
+    more = decide(view(now=1.003, rows=16, decode_at=1.0, tokens=40, prefill_at=1.0), COSTS, POLICY)
+    assert more.action is Action.PREFILL
+    # keeping on decoding still lets the batch window fill
+    filling = decide(view(now=1.001, rows=8, decode_at=1.0, tokens=40, prefill_at=1.0), COSTS, POLICY)
+    assert filling.action is Action.WAIT
+
+
+def test_rule_counts_the_decode_work_still_ahead():
+    # 8 sessions with 3 tokens to go: C_d = 10 ms * 3 iterations + 1 ms * 24 row-tokens = 54 ms
+    ahead = dict(now=1.003, rows=8, decode_at=1.0, prefill_at=1.0, ahead=(3,) * 8)
+    assert decide(view(tokens=96, **ahead), COSTS, POLICY).action is Action.PREFILL  # C_p 53 ms
+    assert decide(view(tokens=98, **ahead), COSTS, POLICY).action is Action.DECODE  # C_p 54 ms
+    # uneven sessions: 4 iterations while the longest lasts, 1+1+2+4 = 8 row-tokens: C_d = 48 ms
+    uneven = dict(now=1.003, rows=4, decode_at=1.0, prefill_at=1.0, ahead=(1, 1, 2, 4))
+    assert decide(view(tokens=85, **uneven), COSTS, POLICY).action is Action.PREFILL  # C_p 47.5 ms
+    assert decide(view(tokens=86, **uneven), COSTS, POLICY).action is Action.DECODE  # C_p 48 ms
+    # decoders about to finish (1 token each): C_d = 18 ms, one iteration; the prefill waits
+    ending = dict(now=1.003, rows=8, decode_at=1.0, prefill_at=1.0, ahead=(1,) * 8)
+    assert decide(view(tokens=40, **ending), COSTS, POLICY).action is Action.DECODE
+
+
+def test_rule_caps_keep_either_side_from_starving():
+    dear = dict(rows=8, decode_at=1.0, tokens=400, prefill_at=1.0)  # C_p = 205 ms >> C_d = 18 ms
+    assert decide(view(now=1.003, skips=3, **dear), COSTS, POLICY).action is Action.DECODE
+    skipped = decide(view(now=1.003, skips=4, **dear), COSTS, POLICY)
+    assert (skipped.action, skipped.rule) == (Action.PREFILL, "prefill-skips-cap")
+    waited = decide(view(now=1.5, **{**dear, "decode_at": 1.49}), COSTS, POLICY)
+    assert (waited.action, waited.rule) == (Action.PREFILL, "prefill-wait-cap")
+    # cheap prefills keep winning, until the oldest decode step has waited max_decode_wait
+    cheap = dict(rows=8, tokens=2, prefill_at=1.4)
+    assert decide(view(now=1.45, decode_at=1.0, **cheap), COSTS, POLICY).action is Action.PREFILL
+    assert decide(view(now=1.5, decode_at=1.0, **cheap), COSTS, POLICY).action is Action.DECODE
+
+
+def test_linear_fit_learns_costs():
+    fit = LinearFit(LinearCost(0.0, 1e-3))
+    for units in (1, 4, 16, 64, 2, 8):
+        fit.observe(units, 0.010 + 0.0005 * units)
+    learned = fit.cost()
+    assert learned(16) == pytest.approx(0.018, rel=0.02)
+    assert learned(64) == pytest.approx(0.042, rel=0.02)
+    # every run of the same size: the fit still predicts that size well
+    same = LinearFit(LinearCost(0.0, 1e-3))
+    for _ in range(50):
+        same.observe(16, 0.008)
+    assert same.cost()(16) == pytest.approx(0.008, rel=0.05)
+
+
+# --- through a real server process --------------------------------------------------------------
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "Once upon a time",
+    "Paris",
+    "one two three four five six",
+    "A swarm of volunteer servers",
+    "It learned",
+    "numbers: one two",
+    "Tokyo, Nairobi, Lima",
+]
+
+
+def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path):
+    from client import AutoDistributedModelForCausalLM
+    from swarm.dht_keys import default_prefix
+    from swarm.local_swarm import LocalSwarm
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    prompts = [tokenizer(text, return_tensors="pt").input_ids for text in PROMPTS]
+    expected = [reference.generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
+    swarm = LocalSwarm(tmp_path)
+    clients = []
+    try:
+        swarm.start_dht()
+        swarm.start_server("batching", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--batch-wait-ms", "5")
+        swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["batching"])
+        clients = [
+            AutoDistributedModelForCausalLM.from_pretrained(llama_dir, initial_peers=swarm.initial_peers)
+            for _ in range(2)
+        ]
+        results: dict[int, torch.Tensor] = {}
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(len(prompts))
+
+        def run(index: int) -> None:
+            try:
+                barrier.wait(timeout=60)
+                client = clients[index % 2]
+                results[index] = client.generate(prompts[index], max_new_tokens=16, do_sample=False)
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(index,)) for index in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors, errors
+        for index, want in enumerate(expected):
+            assert torch.equal(results[index], want), index
+    finally:
+        for client in clients:
+            client.shutdown()
+        leaked = swarm.close()
+    assert not leaked
+    summary = [line for line in swarm.log("batching").splitlines() if "batching engine:" in line]
+    assert summary, "the server did not report its batching engine"
+    max_batch = int(summary[-1].split("max ")[1].split(")")[0])
+    assert max_batch >= 2, summary[-1]
