@@ -1,0 +1,270 @@
+"""An emulated geo-distributed swarm: the network of a scenario plus processes started in its sites.
+
+    with Emulation(scenario, run_dir) as emulation:          # builds the network (or raises)
+        emulation.check_rtts()                               # ping every pair, within tolerance
+        peers = emulation.start_dht("s0")
+        emulation.start_server("a", "s1", model_dir, blocks="0:3")
+        emulation.wait_online("s0", model_dir, ["a"])
+        ...
+    # leaving the block (normally, by an exception, Ctrl-C or SIGTERM) stops every process and
+    # removes every namespace; `teardown_report` says whether anything was left behind.
+
+Processes run as `ip netns exec <site namespace> <argv>`, each in its own session (process group),
+logging to `<run_dir>/<name>.log`. Stopping is SIGTERM to the group (servers drain and announce
+OFFLINE), SIGKILL to whatever is left, then a sweep of every PID still inside our namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from swarm.local_swarm import CHILD_ENV, _group_alive, _signal_group
+
+from .scenario import Scenario
+from .system import SetupError
+from .topology import Network, PingResult
+
+logger = logging.getLogger(__name__)
+
+SCRIPTS_DIR = Path(__file__).resolve().parents[1]  # so `python -m netem.swarm_tools` works in children
+RTT_TOLERANCE = 0.15
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGHUP arrived: unwind like Ctrl-C so that teardown runs."""
+
+
+class Emulation:
+    def __init__(self, scenario: Scenario, run_dir: Path, delay_mode: str = "auto"):
+        self.scenario = scenario
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.network = Network(scenario, self.run_dir, delay_mode)
+        self.processes: dict[str, tuple[str, subprocess.Popen]] = {}
+        self.initial_peers: list[str] = []
+        self.teardown_report: list[str] = []
+        self._previous_handlers: dict[int, object] = {}
+
+    # --- lifetime ---------------------------------------------------------------------------------
+    def __enter__(self) -> Emulation:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._previous_handlers[sig] = signal.signal(sig, _raise_terminated)
+        try:
+            self.network.build()
+        except BaseException:
+            self._restore_handlers()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self.close()
+        finally:
+            self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    def close(self) -> list[str]:
+        """Stop every process, then the network. Idempotent."""
+        problems = self.stop_many(list(self.processes))
+        problems += self.network.teardown()
+        self.teardown_report = problems
+        if problems:
+            logger.warning("teardown left things behind: %s", problems)
+        return problems
+
+    # --- processes ------------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        path = os.pathsep.join(p for p in (str(SCRIPTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+        return {**CHILD_ENV, "PYTHONPATH": path}
+
+    def start(self, name: str, site: str, argv: list[str]) -> subprocess.Popen:
+        if name in self.processes and self.processes[name][1].poll() is None:
+            raise ValueError(f"a process named {name} is running")
+        if not self.network.delayer_alive():
+            raise SetupError("the delayer process died: the network no longer has its delays")
+        log = open(self.run_dir / f"{name}.log", "w")  # noqa: SIM115  (the child owns it)
+        process = subprocess.Popen(
+            [*self.network.exec_prefix(site), *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,
+        )
+        log.close()
+        self.processes[name] = (site, process)
+        return process
+
+    def stop(self, name: str, timeout: float = 20.0) -> list[str]:
+        return self.stop_many([name], timeout)
+
+    def stop_many(self, names: list[str], timeout: float = 20.0) -> list[str]:
+        """SIGTERM every group at once (servers drain and announce OFFLINE in parallel), wait up to
+        `timeout`, then SIGKILL what is left of each group."""
+        processes = [(name, self.processes[name][1]) for name in names]
+        for _, process in processes:
+            if process.poll() is None:
+                _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, process in processes:
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait(10)
+        for _, process in processes:
+            _signal_group(process, signal.SIGKILL)  # what the leader left behind in its group
+        deadline = time.monotonic() + 10
+        while any(_group_alive(p) for _, p in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [f"process group of {name} still alive" for name, p in processes if _group_alive(p)]
+
+    def stop_all(self) -> list[str]:
+        """Stop every process but keep the network (between runs of one experiment)."""
+        problems = self.stop_many(list(self.processes))
+        self.processes.clear()
+        return problems
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) used so far by each started process and its group (p2pd
+        daemons included): where a run's CPU went."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        by_group: dict[int, float] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            group = int(fields[2])  # pgrp
+            by_group[group] = by_group.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        return {name: by_group.get(process.pid, 0.0) for name, (_, process) in self.processes.items()}
+
+    def log(self, name: str) -> str:
+        path = self.run_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def check_alive(self, names: list[str] | None = None) -> None:
+        """Raise if a swarm process died (with the end of its log)."""
+        for name, (_, process) in self.processes.items():
+            if names is not None and name not in names:
+                continue
+            if process.poll() is not None and process.returncode != 0:
+                raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.log(name)[-3000:]}")
+        if not self.network.delayer_alive():
+            raise RuntimeError("the delayer died:\n" + self.log("delayer")[-2000:])
+
+    def python(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args]
+
+    # --- the swarm's roles --------------------------------------------------------------------------
+    def start_dht(self, site: str, name: str = "dht", timeout: float = 60.0) -> list[str]:
+        maddr_file = self.run_dir / f"{name}.maddrs"
+        maddr_file.unlink(missing_ok=True)
+        address = self.network.address(site)
+        process = self.start(
+            name,
+            site,
+            self.python("swarm.cli.dht", "--host", address, "--port", "0", "--maddr-file", str(maddr_file)),
+        )
+        deadline = time.monotonic() + timeout
+        while not maddr_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the DHT did not start:\n{self.log(name)[-3000:]}")
+            time.sleep(0.1)
+        self.initial_peers = [m for m in maddr_file.read_text().split() if f"/ip4/{address}/" in m]
+        return self.initial_peers
+
+    def start_scheduler(self, site: str, model_dir: Path, *extra: str, name: str = "scheduler") -> str:
+        address_file = self.run_dir / f"{name}.address"
+        address_file.unlink(missing_ok=True)
+        argv = self.python(
+            "scheduler.cli", "--initial-peers", *self.initial_peers, "--model-dir", str(model_dir),
+            "--host", self.network.address(site), "--port", "0", "--address-file", str(address_file),
+            "--http-port", "-1", *extra,
+        )  # fmt: skip
+        process = self.start(name, site, argv)
+        deadline = time.monotonic() + 90
+        while not address_file.exists() or not address_file.read_text().strip():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the scheduler did not start:\n{self.log(name)[-3000:]}")
+            time.sleep(0.1)
+        return address_file.read_text().strip()
+
+    def start_server(
+        self,
+        name: str,
+        site: str,
+        model_dir: Path,
+        blocks: str | None,
+        memory: str | int = "1GB",
+        compute_delay: float = 0.0,
+        *extra: str,
+    ) -> subprocess.Popen:
+        argv = self.python(
+            "server.cli", str(model_dir), "--initial-peers", *self.initial_peers,
+            *(["--blocks", blocks] if blocks else []), "--memory", str(memory),
+            "--host", self.network.address(site), "--public-name", name,
+            "--compute-delay", repr(compute_delay), "--torch-threads", "1", "--announce-period", "5", *extra,
+        )  # fmt: skip
+        return self.start(name, site, argv)
+
+    def wait_online(
+        self, site: str, model_dir: Path, names: list[str], timeout: float = 180.0, pings: int = 5
+    ) -> dict:
+        """Block until the servers are ONLINE as seen from `site`; returns their records and RTTs."""
+        out = self.run_dir / f"online-{site}.json"
+        out.unlink(missing_ok=True)
+        argv = self.python(
+            "netem.swarm_tools", "wait-online", "--initial-peers", *self.initial_peers,
+            "--model-dir", str(model_dir), "--names", ",".join(names), "--timeout", str(timeout),
+            "--pings", str(pings), "--out", str(out),
+        )  # fmt: skip
+        name = f"wait-online-{site}"
+        process = self.start(name, site, argv)
+        deadline = time.monotonic() + timeout + 60
+        while process.poll() is None:
+            self.check_alive([n for n in self.processes if n != name])
+            if time.monotonic() > deadline:
+                self.stop(name)
+                break
+            time.sleep(0.5)
+        if process.returncode != 0 or not out.exists():
+            raise RuntimeError(f"servers {names} not online:\n{self.log(name)[-3000:]}")
+        del self.processes[name]
+        return json.loads(out.read_text())
+
+    # --- the network's checks -------------------------------------------------------------------------
+    def check_rtts(self, tolerance: float = RTT_TOLERANCE, count: int = 10) -> list[PingResult]:
+        """Ping every pair; raise if a median RTT is off by more than `tolerance` (relative)."""
+        results = self.network.ping_all(count=count, workers=4)
+        # a pair that looks off is measured again on its own: other jobs on a small machine delay
+        # ping's own wake-ups (it reports user-to-user time, -U), not the packets
+        for index, result in enumerate(results):
+            if result.replies == 0 or result.error > tolerance:
+                results[index] = self.network.ping(result.source, result.target, count=2 * count)
+        bad = [r for r in results if r.replies == 0 or r.error > tolerance]
+        lines = [
+            f"{r.source}->{r.target}: configured {r.configured_ms:.2f} ms, measured {r.measured_ms:.2f} ms"
+            f" ({r.error * 100:.1f}%)"
+            for r in results
+        ]
+        (self.run_dir / "ping.txt").write_text("\n".join(lines) + "\n")
+        if bad:
+            raise SetupError(f"RTTs off by more than {tolerance:.0%}:\n" + "\n".join(lines))
+        return results
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(f"signal {signum}")
