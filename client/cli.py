@@ -12,7 +12,9 @@ from client.model import DistributedModelForCausalLM
 from swarm.cli.args import span_list_argument
 from swarm.cli.errors import run_cli
 from swarm.errors import SwarmUserError
+from swarm.hardware import DTYPE_CHOICES, checkpoint_dtype_name, probe_device, resolve_device, resolve_dtype
 from swarm.models import load_span
+from swarm.models.checkpoint import load_config
 
 EXAMPLES = """examples:
   swarm-generate models/tiny-llama --initial-peers $(head -1 dht.maddrs) --prompt "Once upon a time"
@@ -40,7 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=span_list_argument,
         help="run these consecutive spans in this process instead of a swarm, e.g. 0:3,3:6",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="of the client-side modules; auto: float32 on CPU, bfloat16/float16 on a GPU",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where embeddings and the LM head run: cpu, cuda, cuda:N or auto"
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -53,12 +63,17 @@ def generate(args: argparse.Namespace) -> None:
         raise SwarmUserError("--max-new-tokens must be at least 1")
     if (args.local_spans is None) == (args.initial_peers is None):
         raise SwarmUserError("give either --initial-peers (run on the swarm) or --local-spans (run locally)")
+    facts = probe_device()
+    device = resolve_device(args.device, facts)
+    dtype = resolve_dtype(args.dtype, device, facts, checkpoint_dtype_name(load_config(args.model_dir)))
     if args.local_spans is not None:
-        backend = local_backend(args.model_dir, args.local_spans, args.dtype)
-        model = DistributedModelForCausalLM.from_local_parts(args.model_dir, backend, dtype=args.dtype)
+        backend = local_backend(args.model_dir, args.local_spans, dtype, device)
+        model = DistributedModelForCausalLM.from_local_parts(
+            args.model_dir, backend, dtype=dtype, device=device
+        )
     else:
         model = DistributedModelForCausalLM.from_pretrained(
-            args.model_dir, args.initial_peers, dht_prefix=args.dht_prefix, dtype=args.dtype
+            args.model_dir, args.initial_peers, dht_prefix=args.dht_prefix, dtype=dtype, device=device
         )
     try:
         run_generation(model, args)
@@ -66,8 +81,10 @@ def generate(args: argparse.Namespace) -> None:
         model.shutdown()
 
 
-def local_backend(model_dir: str, spans: list[tuple[int, int]], dtype: str) -> LocalSpans:
-    loaded = [load_span(model_dir, start, end, dtype=dtype)[0] for start, end in spans]
+def local_backend(
+    model_dir: str, spans: list[tuple[int, int]], dtype, device: torch.device | str = "cpu"
+) -> LocalSpans:
+    loaded = [load_span(model_dir, start, end, dtype=dtype, device=device)[0] for start, end in spans]
     num_blocks = loaded[-1].family.num_blocks(loaded[-1].config)
     if loaded[-1].end != num_blocks:
         raise SwarmUserError(f"--local-spans must end at the model's last block ({num_blocks})")
@@ -79,7 +96,7 @@ def local_backend(model_dir: str, spans: list[tuple[int, int]], dtype: str) -> L
 
 def run_generation(model: DistributedModelForCausalLM, args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(model.device)
     torch.manual_seed(args.seed)
     model.generate(
         input_ids,

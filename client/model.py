@@ -40,9 +40,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_local_parts(
-        cls, model_dir: str | Path, backend: BlockBackend, dtype: str | torch.dtype = "float32"
+        cls,
+        model_dir: str | Path,
+        backend: BlockBackend,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
     ) -> DistributedModelForCausalLM:
-        model = cls(load_client_parts(model_dir, dtype=dtype), backend)
+        """`device` holds the embeddings, final norm and LM head (pass `input_ids` there too)."""
+        model = cls(load_client_parts(model_dir, dtype=dtype, device=device), backend)
         with contextlib.suppress(OSError):  # a checkpoint without generation_config.json is fine
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         return model.eval()
@@ -55,6 +60,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         dht_prefix: str | None = None,
         dtype: str | torch.dtype = "float32",
         options: ClientOptions | None = None,
+        device: str | torch.device = "cpu",
     ) -> DistributedModelForCausalLM:
         """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`."""
         config = load_config(model_dir)
@@ -63,7 +69,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             list(initial_peers), prefix, family_for(config).num_blocks(config), options
         )
         try:
-            return cls.from_local_parts(model_dir, RemoteBlocks(connection), dtype=dtype)
+            return cls.from_local_parts(model_dir, RemoteBlocks(connection), dtype=dtype, device=device)
         except BaseException:
             connection.shutdown()
             raise

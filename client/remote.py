@@ -166,7 +166,10 @@ class RemoteBlockSession:
 
     def step(self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
         started = time.monotonic()
-        output = run_sync(self._step(hidden, position, padding_mask))
+        device = hidden.device  # the client's modules may sit on a GPU; the wire and history are CPU
+        hidden = hidden.cpu()
+        padding_mask = padding_mask.cpu() if padding_mask is not None else None
+        output = run_sync(self._step(hidden, position, padding_mask)).to(device)
         if self.first_step_done_at is None:
             self.first_step_done_at = time.monotonic()
         else:

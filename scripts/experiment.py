@@ -132,7 +132,7 @@ def write_block_timings(model_dir: Path, tiny: TinyCosts, delays: set[float], ca
     """
     import torch
 
-    from server.throughput import _cache_key
+    from server.throughput import timings_cache_key
     from swarm.models import load_span
 
     torch.set_num_threads(1)  # the servers run with --torch-threads 1: part of the key
@@ -140,7 +140,7 @@ def write_block_timings(model_dir: Path, tiny: TinyCosts, delays: set[float], ca
     if PREFILL_TOKENS != 20:
         raise AssertionError("the prefill profile below is for 20 tokens")
     entries = {
-        _cache_key(span, PREFILL_TOKENS, delay): {
+        timings_cache_key(span, PREFILL_TOKENS, delay): {
             "tau": tiny.tau_cpu + delay,
             "tau_prefill": tiny.tau_prefill_cpu + delay,
             "prefill_tokens": PREFILL_TOKENS,

@@ -13,16 +13,27 @@ from swarm.cli.args import span_argument
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.dht_keys import default_prefix, validate_prefix
+from swarm.dtypes import dtype_name
 from swarm.errors import SwarmUserError
+from swarm.hardware import (
+    DTYPE_CHOICES,
+    checkpoint_dtype_name,
+    probe_device,
+    resolve_device,
+    resolve_dtype,
+    server_memory_budget,
+)
 from swarm.models.checkpoint import load_config
 from swarm.models.family import family_for
 from swarm.models.span import validate_span
+from swarm.quantization import QUANT_CHOICES, check_quant_device
 from swarm.units import parse_bytes
 
 EXAMPLES = """examples:
   swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --blocks 0:3 --memory 1GB
   swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --memory 1GB  # managed
   swarm-server models/bloom --initial-peers $(cat dht.maddrs) --blocks 0:35 --memory 70GB --dtype bfloat16
+  swarm-server models/llama-2-70b --initial-peers $(cat dht.maddrs) --memory auto --device cuda --quant nf4
   swarm-server models/bloom @server.args --metrics-port 9100  # flags from a file, one per line
 """
 
@@ -44,9 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=span_argument,
         help="0-based half-open span, e.g. 0:12 (default: managed, the scheduler assigns the span)",
     )
-    parser.add_argument("--memory", required=True, help="memory budget M_j for blocks + caches, e.g. 8GB")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--memory",
+        required=True,
+        help="memory budget M_j for blocks + caches, e.g. 8GB; auto: what the device has free, "
+        "less headroom for the allocator and activations",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N or auto (the first GPU if any, else the CPU)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="compute dtype; auto: float32 on CPU, on a GPU the checkpoint's 16-bit dtype or bfloat16",
+    )
+    parser.add_argument(
+        "--quant",
+        default="none",
+        choices=QUANT_CHOICES,
+        help="store the blocks' linear layers as bitsandbytes int8 or nf4 (CUDA only)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument(
@@ -132,15 +161,21 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if args.port == 0:
             raise SwarmUserError("--announce-host needs a fixed --port (clients dial that port)")
         dht_options["announce_maddrs"] = [f"/ip4/{args.announce_host}/tcp/{args.port}"]
+    facts = probe_device()
+    device = resolve_device(args.device, facts)
+    dtype = resolve_dtype(args.dtype, device, facts, checkpoint_dtype_name(model_config))
+    check_quant_device(args.quant, device)
+    requested = None if args.memory.strip().lower() == "auto" else parse_bytes(args.memory)
     return ServerConfig(
         model_dir=args.model_dir,
         initial_peers=args.initial_peers,
         start=start,
         end=end,
-        memory_bytes=parse_bytes(args.memory),
+        memory_bytes=server_memory_budget(requested, device),
         dht_prefix=validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir),
-        dtype=args.dtype,
-        device=args.device,
+        dtype=dtype_name(dtype),
+        device=str(device),
+        quant=args.quant,
         host=args.host,
         port=args.port,
         public_name=args.public_name,

@@ -51,6 +51,7 @@ class ServerConfig:
     dht_prefix: str
     dtype: str = "float32"
     device: str = "cpu"
+    quant: str = "none"  # "int8" or "nf4": bitsandbytes blocks (CUDA)
     host: str = "127.0.0.1"
     port: int = 0
     public_name: str = ""
@@ -160,6 +161,13 @@ class SwarmServer:
         logger.info(
             "joined the DHT as %s at %s", self.peer_id, [str(a) for a in self.dht.get_visible_maddrs()]
         )
+        logger.info(
+            "device %s, dtype %s, quantization %s, memory budget %.2f GiB",
+            config.device,
+            config.dtype,
+            config.quant,
+            config.memory_bytes / 2**30,
+        )
         if config.metrics_port is not None:
             self.metrics.serve(config.host, config.metrics_port)
         if config.managed:
@@ -180,6 +188,7 @@ class SwarmServer:
                 dtype=config.dtype,
                 device=config.device,
                 on_block_loaded=lambda _index: progress.update(),
+                quant=config.quant,
             )
         self.block_bytes, self.cache_token_bytes = self.span.block_bytes, self.span.cache_bytes(num_tokens=1)
         self.budget = CacheBudget(config.memory_bytes, self.span.block_bytes * self.span.num_blocks)
@@ -202,7 +211,9 @@ class SwarmServer:
         s_m, cache bytes per token); blocks are alike, so one block tells it for any span."""
         config = self.config
         started = time.perf_counter()
-        self._probe, _files = load_span(config.model_dir, 0, 1, dtype=config.dtype, device=config.device)
+        self._probe, _files = load_span(
+            config.model_dir, 0, 1, dtype=config.dtype, device=config.device, quant=config.quant
+        )
         self.block_bytes, self.cache_token_bytes = (
             self._probe.block_bytes,
             self._probe.cache_bytes(num_tokens=1),

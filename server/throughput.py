@@ -1,6 +1,6 @@
 """Measure `tau` (per-block decode time per token) and `tau_prefill` on this server's own blocks.
 
-Timings are cached on disk per model shape, device, dtype and thread count, because they take a
+Timings are cached on disk per model shape, device, dtype, quantization and thread count, because they take a
 few seconds and do not change between restarts of the same server.
 """
 
@@ -37,11 +37,18 @@ def default_cache_path() -> Path:
     return Path(root) / "block_timings.json"
 
 
-def _cache_key(span: TransformerSpan, prefill_tokens: int, compute_delay: float) -> str:
+def timings_cache_key(span: TransformerSpan, prefill_tokens: int, compute_delay: float) -> str:
     config = span.config.to_json_string(use_diff=False)
     shape = hashlib.sha256(config.encode()).hexdigest()[:16]
     threads = torch.get_num_threads()
-    return f"{shape}:{span.device}:{dtype_name(span.dtype)}:{threads}t:{prefill_tokens}:{compute_delay}"
+    device = span.device.type if span.device.type == "cpu" else _device_name(span.device)
+    quant = "" if span.quant == "none" else f":{span.quant}"  # unquantized keys as before
+    return f"{shape}:{device}:{dtype_name(span.dtype)}{quant}:{threads}t:{prefill_tokens}:{compute_delay}"
+
+
+def _device_name(device: torch.device) -> str:
+    """A GPU is keyed by its model too: timings of an A100 do not hold for the T4 swapped in later."""
+    return f"{device}[{torch.cuda.get_device_name(device)}]"
 
 
 def measure_block_timings(
@@ -83,7 +90,7 @@ def cached_block_timings(
     cache_path: Path | None = None,
 ) -> BlockTimings:
     path = cache_path or default_cache_path()
-    key = _cache_key(span, prefill_tokens, compute_delay)
+    key = timings_cache_key(span, prefill_tokens, compute_delay)
     try:
         entries = json.loads(path.read_text())
         return BlockTimings(**entries[key])

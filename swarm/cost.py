@@ -46,8 +46,11 @@ def cache_bytes_per_block(d_kv: int, num_tokens: int, bytes_per_element: int) ->
 
 
 def module_parameter_bytes(module: torch.nn.Module) -> int:
-    """`s_m`: the bytes of a loaded block's parameters, as they sit in memory (after any quantization)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """`s_m`: the bytes of a loaded block's parameters, as they sit in memory (after any quantization:
+    packed weights plus their scales)."""
+    from swarm.quantization import quantization_state_bytes
+
+    return sum(p.numel() * p.element_size() + quantization_state_bytes(p) for p in module.parameters())
 
 
 def blocks_that_fit(memory_bytes: float, block_bytes: float, cache_bytes: float, sessions: int) -> int:

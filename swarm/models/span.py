@@ -24,6 +24,7 @@ from swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from swarm.models.cache import BatchedStepCache, SpanCache
 from swarm.models.checkpoint import CheckpointReader, load_config
 from swarm.models.family import ModelFamily, family_for
+from swarm.quantization import check_quant_device, quantize_block
 
 # one session's single-token step, as `TransformerSpan.forward` takes it: (hidden, cache, position, mask)
 BatchedStep = tuple[torch.Tensor, SpanCache, int, torch.Tensor | None]
@@ -82,12 +83,14 @@ class TransformerSpan(nn.Module):
         helpers: nn.ModuleDict,
         dtype: torch.dtype,
         device: torch.device,
+        quant: str = "none",
     ):
         super().__init__()
         self.family, self.config = family, config
         self.start, self.end = start, end
         self.blocks, self.helpers = blocks, helpers
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, device  # dtype: of activations and caches (compute dtype)
+        self.quant = quant  # "none", "int8" or "nf4": how the blocks' linear layers are stored
         self.hidden_size = family.hidden_size(config)
         self.num_kv_heads = family.num_kv_heads(config)
         self.head_dim = family.head_dim(config)
@@ -208,19 +211,22 @@ def load_span(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     on_block_loaded: Callable[[int], None] | None = None,
+    quant: str = "none",
 ) -> tuple[TransformerSpan, list[str]]:
-    """Load blocks `[start, end)`; returns the span and the checkpoint files that were opened."""
+    """Load blocks `[start, end)`; returns the span and the checkpoint files that were opened.
+    `quant` ("int8", "nf4") stores the blocks' linear layers quantized (CUDA only)."""
     dtype = parse_dtype(dtype)
     device = torch.device(device)
+    check_quant_device(quant, device)
     config = prepare_config(load_config(model_dir))
     family = family_for(config)
     validate_span(start, end, family.num_blocks(config))
     loaded, opened_files = _load_blocks(
-        model_dir, family, config, range(start, end), start, dtype, device, on_block_loaded
+        model_dir, family, config, range(start, end), start, dtype, device, on_block_loaded, quant
     )
     blocks = nn.ModuleList(loaded[index] for index in range(start, end))
     helpers = family.make_span_helpers(config, device)
-    span = TransformerSpan(family, config, start, end, blocks, helpers, dtype, device).eval()
+    span = TransformerSpan(family, config, start, end, blocks, helpers, dtype, device, quant).eval()
     return span, opened_files
 
 
@@ -233,6 +239,7 @@ def _load_blocks(
     dtype: torch.dtype,
     device: torch.device,
     on_block_loaded: Callable[[int], None] | None,
+    quant: str = "none",
 ) -> tuple[dict[int, nn.Module], list[str]]:
     """Build and fill the blocks `indices` (absolute) of a span starting at `span_start`."""
     blocks: dict[int, nn.Module] = {}
@@ -246,7 +253,11 @@ def _load_blocks(
             if not names:
                 raise CheckpointError(f"checkpoint {reader.model_dir} has no tensors for block {index}")
             tensors = {name[len(prefix) :]: tensor for name, tensor in reader.read(names).items()}
-            materialize(block, tensors, dtype, device, what=f"block {index}")
+            if quant == "none":
+                materialize(block, tensors, dtype, device, what=f"block {index}")
+            else:  # fill on the CPU, then bitsandbytes quantizes while moving to the GPU
+                materialize(block, tensors, dtype, torch.device("cpu"), what=f"block {index}")
+                quantize_block(block, quant, dtype, device)
             blocks[index] = block.eval()
             if on_block_loaded is not None:
                 on_block_loaded(index)
@@ -317,12 +328,20 @@ def rebuild_span(
     loaded: dict[int, nn.Module] = {}
     if missing:
         loaded, _files = _load_blocks(
-            model_dir, family, config, missing, start, old_span.dtype, old_span.device, on_block_loaded
+            model_dir,
+            family,
+            config,
+            missing,
+            start,
+            old_span.dtype,
+            old_span.device,
+            on_block_loaded,
+            old_span.quant,
         )
     for index, block in kept.items():
         set_block_local_index(block, index - start)
     blocks = nn.ModuleList({**kept, **loaded}[index] for index in range(start, end))
     span = TransformerSpan(
-        family, config, start, end, blocks, old_span.helpers, old_span.dtype, old_span.device
+        family, config, start, end, blocks, old_span.helpers, old_span.dtype, old_span.device, old_span.quant
     ).eval()
     return span, sorted(kept), missing
