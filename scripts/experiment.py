@@ -320,6 +320,7 @@ def run_policy(
         emulation.start_server(
             plan.name, plan.site, model_dir, f"{span.start}:{span.end}", budget, plan.compute_delay,
             "--slot-tokens", str(slot_tokens), "--session-timeout", "900", "--drain-timeout", "1",
+            *(["--compute-delay-overlap"] if args.gpu_model == "overlap" else []),
         )  # fmt: skip
         names.append(plan.name)
     online = emulation.wait_online(client_site, model_dir, names, timeout=300)
@@ -541,6 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--delay", choices=["auto", "netem", "nfqueue"], default="auto")
     parser.add_argument(
+        "--gpu-model",
+        choices=["overlap", "serial"],
+        default="overlap",
+        help="how an emulated GPU serves concurrent sessions: overlap = each step takes its per-block "
+        "time whatever else runs (paper 000's model; swarm-server --compute-delay-overlap); serial = "
+        "one step (or batched decode) at a time",
+    )
+    parser.add_argument(
         "--run-timeout", type=float, default=900.0, help="seconds allowed after the last arrival"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "netem")
@@ -631,7 +640,8 @@ def benchmarks_section(report: dict, table: str) -> str:
     command = (
         f".venv/bin/python scripts/experiment.py --rates {config['rates']} --l-out {config['l_out']} "
         f"--requests {config['requests']} --time-scale {config['time_scale']:g} "
-        f"--client-cluster {config['client_cluster']} --seed {config['seed']} --write-benchmarks"
+        f"--client-cluster {config['client_cluster']} --seed {config['seed']} "
+        f"--gpu-model {config['gpu_model']} --write-benchmarks"
     )
     pings = report.get("pings", [])
     worst = max(

@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="emulation: extra seconds per block per step, to make a CPU server behave like a slower GPU",
     )
     parser.add_argument(
+        "--compute-delay-overlap",
+        action="store_true",
+        help="emulation: concurrent sessions' delays overlap (an accelerator whose step time does not "
+        "depend on how many sessions it serves, paper 000's model); default: a delay holds the "
+        "compute thread",
+    )
+    parser.add_argument(
         "--batch-wait-ms",
         type=float,
         default=2.0,
@@ -185,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         announce_period=args.announce_period,
         session_idle_timeout=args.session_timeout,
         compute_delay=args.compute_delay,
+        compute_delay_overlap=args.compute_delay_overlap,
         batch_wait_ms=args.batch_wait_ms,
         drain_timeout=args.drain_timeout,
         scheduler_timeout=args.scheduler_timeout,

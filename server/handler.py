@@ -53,6 +53,7 @@ class BlockServicer(ServicerBase):
         max_batch_size: int = 64,
         session_idle_timeout: float = 300.0,
         compute_delay: float = 0.0,
+        compute_delay_overlap: bool = False,
         batch_wait_ms: float = 2.0,
         get_info: Callable[[], dict],
         on_sessions_changed: Callable[[], None] = lambda: None,
@@ -61,8 +62,14 @@ class BlockServicer(ServicerBase):
         self.span, self.budget = span, budget
         self.max_length, self.max_batch_size = max_length, max_batch_size
         self.session_idle_timeout = session_idle_timeout
-        # emulation: seconds added per block per step (SPEC section 8); a batched decode pays it once
+        # emulation: seconds added per block per step (SPEC section 8). By default the delay holds the
+        # compute thread (an accelerator busy with one step at a time; a batched decode pays it once).
+        # With `compute_delay_overlap` each step waits out its own delay off the compute thread, so
+        # concurrent sessions' delays overlap: an accelerator whose step time does not depend on how
+        # many sessions it serves, which is paper 000's cost model and the simulator's.
         self.compute_delay = compute_delay
+        self.overlap_delay = compute_delay if compute_delay_overlap else 0.0
+        thread_delay = 0.0 if compute_delay_overlap else compute_delay
         self.get_info, self.on_sessions_changed = get_info, on_sessions_changed
         # a fresh servicer per span (moves), one metrics object per server: counters survive moves
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -75,7 +82,7 @@ class BlockServicer(ServicerBase):
         self.engine = (
             BatchingEngine(
                 batch_wait=batch_wait_ms / 1e3,
-                compute_delay=compute_delay,
+                compute_delay=thread_delay,
                 max_batch_rows=max(max_batch_size, 64),
             )
             if batch_wait_ms > 0
@@ -254,15 +261,20 @@ class BlockServicer(ServicerBase):
         self, session: Session, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
     ) -> torch.Tensor:
         if self.engine is not None:
-            return await self.engine.run(self.span, session.cache, hidden, position, padding_mask)
+            output = await self.engine.run(self.span, session.cache, hidden, position, padding_mask)
+        else:
+            thread_delay = self.compute_delay - self.overlap_delay
 
-        def run() -> torch.Tensor:
-            output = self.span(hidden, session.cache, position, padding_mask)
-            if self.compute_delay:
-                time.sleep(self.compute_delay * session.cache.num_blocks)
-            return output.to(hidden.dtype)
+            def run() -> torch.Tensor:
+                output = self.span(hidden, session.cache, position, padding_mask)
+                if thread_delay:
+                    time.sleep(thread_delay * session.cache.num_blocks)
+                return output.to(hidden.dtype)
 
-        return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+            output = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        if self.overlap_delay:
+            await asyncio.sleep(self.overlap_delay * session.cache.num_blocks)
+        return output
 
     def _reply(self, message, tensors: list[torch.Tensor]) -> runtime_pb2.ExpertResponse:
         response = encode(message, tensors, request=False)

@@ -61,6 +61,7 @@ class ServerConfig:
     announce_period: float = 10.0
     session_idle_timeout: float = 300.0
     compute_delay: float = 0.0
+    compute_delay_overlap: bool = False  # emulation: concurrent sessions' delays overlap (see handler)
     batch_wait_ms: float = 2.0  # window for batching concurrent decode steps; 0 = no batching
     drain_timeout: float = 10.0  # on SIGTERM or a move, let open sessions finish for up to this long
     prefill_tokens: int = 20
@@ -279,6 +280,7 @@ class SwarmServer:
             max_batch_size=self.config.max_batch_size,
             session_idle_timeout=self.config.session_idle_timeout,
             compute_delay=self.config.compute_delay,
+            compute_delay_overlap=self.config.compute_delay_overlap,
             batch_wait_ms=self.config.batch_wait_ms,
             get_info=lambda: self.info().to_wire(),
             on_sessions_changed=self._sessions_changed.set,
