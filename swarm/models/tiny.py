@@ -25,6 +25,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from swarm.dtypes import parse_dtype
 from swarm.errors import SwarmUserError
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -57,6 +58,7 @@ class TinyModelSpec:
     # Random weights from the usual 0.02 init give near-uniform logits whose top two candidates can
     # differ by less than float32 rounding; a wider init keeps greedy decoding well separated.
     initializer_range: float = 0.1
+    dtype: str = "float32"  # the dtype the weights are stored in (config.dtype says so)
 
     def config(self) -> PretrainedConfig:
         if self.num_layers < 1 or self.hidden_size % self.num_heads:
@@ -128,6 +130,8 @@ def build_tiny_model(
     config = spec.config()
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if spec.dtype != "float32":  # initialised in float32 (same weights for every dtype), stored smaller
+        model = model.to(parse_dtype(spec.dtype))
     save_kwargs = {"safe_serialization": True}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
@@ -142,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
         prog="swarm-make-tiny-model",
         description="Build a tiny random-weight BLOOM or LLaMA checkpoint with a trained tokenizer.",
-        epilog="example: swarm-make-tiny-model models/tiny-llama --family llama --layers 6 --kv-heads 2",
+        epilog="example: swarm-make-tiny-model models/tiny-llama --family llama --layers 6 --kv-heads 2\n"
+        "LLaMA-2-7B shape: swarm-make-tiny-model models/llama7b-shape --layers 32 --hidden 4096 "
+        "--heads 32 --intermediate 11008 --vocab 32000 --dtype float16 --init-range 0.02 "
+        "--max-shard-size 2GB",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("out_dir", help="directory to write the checkpoint to")
     parser.add_argument("--family", choices=["llama", "bloom"], default="llama")
@@ -150,7 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=None, help="LLaMA grouped-query attention heads")
+    parser.add_argument("--intermediate", type=int, default=None, help="LLaMA MLP width (default 2x hidden)")
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--init-range", type=float, default=0.1, help="weight init std (0.02 for real-size shapes in fp16)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-size", default=None, help='split weights into shards, e.g. "50KB"')
     args = parser.parse_args(argv)
@@ -161,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
         vocab_size=args.vocab,
+        intermediate_size=args.intermediate,
         seed=args.seed,
+        initializer_range=args.init_range,
+        dtype=args.dtype,
     )
     try:
         path = build_tiny_model(args.out_dir, spec, args.max_shard_size)

@@ -1,0 +1,204 @@
+"""Real-size blocks on real hardware (issue 11): bytes, decode time vs the memory-bandwidth limit,
+cache bytes vs the s_c formula, and per-token latency of a swarm that splits the model.
+
+    # on a GPU machine: a LLaMA-2-7B-shaped random checkpoint (32 blocks, hidden 4096, no GQA)
+    .venv/bin/python scripts/bench_hardware.py --device cuda --dtypes float16 --quants none,nf4 --write
+    # the same code on this CPU, small enough to finish in a minute
+    .venv/bin/python scripts/bench_hardware.py --device cpu --layers 4 --hidden 512 --intermediate 1376 \\
+        --heads 8 --quants none --servers 2 --tokens 16
+
+Per (dtype, quant) it loads block 0 with the servers' own loading code (`load_span`, quantized by
+`--quant` exactly as `swarm-server` does), and measures
+
+- `s_m`: the bytes the server announces (packed weights + scales) and, on CUDA, what the allocator
+  really gave the block;
+- the median decode time of one block at `--context` cached tokens (synchronized), against the
+  bandwidth limit `s_m / B`, with `B` this device's measured copy bandwidth (a decode step must
+  read every weight once, so no implementation beats that);
+- a session cache's real bytes against `s_c` of SPEC eq. 2;
+
+then starts a DHT and `--servers` servers splitting the blocks on the device and times
+`--tokens` greedy tokens through them (p50/p95 per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_latency import TokenClock  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
+
+from client.model import DistributedModelForCausalLM  # noqa: E402
+from swarm.dht_keys import default_prefix  # noqa: E402
+from swarm.hardware import probe_device, resolve_device  # noqa: E402
+from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.models import load_span  # noqa: E402
+from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+
+HEADER = "## Real-size blocks on real hardware (issue 11)"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def copy_bandwidth(device: torch.device, size_bytes: int) -> float:
+    """Bytes/s of a large device-to-device copy (read + write), best of 5."""
+    source = torch.empty(size_bytes // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size_bytes / best
+
+
+def measure_block(model_dir: Path, device: torch.device, dtype: str, quant: str, context: int, steps: int):
+    before = allocated(device)
+    span, _ = load_span(model_dir, 0, 1, dtype=dtype, device=device, quant=quant)
+    synchronize(device)
+    real_block_bytes = allocated(device) - before
+    before = allocated(device)
+    cache = span.new_cache(1, context + steps + 1)
+    real_cache_bytes = allocated(device) - before
+    hidden = torch.randn(1, context, span.hidden_size, generator=torch.Generator().manual_seed(0))
+    span(hidden.to(span.dtype), cache, 0)
+    step = torch.randn(1, 1, span.hidden_size).to(span.dtype)
+    times = []
+    for position in range(context, context + steps):
+        synchronize(device)
+        started = time.perf_counter()
+        span(step, cache, position)
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    result = {
+        "dtype": dtype,
+        "quant": quant,
+        "s_m": span.block_bytes,
+        "s_m_allocated": real_block_bytes,
+        "decode_s": statistics.median(times),
+        "cache_formula": span.cache_bytes(context + steps + 1),
+        "cache_allocated": real_cache_bytes or cache.nbytes,
+    }
+    del span, cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def measure_swarm(model_dir: Path, args, dtype: str, quant: str, log_dir: Path) -> list[float]:
+    layers, servers = args.layers, args.servers
+    bounds = [round(i * layers / servers) for i in range(servers + 1)]
+    swarm = LocalSwarm(log_dir / f"{dtype}-{quant}")
+    try:
+        swarm.start_dht()
+        for i in range(servers):
+            swarm.start_server(
+                f"s{i}", model_dir, f"{bounds[i]}:{bounds[i + 1]}", args.memory_per_server,
+                "--device", args.device, "--dtype", dtype, "--quant", quant,
+            )  # fmt: skip
+        swarm.wait_online(default_prefix(str(model_dir)), layers, [f"s{i}" for i in range(servers)], 600)
+        model = DistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, dtype=dtype)
+        try:
+            ids = torch.randint(4, 400, (1, 16), generator=torch.Generator().manual_seed(0))
+            clock = TokenClock()
+            model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, streamer=clock)
+        finally:
+            model.shutdown()
+        return clock.intervals()
+    finally:
+        swarm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtypes", default="float16")
+    parser.add_argument("--quants", default="none,nf4")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=11008)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--context", type=int, default=512, help="cached tokens when timing decode")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per block")
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--memory-per-server", default="16GB")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated through the swarm")
+    parser.add_argument("--model-dir", type=Path, help="reuse a checkpoint built by an earlier run")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    device = resolve_device(args.device, probe_device())
+    args.device = str(device)
+    dtypes, quants = args.dtypes.split(","), args.quants.split(",")
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model_dir or Path(scratch) / "model"
+        if not (model_dir / "config.json").exists():
+            spec = TinyModelSpec(
+                family="llama", num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                intermediate_size=args.intermediate, vocab_size=512, initializer_range=0.02,
+                dtype=dtypes[0],
+            )  # fmt: skip
+            print(
+                f"building a {args.layers}-block hidden-{args.hidden} checkpoint in {model_dir}", flush=True
+            )
+            build_tiny_model(model_dir, spec, max_shard_size="2GB")
+        bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 28)
+        print(f"{device}: copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+        rows = []
+        for dtype in dtypes:
+            for quant in quants:
+                block = measure_block(model_dir, device, dtype, quant, args.context, args.steps)
+                intervals = measure_swarm(model_dir, args, dtype, quant, Path(scratch) / "logs")
+                block["token_p50"] = statistics.median(intervals)
+                block["token_p95"] = statistics.quantiles(intervals, n=20)[-1]
+                rows.append(block)
+                print(block, flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        "| dtype | quant | s_m (MB) | allocated (MB) | decode / block (ms) | bandwidth limit (ms) | ratio "
+        "| cache: real / s_c | per token p50 / p95 (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        limit = row["s_m"] / bandwidth
+        lines.append(
+            f"| {row['dtype']} | {row['quant']} | {row['s_m'] / 1e6:.1f} | {row['s_m_allocated'] / 1e6:.1f} "
+            f"| {row['decode_s'] * 1e3:.3f} | {limit * 1e3:.3f} | {row['decode_s'] / limit:.2f}x "
+            f"| {row['cache_allocated'] / row['cache_formula']:.3f} "
+            f"| {row['token_p50'] * 1e3:.1f} / {row['token_p95'] * 1e3:.1f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        command = " ".join(["scripts/bench_hardware.py", *sys.argv[1:]])
+        write_section(
+            HEADER,
+            f"{HEADER}\n\nCommand: `.venv/bin/python {command}`\n\n{name}, copy bandwidth "
+            f"{bandwidth / 1e9:.1f} GB/s; LLaMA shape {args.layers} blocks, hidden {args.hidden}, "
+            f"intermediate {args.intermediate}, {args.heads} heads; decode at {args.context} cached "
+            f"tokens; {args.servers} servers on the one device.\n\n{table}\n",
+        )
+
+
+if __name__ == "__main__":
+    main()
