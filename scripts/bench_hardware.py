@@ -93,7 +93,7 @@ def measure_block(model_dir: Path, device: torch.device, dtype: str, quant: str,
         "dtype": dtype,
         "quant": quant,
         "s_m": span.block_bytes,
-        "s_m_allocated": real_block_bytes,
+        "s_m_allocated": real_block_bytes,  # 0 on the CPU: no allocator to ask
         "decode_s": statistics.median(times),
         "cache_formula": span.cache_bytes(context + steps + 1),
         "cache_allocated": real_cache_bytes or cache.nbytes,
@@ -107,7 +107,9 @@ def measure_block(model_dir: Path, device: torch.device, dtype: str, quant: str,
 def measure_swarm(model_dir: Path, args, dtype: str, quant: str, log_dir: Path) -> list[float]:
     layers, servers = args.layers, args.servers
     bounds = [round(i * layers / servers) for i in range(servers + 1)]
-    swarm = LocalSwarm(log_dir / f"{dtype}-{quant}")
+    run_dir = log_dir / f"{dtype}-{quant}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    swarm = LocalSwarm(run_dir)
     try:
         swarm.start_dht()
         for i in range(servers):
@@ -182,7 +184,8 @@ def main() -> None:
     for row in rows:
         limit = row["s_m"] / bandwidth
         lines.append(
-            f"| {row['dtype']} | {row['quant']} | {row['s_m'] / 1e6:.1f} | {row['s_m_allocated'] / 1e6:.1f} "
+            f"| {row['dtype']} | {row['quant']} | {row['s_m'] / 1e6:.1f} "
+            f"| {row['s_m_allocated'] / 1e6:.1f} "
             f"| {row['decode_s'] * 1e3:.3f} | {limit * 1e3:.3f} | {row['decode_s'] / limit:.2f}x "
             f"| {row['cache_allocated'] / row['cache_formula']:.3f} "
             f"| {row['token_p50'] * 1e3:.1f} / {row['token_p95'] * 1e3:.1f} |"
