@@ -54,6 +54,34 @@ def run_sync(coroutine):
     return RemoteExpertWorker.run_coroutine(coroutine)
 
 
+DHT_START_TIMEOUT = 30.0  # a client peer is normally ready in about a second
+DHT_START_ATTEMPTS = 3
+
+
+def start_client_dht(initial_peers: list[str]) -> DHT:
+    """A client-mode DHT peer, ready. Its background process rarely never reports ready (seen in CI
+    under heavy load); `DHT(start=True)` would then wait forever, so bound each try and retry."""
+    for attempt in range(1, DHT_START_ATTEMPTS + 1):
+        dht = DHT(initial_peers=initial_peers, client_mode=True, start=False)
+        try:
+            dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT)
+            return dht
+        except TimeoutError:
+            logger.warning(
+                "the client's DHT peer was not ready after %.0f s (try %d of %d)",
+                DHT_START_TIMEOUT,
+                attempt,
+                DHT_START_ATTEMPTS,
+            )
+            if dht.is_alive():
+                dht.kill()
+            dht.join(5)
+    raise SwarmUserError(
+        f"could not start a DHT peer for initial peers {initial_peers} "
+        f"({DHT_START_ATTEMPTS} tries of {DHT_START_TIMEOUT:.0f} s)"
+    )
+
+
 class SwarmConnection:
     def __init__(
         self, initial_peers: list[str], prefix: str, num_blocks: int, options: ClientOptions | None = None
@@ -63,7 +91,7 @@ class SwarmConnection:
         self.prefix, self.num_blocks = prefix, num_blocks
         self.client_id = uuid.uuid4().hex  # how the scheduler tells this client's RTT reports apart
         self.options = options or ClientOptions()
-        self.dht = DHT(initial_peers=initial_peers, client_mode=True, start=True)
+        self.dht = start_client_dht(initial_peers)
         self.p2p = run_sync(self.dht.replicate_p2p())
         self._servers: dict[str, ServerInfo] = {}
         self._fetched_at = -math.inf

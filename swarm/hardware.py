@@ -83,8 +83,9 @@ def resolve_dtype(
 
 
 def checkpoint_dtype_name(config) -> str | None:
-    """The dtype a Hugging Face config says its weights are stored in (`torch_dtype`/`dtype`)."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    """The dtype a Hugging Face config says its weights are stored in (`dtype`; transformers maps the
+    older `torch_dtype` key onto it, and reading `torch_dtype` itself prints a deprecation notice)."""
+    value = getattr(config, "dtype", None)
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
     return value if isinstance(value, str) else None
