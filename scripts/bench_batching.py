@@ -46,6 +46,7 @@ from swarm.dht_keys import default_prefix  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
 
 HEADER = "## Batching concurrent sessions on one server (issue 10)"
+GPU_HEADER = "## Batching concurrent sessions on one server, on a GPU (issue 10)"
 
 
 @dataclass
@@ -120,7 +121,10 @@ def measure(model_dir: Path, log_dir: Path, args: argparse.Namespace) -> tuple[d
         swarm.start_dht()
         for name in args.modes:
             wait = MODES[name] if MODES[name] is not None else args.batch_wait_ms
-            swarm.start_server(name, model_dir, f"0:{args.layers}", "2GB", "--batch-wait-ms", str(wait))
+            swarm.start_server(
+                name, model_dir, f"0:{args.layers}", args.memory, "--batch-wait-ms", str(wait),
+                "--device", args.device, "--dtype", args.dtype,
+            )  # fmt: skip
         prefix = default_prefix(str(model_dir))
         swarm.wait_online(prefix, args.layers, list(args.modes))
         options = ClientOptions(use_scheduler=False)
@@ -146,6 +150,9 @@ def measure(model_dir: Path, log_dir: Path, args: argparse.Namespace) -> tuple[d
                     flush=True,
                 )
                 results[name].append(level)
+    except Exception:
+        print(swarm.log_tails(), file=sys.stderr)
+        raise
     finally:
         if connection is not None:
             connection.shutdown()
@@ -168,6 +175,13 @@ def main() -> None:
     parser.add_argument(
         "--batch-wait-ms", type=float, default=2.0, help="the server's window with batching on"
     )
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2x hidden)")
+    parser.add_argument("--init-range", type=float, default=0.1, help="0.02 keeps real-size fp16 finite")
+    parser.add_argument("--device", default="cpu", help="the servers' device: cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--memory", default="2GB", help="each server's memory budget")
     parser.add_argument("--modes", default="off,on", help="which servers to measure (both for the table)")
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds per level, alternating which server goes first"
@@ -182,22 +196,14 @@ def main() -> None:
         model_dir = Path(scratch) / "bench-llama"
         subprocess.run(
             [
-                str(Path(sys.executable).parent / "swarm-make-tiny-model"),
-                str(model_dir),
-                "--family",
-                "llama",
-                "--layers",
-                str(args.layers),
-                "--hidden",
-                str(args.hidden),
-                "--heads",
-                "8",
-                "--kv-heads",
-                "4",
+                sys.executable, "-m", "swarm.models.tiny", str(model_dir), "--family", "llama",
+                "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+                "--kv-heads", str(args.kv_heads), "--dtype", args.dtype, "--init-range", str(args.init_range),
+                *(["--intermediate", str(args.intermediate)] if args.intermediate else []),
             ],
             check=True,
             stdout=subprocess.DEVNULL,
-        )
+        )  # fmt: skip
         log_dir = Path(scratch) / "logs"
         log_dir.mkdir()
         results, engine = measure(model_dir, log_dir, args)
@@ -225,17 +231,38 @@ def main() -> None:
 
 def write_batching_section(table: str, engine: str, args: argparse.Namespace) -> None:
     sessions = ",".join(str(n) for n in args.sessions)
+    on_gpu = args.device != "cpu"
     command = (
         f".venv/bin/python scripts/bench_batching.py --sessions {sessions} --tokens {args.tokens} "
         f"--sessions-per-slot {args.sessions_per_slot} --hidden {args.hidden} --layers {args.layers} "
-        f"--batch-wait-ms {args.batch_wait_ms:g} --repeats {args.repeats} --write"
+        f"--heads {args.heads} --kv-heads {args.kv_heads} "
+        + (f"--intermediate {args.intermediate} " if args.intermediate else "")
+        + (
+            f"--device {args.device} --dtype {args.dtype} --memory {args.memory} "
+            f"--init-range {args.init_range:g} "
+            if on_gpu
+            else ""
+        )
+        + f"--batch-wait-ms {args.batch_wait_ms:g} --repeats {args.repeats} --write"
     )
     wait = f"{args.batch_wait_ms:g}"
-    setup = (
-        f"Tiny LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}, 8 heads, 4 KV heads, float32) "
-        "built by `swarm-make-tiny-model`; two server processes with all blocks (`--torch-threads 1`), "
-        "one with batching off and one with it on, side by side, and one client process, all on "
-        "loopback on this shared 2-core machine. Each level runs on one server, then on the other "
+    if on_gpu:
+        name = torch.cuda.get_device_name(torch.device(args.device))
+        where = (
+            f"LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV "
+            f"heads, {args.dtype}) built by `swarm-make-tiny-model`; two server processes with all blocks "
+            f"on one {name}, one with batching off and one with it on, side by side, and one client "
+            "process, all on loopback. "
+        )
+    else:
+        where = (
+            f"Tiny LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
+            f"{args.kv_heads} KV heads, float32) built by `swarm-make-tiny-model`; two server processes "
+            "with all blocks (`--torch-threads 1`), one with batching off and one with it on, side by "
+            "side, and one client process, all on loopback on this shared 2-core machine. "
+        )
+    setup = where + (
+        f"Each level runs on one server, then on the other "
         f"(alternating which goes first over {args.repeats} round(s)), so that load from elsewhere "
         f"hits both. N concurrent slots each run {args.sessions_per_slot} sessions in turn (prefill "
         f"of 8..32 tokens, then {args.tokens} decode steps) through the real client stream code. "
@@ -246,11 +273,12 @@ def write_batching_section(table: str, engine: str, args: argparse.Namespace) ->
         "the client sees them; the last column is the time to first token. Target: >= 3x throughput "
         "at 16 sessions, p95 no worse."
     )
+    header = GPU_HEADER if on_gpu else HEADER
     body = (
-        f"{HEADER}\n\nCommand: `{command}`\n\n{setup}\n\n{table}\n\n"
+        f"{header}\n\nCommand: `{command}`\n\n{setup}\n\n{table}\n\n"
         f"Server engine counters for the `on` server: {engine}\n"
     )
-    write_section(HEADER, body)
+    write_section(header, body)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ then starts a DHT and `--servers` servers splitting the blocks on the device and
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -126,6 +127,9 @@ def measure_swarm(model_dir: Path, args, dtype: str, quant: str, log_dir: Path) 
         finally:
             model.shutdown()
         return clock.intervals()
+    except Exception:
+        print(swarm.log_tails(), file=sys.stderr)
+        raise
     finally:
         swarm.close()
 
@@ -147,6 +151,9 @@ def main() -> None:
     parser.add_argument("--memory-per-server", default="16GB")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated through the swarm")
     parser.add_argument("--model-dir", type=Path, help="reuse a checkpoint built by an earlier run")
+    parser.add_argument(
+        "--rows", type=Path, default=Path("results/hardware/rows.json"), help="where rows accumulate"
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     device = resolve_device(args.device, probe_device())
@@ -173,16 +180,47 @@ def main() -> None:
                 intervals = measure_swarm(model_dir, args, dtype, quant, Path(scratch) / "logs")
                 block["token_p50"] = statistics.median(intervals)
                 block["token_p95"] = statistics.quantiles(intervals, n=20)[-1]
+                block["bandwidth"] = bandwidth
                 rows.append(block)
                 print(block, flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    shape = f"{args.layers}x{args.hidden}x{args.intermediate}x{args.heads}"
+    for row in rows:
+        row.update(device=name, shape=shape, context=args.context, servers=args.servers)
+    rows = merge_rows(args.rows, rows)  # earlier runs' other (dtype, quant) rows stay in the table
+    table = render_table([row for row in rows if row["device"] == name and row["shape"] == shape])
+    print(table)
+    if args.write:
+        command = " ".join(["scripts/bench_hardware.py", *sys.argv[1:]])
+        write_section(
+            HEADER,
+            f"{HEADER}\n\nCommand: `.venv/bin/python {command}` (each run adds its rows to "
+            f"`{args.rows}`; the table shows every row kept there for this device and shape)\n\n"
+            f"{name}, copy bandwidth {bandwidth / 1e9:.1f} GB/s; LLaMA shape {args.layers} blocks, "
+            f"hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads; decode at "
+            f"{args.context} cached tokens; {args.servers} servers on the one device.\n\n{table}\n",
+        )
+
+
+def merge_rows(path: Path, new_rows: list[dict]) -> list[dict]:
+    """Rows kept in `path`, with those of the same device, shape, dtype and quant replaced."""
+    key = ("device", "shape", "dtype", "quant")
+    kept = json.loads(path.read_text()) if path.exists() else []
+    fresh = {tuple(row[k] for k in key) for row in new_rows}
+    merged = [row for row in kept if tuple(row[k] for k in key) not in fresh] + new_rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=1) + "\n")
+    return merged
+
+
+def render_table(rows: list[dict]) -> str:
     lines = [
         "| dtype | quant | s_m (MB) | allocated (MB) | decode / block (ms) | bandwidth limit (ms) | ratio "
         "| cache: real / s_c | per token p50 / p95 (ms) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        limit = row["s_m"] / bandwidth
+        limit = row["s_m"] / row["bandwidth"]
         lines.append(
             f"| {row['dtype']} | {row['quant']} | {row['s_m'] / 1e6:.1f} "
             f"| {row['s_m_allocated'] / 1e6:.1f} "
@@ -190,17 +228,7 @@ def main() -> None:
             f"| {row['cache_allocated'] / row['cache_formula']:.3f} "
             f"| {row['token_p50'] * 1e3:.1f} / {row['token_p95'] * 1e3:.1f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        command = " ".join(["scripts/bench_hardware.py", *sys.argv[1:]])
-        write_section(
-            HEADER,
-            f"{HEADER}\n\nCommand: `.venv/bin/python {command}`\n\n{name}, copy bandwidth "
-            f"{bandwidth / 1e9:.1f} GB/s; LLaMA shape {args.layers} blocks, hidden {args.hidden}, "
-            f"intermediate {args.intermediate}, {args.heads} heads; decode at {args.context} cached "
-            f"tokens; {args.servers} servers on the one device.\n\n{table}\n",
-        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -309,7 +309,7 @@ class BatchingEngine:
             else:
                 self._delay(batchable[0].cache)
                 for step, output in zip(batchable, outputs, strict=True):
-                    step.future.set_result(output.to(step.hidden.dtype))
+                    step.future.set_result(output.to(step.hidden.device, step.hidden.dtype))
         self.decode_fit.observe(sum(step.rows for step in work), time.perf_counter() - started)
         self.stats.decode_iterations += 1
         self.stats.decode_steps += len(work)
@@ -320,7 +320,7 @@ class BatchingEngine:
         try:
             output = step.span(step.hidden, step.cache, step.position, step.padding_mask)
             self._delay(step.cache)
-            step.future.set_result(output.to(step.hidden.dtype))
+            step.future.set_result(output.to(step.hidden.device, step.hidden.dtype))
         except Exception as error:
             step.future.set_exception(error)
 

@@ -116,8 +116,8 @@ class BlockServicer(ServicerBase):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "forward needs one [batch, tokens, hidden] tensor")
             batch, tokens = hidden.shape[:2]
             self._check_sizes(batch, tokens)
+            self.budget.reserve(owner, self.span.cache_bytes(tokens, batch) * (message.end - message.start))
             cache = self.span.new_cache(batch, tokens, message.start, message.end)
-            self.budget.reserve(owner, cache.nbytes)
             session = Session(
                 "forward", str(context.remote_id), message.start, message.end, batch, tokens, cache, 0
             )
@@ -128,6 +128,11 @@ class BlockServicer(ServicerBase):
             return self._error(error.code, str(error))
         except NoCacheRoom as error:
             return self._error(ErrorCode.NO_CACHE_ROOM, str(error))
+        except Exception as error:
+            logger.exception("forward failed")
+            return self._error(
+                ErrorCode.INTERNAL, f"forward failed on the server: {type(error).__name__}: {error}"
+            )
         finally:
             self.budget.release(owner)
 
@@ -256,6 +261,11 @@ class BlockServicer(ServicerBase):
             return self._reply(StepDone(step_id=message.step_id, position=message.position), [output])
         except ProtocolError as error:
             return self._error(error.code, str(error))
+        except Exception as error:  # a bug or a device fault: this session fails, the server serves on
+            logger.exception("session %s: step failed", session.session_id[:8])
+            return self._error(
+                ErrorCode.INTERNAL, f"step failed on the server: {type(error).__name__}: {error}"
+            )
 
     async def _compute(
         self, session: Session, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
@@ -269,7 +279,7 @@ class BlockServicer(ServicerBase):
                 output = self.span(hidden, session.cache, position, padding_mask)
                 if thread_delay:
                     time.sleep(thread_delay * session.cache.num_blocks)
-                return output.to(hidden.dtype)
+                return output.to(hidden.device, hidden.dtype)  # back to the wire's CPU tensors
 
             output = await asyncio.get_running_loop().run_in_executor(self.executor, run)
         if self.overlap_delay:

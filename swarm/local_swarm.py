@@ -98,6 +98,10 @@ class LocalSwarm:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
 
+    def log_tails(self, max_chars: int = 3000) -> str:
+        """The end of every process's log: what a failed benchmark prints before its logs go away."""
+        return "\n".join(f"--- {name}.log ---\n{self.log(name)[-max_chars:]}" for name in self.processes)
+
     # --- observing the swarm through its DHT -----------------------------------------------------
     @property
     def observer(self) -> DHT:

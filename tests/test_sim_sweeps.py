@@ -12,7 +12,13 @@ from scheduler.sim.sweeps import SWEEP_POLICIES, sweep_points
 from scheduler.sim_cli import main
 
 EXPECTED_COLUMNS = {
-    "sweep", "x", "policy", "per_token_time_mean", "ttft_mean", "tpot_p95", "throughput_tokens_per_s",
+    "sweep",
+    "x",
+    "policy",
+    "per_token_time_mean",
+    "ttft_mean",
+    "tpot_p95",
+    "throughput_tokens_per_s",
 }
 
 

@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from swarm.cost import cache_bytes_per_block, dtype_bytes, module_parameter_bytes
 from swarm.dtypes import parse_dtype
 from swarm.errors import CheckpointError, SpanError
+from swarm.hardware import prepare_attention_kernels
 from swarm.models import bloom as _bloom  # noqa: F401  (registers the family)
 from swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from swarm.models.cache import BatchedStepCache, SpanCache
@@ -218,6 +219,7 @@ def load_span(
     dtype = parse_dtype(dtype)
     device = torch.device(device)
     check_quant_device(quant, device)
+    prepare_attention_kernels(device)
     config = prepare_config(load_config(model_dir))
     family = family_for(config)
     validate_span(start, end, family.num_blocks(config))
