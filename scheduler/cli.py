@@ -39,7 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     parser.add_argument("--announce-host", help="address published in the DHT (default: --host)")
-    parser.add_argument("--policy", choices=POLICIES, default="cg-bp", help="placement policy")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="cg-bp",
+        help="placement and routing: cg-bp (CG-BP + WS-RR, paper 000), gbp-cr (GBP-CR + WS-RR), "
+        "chains (GBP-CR + GCA chains + JFFC queue, paper 001), petals (PETALS' own rules)",
+    )
     parser.add_argument("--period", type=float, default=30.0, help="seconds between placement reviews")
     parser.add_argument(
         "--arrival-rate",

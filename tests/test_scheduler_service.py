@@ -1,9 +1,10 @@
 """The scheduler service with real processes (issue 6): a DHT, `swarm-scheduler`, managed servers
 started without --blocks, and clients in this process.
 
-Two swarms: five servers of different memory budgets and emulated speeds (placement, generation,
-a server leaving), and two servers with room for exactly R = 2 sessions (admission in WS-RR order,
-the scheduler killed and restarted).
+Three swarms: five servers of different memory budgets and emulated speeds (placement, generation,
+a server leaving); two servers with room for exactly R = 2 sessions (admission in WS-RR order,
+the scheduler killed and restarted); and two pinned servers of one session each under the `chains`
+policy (JFFC's central queue).
 """
 
 from __future__ import annotations
@@ -298,3 +299,70 @@ def test_killing_and_restarting_the_scheduler(tight, llama_dir, reference):
         assert torch.equal(resumed, expected(reference, "Paris London", 12))
     finally:
         client.shutdown()
+
+
+# --- the `chains` policy: two pinned servers, one session each, a JFFC queue ----------------------
+
+
+@pytest.fixture(scope="module")
+def two_chains(llama_dir, tmp_path_factory):
+    swarm = LocalSwarm(tmp_path_factory.mktemp("scheduler-chains"))
+    try:
+        swarm.start_dht()
+        address = swarm.start_scheduler(
+            "scheduler",
+            llama_dir,
+            *("--policy", "chains", "--num-requests", "1", "--l-in", str(L_IN), "--l-out", str(L_OUT)),
+            *("--period", "5", "--settle", "1"),
+        )
+        memory = budget(llama_dir, NUM_BLOCKS, sessions=1)
+        for name, delay in (("fast", "0.01"), ("slow", "0.03")):  # each its own chain of capacity 1
+            swarm.start_server(name, llama_dir, f"0:{NUM_BLOCKS}", memory, "--compute-delay", delay)
+        wait_until(
+            lambda: len([s for s in status(address).servers if s.state == "online"]) == 2,
+            150,
+            "the two servers to come online",
+        )
+        yield swarm
+    finally:
+        leaked = swarm.close()
+        assert not leaked, f"process groups left running: {leaked}"
+
+
+def test_chains_policy_queues_for_the_first_free_chain_without_refusals(two_chains, llama_dir, reference):
+    client = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, initial_peers=two_chains.initial_peers, options=OPTIONS
+    )
+    plan = [("A", "Once upon a time", 40, 0.0), ("B", "Paris London", 4, 0.0), ("C", "one two", 8, 0.6)]
+    results, admissions, peers, errors = {}, {}, {}, []
+
+    def run(name: str, prompt: str, new_tokens: int, delay: float) -> None:
+        try:
+            time.sleep(delay)
+            ids = reference[1](prompt, return_tensors="pt").input_ids
+            with client.inference_session(max_length=SLOT_TOKENS) as session:
+                results[name] = client.generate(
+                    ids, max_new_tokens=new_tokens, do_sample=False, session=session
+                )
+                admissions[name] = session.blocks.admission
+                peers[name] = [stream.hop.peer_id for stream in session.blocks.streams]
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=entry) for entry in plan]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        refusals = client.backend.connection.no_cache_room_refusals
+    finally:
+        client.shutdown()
+    assert not errors, errors
+    for name, prompt, new_tokens, _ in plan:
+        assert torch.equal(results[name], expected(reference, prompt, new_tokens)), name
+    assert refusals == 0
+    assert all(len(peers[name]) == 1 for name in "ABC") and peers["A"] != peers["B"]
+    # C found both chains busy, waited in the scheduler's queue, and took the chain B freed
+    assert admissions["C"].admitted_at - admissions["C"].routed_at > 0.1
+    assert peers["C"] == peers["B"]

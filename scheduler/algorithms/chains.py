@@ -21,7 +21,7 @@ from scheduler.algorithms.problem import (
     floor_ratio,
     placement_cache_slots,
 )
-from scheduler.algorithms.routing_graph import RoutingGraph
+from scheduler.algorithms.routing_graph import ChainHop, RoutingGraph
 
 DEFAULT_RHO_BAR = 0.7  # paper 001 section 4.1: target maximum load
 
@@ -146,3 +146,12 @@ def gca(servers: Sequence[ServerSpec], model: ModelSpec, placement: Placement) -
             )
         )
     return tuple(chains)
+
+
+def chain_hops(chain: ServerChain, spans: Sequence[Span | None]) -> tuple[ChainHop, ...]:
+    """A GCA chain as hops: each server processes the `q` blocks ending at its span's end."""
+    hops = []
+    for server, blocks in zip(chain.servers, chain.blocks, strict=True):
+        end = spans[server].end
+        hops.append(ChainHop(server, end - blocks, end))
+    return tuple(hops)

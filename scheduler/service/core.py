@@ -87,6 +87,10 @@ class SchedulerCore:
             self._adopt_live(members)
         if members != self.placed_members and self._members_changed_at is None:
             self._members_changed_at = now
+        self._refresh_book()
+
+    def _refresh_book(self) -> None:
+        """Hand the servers that serve now (and their timings) to the session book."""
         live = self.view.live()
         model = self.view.model_spec()
         announced = {peer: self.view.used_units(peer, model) for peer in live} if model else {}
@@ -131,7 +135,7 @@ class SchedulerCore:
         live_now = self.view.live_spans(peers)
         if reason is None and not guarantees(self.view, peers, live_now, self.num_requests):
             reason = f"the live spans do not guarantee R={self.num_requests}"
-        candidate = self._compute(peers)
+        candidate = self._compute(peers, now)
         if candidate is None:
             self._members_changed_at = None
             return False
@@ -159,12 +163,12 @@ class SchedulerCore:
         )
         return True
 
-    def _compute(self, peers: list[str]) -> Plan | None:
+    def _compute(self, peers: list[str], now: float) -> Plan | None:
         """The policy's placement; with too little memory for R, the largest R that still fits."""
         requests = self.num_requests
         while requests >= 1:
             try:
-                return compute_plan(self.view, peers, self.settings.plan, requests)
+                return compute_plan(self.view, peers, self.settings.plan, requests, self.rate.rate(now))
             except Infeasible as error:
                 if requests == 1 or self.settings.plan.policy == "petals":
                     logger.warning("no placement: %s (uncovered blocks %s)", error, error.uncovered[:10])
@@ -198,7 +202,10 @@ class SchedulerCore:
         now: float,
     ) -> RouteDecision | None:
         self.rate.record(now)
+        new_client = client_id not in self.view.clients
         self.view.report_rtts(client_id, rtts, now)
+        if new_client and self.settings.plan.policy == "chains":
+            self._refresh_book()  # GCA's chain times count this client's round trips (tau_c)
         self.book.expire(now)
         decision = self.book.route(
             uuid.uuid4().hex, client_id, rtts, l_out, self.book.units_for(batch_size, max_length), now

@@ -31,7 +31,7 @@ from scheduler.plan_commands import place_cg_bp, place_gbp_cr, place_petals
 from scheduler.plan_io import dumps, parse_problem
 from scheduler.service.view import SwarmView
 
-POLICIES = ("cg-bp", "gbp-cr", "petals")
+POLICIES = ("cg-bp", "gbp-cr", "chains", "petals")
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,26 @@ class ArrivalRate:
         return len(self.arrivals) / max(observed, 1.0)
 
 
-def compute_plan(view: SwarmView, peers: Sequence[str], settings: PlanSettings, num_requests: int) -> Plan:
-    """Place `peers` with the policy; raises `Infeasible`/`PlanInputError` like `swarm-plan place`."""
+def compute_plan(
+    view: SwarmView,
+    peers: Sequence[str],
+    settings: PlanSettings,
+    num_requests: int,
+    arrival_rate: float | None = None,
+) -> Plan:
+    """Place `peers` with the policy; raises `Infeasible`/`PlanInputError` like `swarm-plan place`.
+
+    `gbp-cr` places for capacity `c = R`; `chains` tunes c for the arrival rate (SPEC 3.4's c
+    tuning, paper 001's full design) when one is known, else uses `c = R` too."""
     document = view.problem_document(peers, num_requests if settings.policy == "cg-bp" else None)
-    if settings.policy == "gbp-cr":
+    rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate
+    if settings.policy == "chains" and rate:
+        document["c"], document["arrival_rate"] = "auto", rate
+    elif settings.policy in ("gbp-cr", "chains"):
         document["c"] = num_requests
     problem = parse_problem(dumps(document))  # the very path `swarm-plan place` takes
-    place = {"cg-bp": place_cg_bp, "gbp-cr": place_gbp_cr, "petals": place_petals}[settings.policy]
-    output = place(problem)
+    place = {"cg-bp": place_cg_bp, "gbp-cr": place_gbp_cr, "chains": place_gbp_cr, "petals": place_petals}
+    output = place[settings.policy](problem)
     spans = {
         entry["name"]: Span(entry["start"], entry["end"]) if entry["start"] is not None else None
         for entry in output["placement"]

@@ -14,6 +14,10 @@ client's local failover). A session of `batch x max_length` tokens takes
 
 Sessions hold a lease: a client that vanishes without ending its session frees it when the lease
 runs out (clients renew it while they run).
+
+Policies: `cg-bp` and `gbp-cr` route with WS-RR as above; `petals` with PETALS' own router (no
+waiting here: its clients are refused by full servers and back off); `chains` with JFFC over GCA's
+chains (`chain_routing`), where a session's chain is chosen only when it is admitted.
 """
 
 from __future__ import annotations
@@ -21,48 +25,18 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from scheduler.algorithms import petals
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, placement_cache_slots
 from scheduler.algorithms.wsrr import RoutingState
-
-
-@dataclass(frozen=True)
-class Hop:
-    peer: str
-    start: int  # blocks this server processes for the session
-    end: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class SessionRecord:
-    session_id: str
-    client_id: str
-    hops: tuple[Hop, ...]
-    units: int  # cache slots per block
-    expected_start: float  # absolute: routed_at + WS-RR wait
-    ends_at: float  # absolute expected end (WS-RR completion)
-    lease_expires_at: float
-    order: int
-    admitted: bool = False
-    admitted_at: float | None = None
-    routed_at: float = 0.0
-
-    def slots(self) -> dict[str, int]:
-        return {hop.peer: hop.num_blocks * self.units for hop in self.hops}
-
-
-@dataclass(frozen=True)
-class RouteDecision:
-    session: SessionRecord
-    wait: float  # expected wait (eq. 20), seconds from now
-    completion: float  # expected seconds until done
-    cost: float
+from scheduler.service.chain_routing import (
+    LiveChain,
+    compose_live_chains,
+    fastest_free_chain,
+    queue_start_times,
+    timings_moved,
+)
+from scheduler.service.session_records import Hop, RouteDecision, SessionRecord
 
 
 class SessionBook:
@@ -80,6 +54,8 @@ class SessionBook:
         self._capacity: dict[str, int] = {}  # n_j under the live spans
         self._announced_use: dict[str, int] = {}
         self._granted: dict[str, int] = {}  # slots held by admitted sessions, by server
+        self._chains: tuple[LiveChain, ...] = ()  # `chains` policy: GCA's job servers on the live spans
+        self._chain_busy: list[int] = []  # slots of each chain held by admitted sessions
 
     # --- the servers routes go through ----------------------------------------------------------
     def set_servers(
@@ -93,6 +69,9 @@ class SessionBook:
         """New live servers (or new spans): rebuild the routing state and replay the sessions into it."""
         self._announced_use = dict(announced_use)
         if list(peers) == self._peers and list(spans) == self._spans and model == self._model:
+            if self.policy == "chains" and self._model is not None and timings_moved(self._specs, specs):
+                self._specs = list(specs)  # e.g. a client's round trips arrived: chain times changed
+                self._compose_chains()
             return
         self._peers, self._specs, self._model, self._spans = list(peers), list(specs), model, list(spans)
         self._state = None
@@ -102,11 +81,34 @@ class SessionBook:
         self._state = RoutingState(self._specs, model, self._spans)
         slots = placement_cache_slots(self._specs, model, self._spans)
         self._capacity = dict(zip(self._peers, slots, strict=True))
+        if self.policy == "chains":
+            self._compose_chains()
+            return
         index = {peer: j for j, peer in enumerate(self._peers)}
         for session in sorted(self.sessions.values(), key=lambda s: s.order):
             slots = {index[peer]: count for peer, count in session.slots().items() if peer in index}
             if slots:
                 self._state.add_session(session.session_id, slots, session.ends_at)
+
+    def _compose_chains(self) -> None:
+        """GCA on the new spans; admitted sessions keep their chain if it still exists (else they
+        only hold their servers' slots until they end)."""
+        assert self._model is not None
+        try:
+            self._chains = compose_live_chains(self._peers, self._specs, self._model, self._spans)
+        except ValueError:  # a server without timings yet: no chains until it announces them
+            self._chains = ()
+        self._chain_busy = [0] * len(self._chains)
+        index = {chain.hops: k for k, chain in enumerate(self._chains)}
+        for session in self.sessions.values():
+            if session.admitted:
+                session.chain = index.get(session.hops)
+                if session.chain is not None:
+                    self._chain_busy[session.chain] += session.units
+
+    @property
+    def chains(self) -> tuple[LiveChain, ...]:
+        return self._chains
 
     def update_announced_use(self, announced_use: Mapping[str, int]) -> None:
         self._announced_use = dict(announced_use)
@@ -135,6 +137,8 @@ class SessionBook:
         if self._state is None:
             return None
         per_server = [rtts.get(peer, math.inf) for peer in self._peers]
+        if self.policy == "chains":
+            return self._route_chains(session_id, client_id, units, now)
         if self.policy == "petals":
             decision = self._route_petals(client_id, per_server, l_out)
         else:
@@ -161,6 +165,29 @@ class SessionBook:
         by_index = {index[peer]: count for peer, count in session.slots().items()}
         self._state.add_session(session_id, by_index, session.ends_at)
         return RouteDecision(session, wait, completion, cost)
+
+    def _route_chains(self, session_id: str, client_id: str, units: int, now: float) -> RouteDecision | None:
+        """Queue the session for JFFC (admission picks its chain); None: no chain covers the model."""
+        if not self._chains:
+            return None
+        fastest = min(chain.service_time for chain in self._chains)
+        ahead = self.num_waiting
+        running = [s.ends_at for s in self.sessions.values() if s.admitted]
+        free = sum(max(c.capacity - b, 0) for c, b in zip(self._chains, self._chain_busy, strict=True))
+        start = now if free > ahead else queue_start_times(now, running, fastest, ahead - free + 1)[-1]
+        session = SessionRecord(
+            session_id=session_id,
+            client_id=client_id,
+            hops=(),
+            units=units,
+            expected_start=start,
+            ends_at=start + fastest,
+            lease_expires_at=now + self.lease_s,
+            order=next(self._order),
+            routed_at=now,
+        )
+        self.sessions[session_id] = session
+        return RouteDecision(session, start - now, start + fastest - now, fastest)
 
     def _route_petals(self, client_id: str, per_server_rtt: list[float], l_out: int):
         """PETALS' own router (SPEC 3.3) over the live servers; it predicts no wait."""
@@ -202,6 +229,8 @@ class SessionBook:
         if not waiting:
             return []
         free = {peer: self.capacity(peer) - self._in_use(peer) for peer in self._peers}
+        if self.policy == "chains":
+            return self._admit_chains(sorted(waiting, key=lambda s: s.order), free, now)
         blocked: set[str] = set()
         admitted = []
         for session in waiting:
@@ -215,6 +244,28 @@ class SessionBook:
                 admitted.append(session.session_id)
             else:
                 blocked.update(peers)  # later sessions must not overtake it on these servers
+        return admitted
+
+    def _admit_chains(self, waiting: list[SessionRecord], free: dict[str, int], now: float) -> list[str]:
+        """JFFC: the queue's head takes the fastest chain with room, strictly first come first served."""
+        admitted = []
+        for session in waiting:
+
+            def has_room(chain: LiveChain, units: int = session.units) -> bool:
+                return all(free.get(hop.peer, -1) >= hop.num_blocks * units for hop in chain.hops)
+
+            k = fastest_free_chain(self._chains, self._chain_busy, session.units, has_room)
+            if k is None:
+                break  # the head waits, and nobody overtakes it
+            chain = self._chains[k]
+            session.hops, session.chain = chain.hops, k
+            session.admitted, session.admitted_at = True, now
+            session.ends_at = now + chain.service_time
+            self._chain_busy[k] += session.units
+            self._grant(session, +1)
+            for hop in chain.hops:
+                free[hop.peer] -= hop.num_blocks * session.units
+            admitted.append(session.session_id)
         return admitted
 
     def expected_wait(self, session_id: str, now: float) -> float:
@@ -240,6 +291,8 @@ class SessionBook:
             return False
         if session.admitted:
             self._grant(session, -1)
+            if session.chain is not None:
+                self._chain_busy[session.chain] -= session.units
         if self._state is not None:
             self._state.end_session(session_id)
         return True

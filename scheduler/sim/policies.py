@@ -27,7 +27,7 @@ import numpy as np
 
 from scheduler.algorithms import petals
 from scheduler.algorithms.cgbp import cg_bp, choose_num_requests
-from scheduler.algorithms.chains import ServerChain, gca
+from scheduler.algorithms.chains import ServerChain, chain_hops, gca
 from scheduler.algorithms.jffc import JffcDispatcher
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
 from scheduler.algorithms.routing_graph import ChainHop
@@ -183,15 +183,6 @@ class JffcRouting:
             return []
         self._chain_of[successor] = chain
         return [(self._waiting.pop(successor), self.chain_hops[chain])]
-
-
-def chain_hops(chain: ServerChain, spans: Sequence[Span | None]) -> tuple[ChainHop, ...]:
-    """A GCA chain as hops: each server processes the `q` blocks ending at its span's end."""
-    hops = []
-    for server, blocks in zip(chain.servers, chain.blocks, strict=True):
-        end = spans[server].end
-        hops.append(ChainHop(server, end - blocks, end))
-    return tuple(hops)
 
 
 def placement_cache_slots_from_chains(chains: Sequence[ServerChain], num_servers: int) -> list[int]:

@@ -1,0 +1,43 @@
+"""What the scheduler records about a session it routed (plain data, shared by the routing policies)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hop:
+    peer: str
+    start: int  # blocks this server processes for the session
+    end: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    client_id: str
+    hops: tuple[Hop, ...]  # empty while a `chains` session waits: JFFC picks its chain on admission
+    units: int  # cache slots per block
+    expected_start: float  # absolute: routed_at + the predicted wait
+    ends_at: float  # absolute expected end
+    lease_expires_at: float
+    order: int
+    admitted: bool = False
+    admitted_at: float | None = None
+    routed_at: float = 0.0
+    chain: int | None = None  # `chains` policy: the index of the live chain it runs on
+
+    def slots(self) -> dict[str, int]:
+        return {hop.peer: hop.num_blocks * self.units for hop in self.hops}
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    session: SessionRecord
+    wait: float  # expected wait (WS-RR: eq. 20), seconds from now
+    completion: float  # expected seconds until done
+    cost: float
