@@ -3,11 +3,12 @@
 For every (arrival rate, l_out) cell and every policy, on one emulated network (scripts/netem,
 scenario `table2.json`: 3 clusters, 5 ms / 1 Gbit/s inside, 100 ms / 100 Mbit/s across):
 
-1. place the 70 blocks with `swarm-plan place --algo cg-bp|petals` on the *paper's* memory budgets
+1. place the 70 blocks with `swarm-plan place --algo cg-bp|petals|gbp-cr` on the *paper's* memory budgets
    (A100 79.13 GiB, MIG 8.2 GiB, BLOOM-176B NF4 blocks): PETALS gets its 53 / 4 blocks, CG-BP what
    SPEC 3.1 gives for the cell's R;
 2. start a DHT, a scheduler (`--policy cg-bp`: WS-RR routing and admission; `--policy petals`:
-   PETALS' router, clients back off when refused) and 9 servers with those `--blocks`, a tiny
+   PETALS' router, clients back off when refused; `--policy chains`: paper 001's GBP-CR placement
+   with c tuned for the rate, GCA chains and a JFFC queue) and 9 servers with those `--blocks`, a tiny
    BLOOM (70 blocks, hidden 64) and `--compute-delay` so that each block costs what it costs on the
    paper's GPU (tau 3.22 ms A100, 16.25 ms MIG, minus the CPU time the tiny block takes), and
    `--memory` = the tiny model's real block bytes x blocks + its real s_c x the paper's number of
@@ -53,21 +54,23 @@ from netem.system import netns_works  # noqa: E402
 
 from scheduler.algorithms import petals  # noqa: E402
 from scheduler.algorithms.cgbp import choose_num_requests  # noqa: E402
+from scheduler.algorithms.chains import gca  # noqa: E402
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots  # noqa: E402
 from scheduler.algorithms.wsrr import RoutingState  # noqa: E402
 from scheduler.plan_io import dumps, parse_problem  # noqa: E402
 from scheduler.sim import workload  # noqa: E402
 from scheduler.sim.engine import CLIENT, RequestRecord, RetryAt, simulate  # noqa: E402
 from scheduler.sim.metrics import summarize  # noqa: E402
-from scheduler.sim.policies import PetalsRouting, WsRrRouting  # noqa: E402
+from scheduler.sim.policies import JffcRouting, PetalsRouting, WsRrRouting  # noqa: E402
 from scheduler.sim.profiles import GIB  # noqa: E402
 from swarm.cost import cache_bytes_per_block  # noqa: E402
 
 SCENARIO = ROOT / "scripts" / "netem" / "scenarios" / "table2.json"
-POLICY_ALGO = {"proposed": "cg-bp", "petals": "petals"}
+POLICY_ALGO = {"proposed": "cg-bp", "petals": "petals", "chains": "chains"}  # experiment -> scheduler
 BATCH_WAIT_S = 0.002  # the servers' default --batch-wait-ms: a decode step may wait this long to batch
 PLANNING_OVERHEAD_S = 0.004  # per-hop software overhead assumed when placing (measured later)
 HEADER = "## Emulated geo-distributed swarm: paper 000 Table 2 (issue 8)"
+ORDER = ["petals", "proposed", "chains"]  # table rows per cell
 
 
 # --- inputs -------------------------------------------------------------------------------------------
@@ -231,11 +234,25 @@ def swarm_plan(algo: str, document: dict) -> tuple[int, dict]:
     return result.returncode, json.loads(result.stdout) if result.stdout.strip() else {"error": result.stderr}
 
 
+def with_chain_times(document: dict, l_out: int) -> dict:
+    """Paper 001's per-request times on every server, so that a chain's eq. 2 time is eq. 1's."""
+    servers = []
+    for server in document["servers"]:
+        (rtt,), (rtt_prefill,) = server["rtt"].values(), server["rtt_prefill"].values()
+        tau_c = rtt_prefill + (l_out - 1) * rtt
+        tau_p = server["tau_prefill"] + (l_out - 1) * server["tau"]
+        servers.append({**server, "tau_c": tau_c, "tau_p": tau_p})
+    return {**document, "servers": servers}
+
+
 def place(policy: str, document: dict, model: ModelSpec, rate: float, l_out: int) -> dict:
-    if policy == "petals":
-        code, output = swarm_plan("petals", document)
+    if policy in ("petals", "chains"):
+        algo, problem = "petals", document
+        if policy == "chains":  # GBP-CR with c tuned for this rate (Theorem 3.7's lower bound)
+            algo, problem = "gbp-cr", {**with_chain_times(document, l_out), "c": "auto", "arrival_rate": rate}
+        code, output = swarm_plan(algo, problem)
         if code != 0:
-            raise RuntimeError(f"swarm-plan place --algo petals failed: {output}")
+            raise RuntimeError(f"swarm-plan place --algo {algo} failed: {output}")
         return output
     problem = parse_problem(dumps(document))
     requests = choose_num_requests(problem.servers, model, rate, l_out) or 1
@@ -306,7 +323,7 @@ def run_policy(
         + ", ".join(f"{p.name}={s.start}:{s.end}" for p, s in zip(plans, spans, strict=True) if s)
     )
     emulation.start_dht(control_site)
-    num_requests = placed.get("num_requests") or 1
+    num_requests = placed.get("num_requests") or placed.get("c") or 1
     emulation.start_scheduler(
         control_site, model_dir,
         "--policy", POLICY_ALGO[policy], "--l-in", str(l_in), "--l-out", str(cell.l_out),
@@ -373,7 +390,7 @@ def run_policy(
     ]
     measured_summary = summarize(records) if records else {}
     setup = float(measured.get("setup_probe_s", 0.0))
-    predicted = predict(policy, plans, spans, slots, online, model, requests, l_in, scale, setup)
+    predicted = predict(policy, plans, spans, slots, online, model, requests, l_in, cell.l_out, scale, setup)
     print(
         f"[{label}] measured per-token {measured_summary.get('per_token_time_mean', math.nan):.3f} s, "
         f"simulated {predicted['per_token_time_mean']:.3f} s; {len(failed)} failed; {wall:.0f} s"
@@ -385,6 +402,7 @@ def run_policy(
         "requests": cell.requests,
         "placement": {p.name: [s.start, s.end] if s else None for p, s in zip(plans, spans, strict=True)},
         "num_requests_R": placed.get("num_requests"),
+        "capacity_c": placed.get("c"),
         "cache_slots": dict(zip([p.name for p in plans], slots, strict=True)),
         "memory_bytes": dict(zip([p.name for p in plans], memory, strict=True)),
         "compute_delay_s": {p.name: p.compute_delay for p in plans},
@@ -427,12 +445,14 @@ def predict(
     model: ModelSpec,
     requests: list[workload.Request],
     l_in: int,
+    l_out: int,
     scale: float,
     setup: float,
 ) -> dict:
     """The simulator on this very swarm: spans and cache slots as emulated, tau/tau_prefill as the
     servers announced them, t_cj = the client's measured info-RPC round trip + the batching wait,
-    a per-session set-up of `setup` seconds (the idle probe), PETALS' backoff x the time scale."""
+    a per-session set-up of `setup` seconds (the idle probe), PETALS' backoff x the time scale;
+    `chains`: GCA's chains on the emulated spans (times as the live scheduler computes them), JFFC."""
     servers = []
     for plan in plans:
         info = online.get(plan.name)
@@ -460,10 +480,14 @@ def predict(
                 tau_prefill=tau_prefill,
                 rtt={CLIENT: rtt},
                 rtt_prefill={CLIENT: rtt},
+                tau_c=rtt * l_out,
+                tau_p=tau_prefill + (l_out - 1) * info["tau"],
             )
         )
     if policy == "petals":  # PETALS' router, fed the same measured round trips as the scheduler's
         dispatcher = ScaledPetalsRouting(servers, model, spans, slots, setup, scale=scale)
+    elif policy == "chains":
+        dispatcher = JffcRouting(gca(servers, model, spans), spans, setup)
     else:
         dispatcher = WsRrRouting(RoutingState(servers, model, spans), spans, setup)
     result = simulate(servers, model, dispatcher, requests)
@@ -486,7 +510,11 @@ def markdown(report: dict) -> str:
         "| TPOT, measured | simulated | waiting, measured | simulated | hops, measured | sim |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for run in report["runs"]:
+    ordered = sorted(
+        report["runs"],
+        key=lambda r: (r["rate"], r["l_out"], ORDER.index(r["policy"]) if r["policy"] in ORDER else 9),
+    )
+    for run in ordered:
         m, s = run["measured"], run["simulated"]
         hops = [len(r["hops"]) for r in run["per_request"] if "hops" in r]
         lines.append(
@@ -498,28 +526,24 @@ def markdown(report: dict) -> str:
             f"| {np.mean(hops) if hops else math.nan:.2f} | {s.get('hops_mean', math.nan):.2f} |"
         )
     lines.append("")
-    lines.append(
-        "| rate, l_out | proposed vs petals, measured per-token | simulated "
-        "| sim error petals | sim error proposed |"
-    )
-    lines.append("|---|---:|---:|---:|---:|")
+    lines.append("| rate, l_out | policy | per-token vs petals, measured | simulated | sim error |")
+    lines.append("|---|---|---:|---:|---:|")
     cells = sorted({(run["rate"], run["l_out"]) for run in report["runs"]})
     for rate, l_out in cells:
         runs = {run["policy"]: run for run in report["runs"] if (run["rate"], run["l_out"]) == (rate, l_out)}
-        if not {"petals", "proposed"} <= set(runs):
-            continue
-        mp, mq = runs["petals"]["measured"], runs["proposed"]["measured"]
-        sp, sq = runs["petals"]["simulated"], runs["proposed"]["simulated"]
-        if not mp or not mq:
-            continue
-        measured_gain = 1 - mq["per_token_time_mean"] / mp["per_token_time_mean"]
-        simulated_gain = 1 - sq["per_token_time_mean"] / sp["per_token_time_mean"]
-        err_p = sp["per_token_time_mean"] / mp["per_token_time_mean"] - 1
-        err_q = sq["per_token_time_mean"] / mq["per_token_time_mean"] - 1
-        lines.append(
-            f"| {rate:g}, {l_out} | {measured_gain:.0%} faster | {simulated_gain:.0%} faster "
-            f"| {err_p:+.0%} | {err_q:+.0%} |"
-        )
+        base = runs.get("petals")
+        for policy in sorted(runs, key=lambda p: ORDER.index(p) if p in ORDER else len(ORDER)):
+            measured, simulated = runs[policy]["measured"], runs[policy]["simulated"]
+            if not measured:
+                continue
+            error = simulated["per_token_time_mean"] / measured["per_token_time_mean"] - 1
+            gains = ["-", "-"]
+            if base is not None and base["measured"] and policy != "petals":
+                gains = [
+                    f"{1 - ours['per_token_time_mean'] / theirs['per_token_time_mean']:.0%} faster"
+                    for ours, theirs in ((measured, base["measured"]), (simulated, base["simulated"]))
+                ]
+            lines.append(f"| {rate:g}, {l_out} | {policy} | {gains[0]} | {gains[1]} | {error:+.0%} |")
     if scale != 1:
         lines.append(f"\nTimes at the emulation's scale k = {scale:g}; divide by k for paper-scale seconds.")
     return "\n".join(lines) + "\n"
@@ -528,7 +552,9 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", type=Path, default=SCENARIO)
-    parser.add_argument("--policies", default="petals,proposed", help="comma-separated: petals, proposed")
+    parser.add_argument(
+        "--policies", default="petals,proposed", help="comma-separated: petals, proposed, chains"
+    )
     parser.add_argument("--rates", default="0.1,0.5", help="paper-scale arrival rates, requests/s")
     parser.add_argument("--l-out", default="64,128")
     parser.add_argument("--l-in", type=int, default=20)
@@ -555,6 +581,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "netem")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/lsw-experiment"), help="model and logs")
     parser.add_argument("--write-benchmarks", action="store_true", help="put the table into BENCHMARKS.md")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the runs already in OUT/table2.json for other (policy, rate, l_out) and add these "
+        "(e.g. a later `--policies chains` beside an earlier petals/proposed run)",
+    )
     args = parser.parse_args(argv)
     reason = netns_works()
     if reason is not None:
@@ -604,6 +636,15 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
+    earlier: list[dict] = []
+    if args.merge and (args.out / "table2.json").exists():
+        previous = json.loads((args.out / "table2.json").read_text())
+        fresh = {(p, c.rate, c.l_out) for p in policies for c in cells}
+        earlier = [r for r in previous["runs"] if (r["policy"], r["rate"], r["l_out"]) not in fresh]
+        report["merged"] = previous.get("merged", []) + [
+            {"config": previous["config"], "wall_s": previous.get("wall_s"), "runs": len(earlier)}
+        ]
+        report["runs"] = list(earlier)
     started = time.monotonic()
     with Emulation(scenario, run_dir, args.delay) as emulation:
         report["delay_mode"] = emulation.network.mode
@@ -634,14 +675,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def benchmarks_section(report: dict, table: str) -> str:
-    """The BENCHMARKS.md section: the command, the table; the analysis lives in the hand-written part."""
-    config = report["config"]
-    command = (
-        f".venv/bin/python scripts/experiment.py --rates {config['rates']} --l-out {config['l_out']} "
-        f"--requests {config['requests']} --time-scale {config['time_scale']:g} "
+def command_of(config: dict) -> str:
+    policies = "" if config["policies"] == "petals,proposed" else f" --policies {config['policies']}"
+    return (
+        f".venv/bin/python scripts/experiment.py{policies} --rates {config['rates']} "
+        f"--l-out {config['l_out']} --requests {config['requests']} --time-scale {config['time_scale']:g} "
         f"--client-cluster {config['client_cluster']} --seed {config['seed']} "
-        f"--gpu-model {config['gpu_model']} --write-benchmarks"
+        f"--gpu-model {config['gpu_model']}{' --merge' if config.get('merge') else ''} --write-benchmarks"
+    )
+
+
+def benchmarks_section(report: dict, table: str) -> str:
+    """The BENCHMARKS.md section: the commands, the table; the analysis lives in the hand-written part."""
+    runs = [*report.get("merged", []), {"config": report["config"], "wall_s": report["wall_s"]}]
+    commands = "\n".join(
+        f"{command_of(run['config'])}   # {(run['wall_s'] or 0) / 60:.0f} min" for run in runs
     )
     pings = report.get("pings", [])
     worst = max(
@@ -650,8 +698,9 @@ def benchmarks_section(report: dict, table: str) -> str:
     delayer = report.get("delayer") or {}
     notes = NOTES_PATH.read_text() if NOTES_PATH.exists() else ""
     return (
-        f"{HEADER}\n\nCommand (as root, {report['wall_s'] / 60:.0f} min wall on this 2-core machine):\n\n"
-        f"```\n{command}\n```\n\n"
+        f"{HEADER}\n\nCommands (as root, wall time on this 2-core machine; later ones add their runs "
+        f"to the earlier ones' with `--merge`):\n\n"
+        f"```\n{commands}\n```\n\n"
         f"Network: {len(pings)} site pairs, delay by `{report.get('delay_mode')}`; every pair's ping RTT "
         f"within {abs(worst):.1%} of the scenario; delayer: {delayer.get('released', 0):,} packets, mean "
         f"release {delayer.get('lateness_mean_ms', 0):+.2f} ms from due, "
