@@ -697,15 +697,18 @@ def benchmarks_section(report: dict, table: str) -> str:
     )
     delayer = report.get("delayer") or {}
     notes = NOTES_PATH.read_text() if NOTES_PATH.exists() else ""
+    latest = " (the latest run)" if report.get("merged") else ""
     return (
         f"{HEADER}\n\nCommands (as root, wall time on this 2-core machine; later ones add their runs "
         f"to the earlier ones' with `--merge`):\n\n"
         f"```\n{commands}\n```\n\n"
-        f"Network: {len(pings)} site pairs, delay by `{report.get('delay_mode')}`; every pair's ping RTT "
-        f"within {abs(worst):.1%} of the scenario; delayer: {delayer.get('released', 0):,} packets, mean "
-        f"release {delayer.get('lateness_mean_ms', 0):+.2f} ms from due, "
-        f"{delayer.get('released_over_1ms_late', 0):,} released > 1 ms late, {delayer.get('dropped', 0)} "
-        f"dropped. Averages in seconds; `simulated` is `scheduler.sim` on the same swarm and arrivals "
+        f"Network{latest}: {len(pings)} site pairs, delay by `{report.get('delay_mode')}`; "
+        f"every pair's ping RTT within {abs(worst):.1%} of the scenario; "
+        f"delayer: {delayer.get('released', 0):,} packets, "
+        f"mean release {delayer.get('lateness_mean_ms', 0):+.2f} ms from due, "
+        f"{delayer.get('released_over_1ms_late', 0):,} released > 1 ms late, "
+        f"{delayer.get('dropped', 0)} dropped. "
+        f"Averages in seconds; `simulated` is `scheduler.sim` on the same swarm and arrivals "
         f"(see `scripts/experiment.py`).\n\n"
         f"{table}\n{notes}"
     )
