@@ -52,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="requests/s used to choose R (SPEC 3.1), or 'auto' to estimate it online",
     )
-    parser.add_argument("--num-requests", type=int, help="fix R instead of choosing it from the arrival rate")
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        help="fix R instead of choosing it from the arrival rate (gbp-cr, and chains without an arrival "
+        "rate: the capacity c per chain)",
+    )
     parser.add_argument("--l-in", type=int, default=20, help="prompt tokens a request is planned for")
     parser.add_argument("--l-out", type=int, default=128, help="generated tokens a request is planned for")
     parser.add_argument(
