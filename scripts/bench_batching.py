@@ -246,21 +246,17 @@ def write_batching_section(table: str, engine: str, args: argparse.Namespace) ->
         + f"--batch-wait-ms {args.batch_wait_ms:g} --repeats {args.repeats} --write"
     )
     wait = f"{args.batch_wait_ms:g}"
-    if on_gpu:
-        name = torch.cuda.get_device_name(torch.device(args.device))
-        where = (
-            f"LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV "
-            f"heads, {args.dtype}) built by `swarm-make-tiny-model`; two server processes with all blocks "
-            f"on one {name}, one with batching off and one with it on, side by side, and one client "
-            "process, all on loopback. "
-        )
-    else:
-        where = (
-            f"Tiny LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}, {args.heads} heads, "
-            f"{args.kv_heads} KV heads, float32) built by `swarm-make-tiny-model`; two server processes "
-            "with all blocks (`--torch-threads 1`), one with batching off and one with it on, side by "
-            "side, and one client process, all on loopback on this shared 2-core machine. "
-        )
+    servers_run = (
+        f"on one {torch.cuda.get_device_name(torch.device(args.device))}"
+        if on_gpu
+        else "(`--torch-threads 1`)"
+    )
+    where = (
+        f"{'' if on_gpu else 'Tiny '}LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}, {args.heads} "
+        f"heads, {args.kv_heads} KV heads, {args.dtype}) built by `swarm-make-tiny-model`; two server "
+        f"processes with all blocks {servers_run}, one with batching off and one with it on, side by "
+        f"side, and one client process, all on loopback{'' if on_gpu else ' on this shared 2-core machine'}. "
+    )
     setup = where + (
         f"Each level runs on one server, then on the other "
         f"(alternating which goes first over {args.repeats} round(s)), so that load from elsewhere "

@@ -54,7 +54,7 @@ from netem.system import netns_works  # noqa: E402
 
 from scheduler.algorithms import petals  # noqa: E402
 from scheduler.algorithms.cgbp import choose_num_requests  # noqa: E402
-from scheduler.algorithms.chains import gca  # noqa: E402
+from scheduler.algorithms.chains import gca, request_times  # noqa: E402
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots  # noqa: E402
 from scheduler.algorithms.wsrr import RoutingState  # noqa: E402
 from scheduler.plan_io import dumps, parse_problem  # noqa: E402
@@ -239,8 +239,7 @@ def with_chain_times(document: dict, l_out: int) -> dict:
     servers = []
     for server in document["servers"]:
         (rtt,), (rtt_prefill,) = server["rtt"].values(), server["rtt_prefill"].values()
-        tau_c = rtt_prefill + (l_out - 1) * rtt
-        tau_p = server["tau_prefill"] + (l_out - 1) * server["tau"]
+        tau_c, tau_p = request_times(rtt_prefill, rtt, server["tau_prefill"], server["tau"], l_out)
         servers.append({**server, "tau_c": tau_c, "tau_p": tau_p})
     return {**document, "servers": servers}
 
@@ -472,6 +471,7 @@ def predict(
         tau_prefill = (
             info["tau_prefill"] * l_in / info["prefill_tokens"] if info["prefill_tokens"] else info["tau"]
         )
+        tau_c, tau_p = request_times(rtt, rtt, tau_prefill, info["tau"], l_out)
         servers.append(
             ServerSpec(
                 plan.name,
@@ -480,8 +480,8 @@ def predict(
                 tau_prefill=tau_prefill,
                 rtt={CLIENT: rtt},
                 rtt_prefill={CLIENT: rtt},
-                tau_c=rtt * l_out,
-                tau_p=tau_prefill + (l_out - 1) * info["tau"],
+                tau_c=tau_c,
+                tau_p=tau_p,
             )
         )
     if policy == "petals":  # PETALS' router, fed the same measured round trips as the scheduler's

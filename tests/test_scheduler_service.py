@@ -97,6 +97,44 @@ def generate(client, reference, prompt: str, new_tokens: int, max_length: int = 
         return output, session.blocks.admission
 
 
+def generate_concurrently(swarm, llama_dir, reference, plan):
+    """Run `plan` ([(name, prompt, new tokens, start delay)]) in threads of one client, each in its
+    own session; checks every output against local generation and returns (admissions, chain peer
+    ids) by name and the client's no-cache-room refusals."""
+    client = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+    )
+    _, tokenizer = reference
+    results, admissions, peers, errors = {}, {}, {}, []
+
+    def run(name: str, prompt: str, new_tokens: int, delay: float) -> None:
+        try:
+            time.sleep(delay)
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with client.inference_session(max_length=SLOT_TOKENS) as session:
+                results[name] = client.generate(
+                    ids, max_new_tokens=new_tokens, do_sample=False, session=session
+                )
+                admissions[name] = session.blocks.admission
+                peers[name] = [stream.hop.peer_id for stream in session.blocks.streams]
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=entry) for entry in plan]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        refusals = client.backend.connection.no_cache_room_refusals
+    finally:
+        client.shutdown()
+    assert not errors, errors
+    for name, prompt, new_tokens, _ in plan:
+        assert torch.equal(results[name], expected(reference, prompt, new_tokens)), name
+    return admissions, peers, refusals
+
+
 # --- five servers: placement, generation, a server leaving ---------------------------------------
 
 FIVE = {  # name: (blocks its budget holds with R = 2, emulated per-block delay in seconds)
@@ -221,9 +259,6 @@ def tight(llama_dir, tmp_path_factory):
 
 def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, llama_dir, reference):
     swarm, _, _ = tight
-    client = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
-    )
     # A and B fill both slots; B is short, so C (routed before D) is predicted, and admitted, first
     plan = [
         ("A", "Once upon a time", 40, 0.0),
@@ -231,27 +266,7 @@ def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, lla
         ("C", "It learned", 8, 0.4),
         ("D", "one two", 8, 0.8),
     ]
-    results, admissions, errors = {}, {}, []
-
-    def run(name: str, prompt: str, new_tokens: int, delay: float) -> None:
-        try:
-            time.sleep(delay)
-            results[name], admissions[name] = generate(client, reference, prompt, new_tokens)
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=entry) for entry in plan]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=240)
-        refusals = client.backend.connection.no_cache_room_refusals
-    finally:
-        client.shutdown()
-    assert not errors, errors
-    for name, prompt, new_tokens, _ in plan:
-        assert torch.equal(results[name], expected(reference, prompt, new_tokens)), name
+    admissions, _, refusals = generate_concurrently(swarm, llama_dir, reference, plan)
     assert refusals == 0  # the scheduler never sent a session to a server without room
     assert all(admissions[name] is not None for name in "ABCD")
     waited = {name: admissions[name].admitted_at - admissions[name].routed_at for name in "ABCD"}
@@ -330,37 +345,8 @@ def two_chains(llama_dir, tmp_path_factory):
 
 
 def test_chains_policy_queues_for_the_first_free_chain_without_refusals(two_chains, llama_dir, reference):
-    client = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, initial_peers=two_chains.initial_peers, options=OPTIONS
-    )
     plan = [("A", "Once upon a time", 40, 0.0), ("B", "Paris London", 4, 0.0), ("C", "one two", 8, 0.6)]
-    results, admissions, peers, errors = {}, {}, {}, []
-
-    def run(name: str, prompt: str, new_tokens: int, delay: float) -> None:
-        try:
-            time.sleep(delay)
-            ids = reference[1](prompt, return_tensors="pt").input_ids
-            with client.inference_session(max_length=SLOT_TOKENS) as session:
-                results[name] = client.generate(
-                    ids, max_new_tokens=new_tokens, do_sample=False, session=session
-                )
-                admissions[name] = session.blocks.admission
-                peers[name] = [stream.hop.peer_id for stream in session.blocks.streams]
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=entry) for entry in plan]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=240)
-        refusals = client.backend.connection.no_cache_room_refusals
-    finally:
-        client.shutdown()
-    assert not errors, errors
-    for name, prompt, new_tokens, _ in plan:
-        assert torch.equal(results[name], expected(reference, prompt, new_tokens)), name
+    admissions, peers, refusals = generate_concurrently(two_chains, llama_dir, reference, plan)
     assert refusals == 0
     assert all(len(peers[name]) == 1 for name in "ABC") and peers["A"] != peers["B"]
     # C found both chains busy, waited in the scheduler's queue, and took the chain B freed

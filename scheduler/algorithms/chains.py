@@ -51,6 +51,14 @@ class ServerChain:
         return math.inf if self.service_time == 0 else 1 / self.service_time
 
 
+def request_times(
+    rtt_prefill: float, rtt: float, tau_prefill: float, tau: float, l_out: int
+) -> tuple[float, float]:
+    """Paper 001's `(tau_c, tau_p)` from paper 000's per-token times, so that a chain's eq. 2 time
+    is exactly eq. 1's for a request of `l_out` tokens."""
+    return rtt_prefill + (l_out - 1) * rtt, tau_prefill + (l_out - 1) * tau
+
+
 def reserved_block_count(server: ServerSpec, model: ModelSpec, capacity: int) -> int:
     """Eq. 8: `m_j(c) = min(floor(M_j / (s_m + s_c*c)), L)`, reserving c cache slots per block."""
     per_block = model.block_bytes + model.cache_bytes * capacity

@@ -55,7 +55,6 @@ class SessionBook:
         self._announced_use: dict[str, int] = {}
         self._granted: dict[str, int] = {}  # slots held by admitted sessions, by server
         self._chains: tuple[LiveChain, ...] = ()  # `chains` policy: GCA's job servers on the live spans
-        self._chain_busy: list[int] = []  # slots of each chain held by admitted sessions
 
     # --- the servers routes go through ----------------------------------------------------------
     def set_servers(
@@ -98,13 +97,18 @@ class SessionBook:
             self._chains = compose_live_chains(self._peers, self._specs, self._model, self._spans)
         except ValueError:  # a server without timings yet: no chains until it announces them
             self._chains = ()
-        self._chain_busy = [0] * len(self._chains)
         index = {chain.hops: k for k, chain in enumerate(self._chains)}
         for session in self.sessions.values():
             if session.admitted:
                 session.chain = index.get(session.hops)
-                if session.chain is not None:
-                    self._chain_busy[session.chain] += session.units
+
+    def _chain_load(self) -> list[int]:
+        """Slots of each chain that admitted sessions hold."""
+        load = [0] * len(self._chains)
+        for session in self.sessions.values():
+            if session.admitted and session.chain is not None:
+                load[session.chain] += session.units
+        return load
 
     @property
     def chains(self) -> tuple[LiveChain, ...]:
@@ -136,9 +140,9 @@ class SessionBook:
         """Route and record a new session (None: no chain of reachable servers covers the model)."""
         if self._state is None:
             return None
-        per_server = [rtts.get(peer, math.inf) for peer in self._peers]
         if self.policy == "chains":
             return self._route_chains(session_id, client_id, units, now)
+        per_server = [rtts.get(peer, math.inf) for peer in self._peers]
         if self.policy == "petals":
             decision = self._route_petals(client_id, per_server, l_out)
         else:
@@ -173,7 +177,7 @@ class SessionBook:
         fastest = min(chain.service_time for chain in self._chains)
         ahead = self.num_waiting
         running = [s.ends_at for s in self.sessions.values() if s.admitted]
-        free = sum(max(c.capacity - b, 0) for c, b in zip(self._chains, self._chain_busy, strict=True))
+        free = sum(max(c.capacity - b, 0) for c, b in zip(self._chains, self._chain_load(), strict=True))
         start = now if free > ahead else queue_start_times(now, running, fastest, ahead - free + 1)[-1]
         session = SessionRecord(
             session_id=session_id,
@@ -248,20 +252,20 @@ class SessionBook:
 
     def _admit_chains(self, waiting: list[SessionRecord], free: dict[str, int], now: float) -> list[str]:
         """JFFC: the queue's head takes the fastest chain with room, strictly first come first served."""
-        admitted = []
+        admitted, load = [], self._chain_load()
         for session in waiting:
 
             def has_room(chain: LiveChain, units: int = session.units) -> bool:
                 return all(free.get(hop.peer, -1) >= hop.num_blocks * units for hop in chain.hops)
 
-            k = fastest_free_chain(self._chains, self._chain_busy, session.units, has_room)
+            k = fastest_free_chain(self._chains, load, session.units, has_room)
             if k is None:
                 break  # the head waits, and nobody overtakes it
             chain = self._chains[k]
             session.hops, session.chain = chain.hops, k
             session.admitted, session.admitted_at = True, now
             session.ends_at = now + chain.service_time
-            self._chain_busy[k] += session.units
+            load[k] += session.units
             self._grant(session, +1)
             for hop in chain.hops:
                 free[hop.peer] -= hop.num_blocks * session.units
@@ -291,8 +295,6 @@ class SessionBook:
             return False
         if session.admitted:
             self._grant(session, -1)
-            if session.chain is not None:
-                self._chain_busy[session.chain] -= session.units
         if self._state is not None:
             self._state.end_session(session_id)
         return True

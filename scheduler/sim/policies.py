@@ -27,7 +27,7 @@ import numpy as np
 
 from scheduler.algorithms import petals
 from scheduler.algorithms.cgbp import cg_bp, choose_num_requests
-from scheduler.algorithms.chains import ServerChain, chain_hops, gca
+from scheduler.algorithms.chains import ServerChain, chain_hops, gca, request_times
 from scheduler.algorithms.jffc import JffcDispatcher
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
 from scheduler.algorithms.routing_graph import ChainHop
@@ -262,8 +262,7 @@ def with_chain_times(scenario: Scenario, l_out: int) -> list[ServerSpec]:
     """Paper 001's `tau_c`, `tau_p` per server, so that a chain's eq. 2 time is exactly eq. 1."""
     servers = []
     for s in scenario.servers:
-        tau_c = s.rtt_prefill[CLIENT] + (l_out - 1) * s.rtt[CLIENT]
-        tau_p = s.tau_prefill + (l_out - 1) * s.tau
+        tau_c, tau_p = request_times(s.rtt_prefill[CLIENT], s.rtt[CLIENT], s.tau_prefill, s.tau, l_out)
         servers.append(dataclasses.replace(s, tau_c=tau_c, tau_p=tau_p))
     return servers
 
