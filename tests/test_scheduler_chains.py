@@ -83,6 +83,14 @@ def test_no_chain_means_no_route():
     assert core.route("c", {"half": 0.001}, 4, 6, 1, 10, now=1.0) is None  # the client routes locally
 
 
+def test_a_session_no_chain_can_hold_is_not_queued():
+    core = chains_core(num_requests=1)
+    core.update_roster({"one": pinned(1, 0.001)}, 0.0)  # one chain of capacity 1
+    assert core.route("c", {"one": 0.001}, 4, 6, 2, 10, now=1.0) is None  # 2 slots: never fits
+    assert not core.book.sessions
+    assert core.route("c", {"one": 0.001}, 4, 6, 1, 10, now=1.0) is not None
+
+
 def test_a_new_clients_round_trips_recompose_the_chains():
     core = chains_core(num_requests=1)
     core.update_roster({"near": pinned(1, 0.004), "far": pinned(1, 0.001)}, 0.0)

@@ -171,8 +171,9 @@ class SessionBook:
         return RouteDecision(session, wait, completion, cost)
 
     def _route_chains(self, session_id: str, client_id: str, units: int, now: float) -> RouteDecision | None:
-        """Queue the session for JFFC (admission picks its chain); None: no chain covers the model."""
-        if not self._chains:
+        """Queue the session for JFFC (admission picks its chain); None: no chain covers the model, or
+        none could ever hold the session (it would block the queue's head forever)."""
+        if not any(chain.capacity >= units for chain in self._chains):
             return None
         fastest = min(chain.service_time for chain in self._chains)
         ahead = self.num_waiting
