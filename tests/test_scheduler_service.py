@@ -50,7 +50,7 @@ def status(address: str) -> pb.Status:
         return pb_grpc.SchedulerStub(channel).GetStatus(pb.StatusRequest(), timeout=10)
 
 
-def wait_until(predicate, timeout: float, what: str):
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.3):
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -58,7 +58,7 @@ def wait_until(predicate, timeout: float, what: str):
             return value
         if time.monotonic() > deadline:
             raise TimeoutError(what)
-        time.sleep(0.3)
+        time.sleep(poll)
 
 
 def placed(address: str, count: int) -> pb.Status | None:
@@ -98,18 +98,22 @@ def generate(client, reference, prompt: str, new_tokens: int, max_length: int = 
 
 
 def generate_concurrently(swarm, llama_dir, reference, plan):
-    """Run `plan` ([(name, prompt, new tokens, start delay)]) in threads of one client, each in its
-    own session; checks every output against local generation and returns (admissions, chain peer
-    ids) by name and the client's no-cache-room refusals."""
+    """Run `plan` ([(name, prompt, new tokens, start)]) in threads of one client, each in its own
+    session; `start` is a delay in seconds or a predicate the thread waits for. Checks every output
+    against local generation and returns (admissions, chain peer ids) by name and the client's
+    no-cache-room refusals."""
     client = AutoDistributedModelForCausalLM.from_pretrained(
         llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
     )
     _, tokenizer = reference
     results, admissions, peers, errors = {}, {}, {}, []
 
-    def run(name: str, prompt: str, new_tokens: int, delay: float) -> None:
+    def run(name: str, prompt: str, new_tokens: int, start) -> None:
         try:
-            time.sleep(delay)
+            if callable(start):
+                wait_until(start, 60, f"the condition to start {name}", poll=0.02)
+            else:
+                time.sleep(start)
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             with client.inference_session(max_length=SLOT_TOKENS) as session:
                 results[name] = client.generate(
@@ -338,15 +342,23 @@ def two_chains(llama_dir, tmp_path_factory):
             150,
             "the two servers to come online",
         )
-        yield swarm
+        yield swarm, address
     finally:
         leaked = swarm.close()
         assert not leaked, f"process groups left running: {leaked}"
 
 
 def test_chains_policy_queues_for_the_first_free_chain_without_refusals(two_chains, llama_dir, reference):
-    plan = [("A", "Once upon a time", 40, 0.0), ("B", "Paris London", 4, 0.0), ("C", "one two", 8, 0.6)]
-    admissions, peers, refusals = generate_concurrently(two_chains, llama_dir, reference, plan)
+    swarm, address = two_chains
+    both_chains_busy = lambda: status(address).active_sessions == 2  # noqa: E731
+    # B ends first whichever chain it gets: 12 steps on the slow chain (6 blocks x 0.03 s) take
+    # less than A's 50 on the fast one (6 x 0.01 s); C arrives only once A and B hold both chains
+    plan = [
+        ("A", "Once upon a time", 50, 0.0),
+        ("B", "Paris London", 12, 0.0),
+        ("C", "one two", 8, both_chains_busy),
+    ]
+    admissions, peers, refusals = generate_concurrently(swarm, llama_dir, reference, plan)
     assert refusals == 0
     assert all(len(peers[name]) == 1 for name in "ABC") and peers["A"] != peers["B"]
     # C found both chains busy, waited in the scheduler's queue, and took the chain B freed
