@@ -262,13 +262,14 @@ def tight(llama_dir, tmp_path_factory):
 
 
 def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, llama_dir, reference):
-    swarm, _, _ = tight
-    # A and B fill both slots; B is short, so C (routed before D) is predicted, and admitted, first
+    swarm, address, _ = tight
+    # A and B fill both slots; C arrives once they hold them and D once C waits. B is short, so C
+    # (routed before D) is predicted, and admitted, first
     plan = [
         ("A", "Once upon a time", 40, 0.0),
         ("B", "Paris London", 16, 0.0),
-        ("C", "It learned", 8, 0.4),
-        ("D", "one two", 8, 0.8),
+        ("C", "It learned", 8, lambda: status(address).active_sessions == 2),
+        ("D", "one two", 8, lambda: status(address).waiting_sessions == 1),
     ]
     admissions, _, refusals = generate_concurrently(swarm, llama_dir, reference, plan)
     assert refusals == 0  # the scheduler never sent a session to a server without room

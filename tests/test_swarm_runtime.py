@@ -132,7 +132,7 @@ class TestCacheRoom:
 
     MAX_LENGTH = 64
 
-    @pytest.fixture(scope="class")
+    @pytest.fixture
     def tight_swarm(self, llama_dir, tmp_path_factory):
         from swarm.models import load_span
 
