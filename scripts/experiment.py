@@ -27,6 +27,8 @@ emulation's scale; `/k` gives the paper-scale equivalent (`k = 1`: none needed).
     sudo .venv/bin/python scripts/experiment.py --requests 0.1:20,0.5:40 --write-benchmarks
 
 Needs root (network namespaces). Results: `results/netem/table2.{json,md}` and per-run logs.
+This file runs the cells; `scripts/table2/` holds the parts: inputs (scenario, tiny-model costs,
+server plans), placement, the simulator's prediction and the report.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,238 +50,29 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks_md import write_section  # noqa: E402
 from netem.cli import prepare_model  # noqa: E402
 from netem.emulator import Emulation  # noqa: E402
-from netem.scenario import Scenario, parse_scenario  # noqa: E402
 from netem.system import netns_works  # noqa: E402
+from table2.inputs import (  # noqa: E402
+    PREFILL_TOKENS,
+    Cell,
+    ServerPlan,
+    TinyCosts,
+    measure_tiny,
+    paper_model,
+    scaled_scenario,
+    server_plans,
+    write_block_timings,
+)
+from table2.placement import cache_slot_counts, place, problem_document  # noqa: E402
+from table2.prediction import predict  # noqa: E402
+from table2.report import HEADER, benchmarks_section, markdown  # noqa: E402
 
-from scheduler.algorithms import petals  # noqa: E402
-from scheduler.algorithms.cgbp import choose_num_requests  # noqa: E402
-from scheduler.algorithms.chains import gca, request_times  # noqa: E402
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots  # noqa: E402
-from scheduler.algorithms.wsrr import RoutingState  # noqa: E402
-from scheduler.plan_io import dumps, parse_problem  # noqa: E402
+from scheduler.algorithms.problem import Span  # noqa: E402
 from scheduler.sim import workload  # noqa: E402
-from scheduler.sim.engine import CLIENT, RequestRecord, RetryAt, simulate  # noqa: E402
+from scheduler.sim.engine import RequestRecord  # noqa: E402
 from scheduler.sim.metrics import summarize  # noqa: E402
-from scheduler.sim.policies import JffcRouting, PetalsRouting, WsRrRouting  # noqa: E402
-from scheduler.sim.profiles import GIB  # noqa: E402
-from swarm.cost import cache_bytes_per_block  # noqa: E402
 
 SCENARIO = ROOT / "scripts" / "netem" / "scenarios" / "table2.json"
 POLICY_ALGO = {"proposed": "cg-bp", "petals": "petals", "chains": "chains"}  # experiment -> scheduler
-BATCH_WAIT_S = 0.002  # the servers' default --batch-wait-ms: a decode step may wait this long to batch
-PLANNING_OVERHEAD_S = 0.004  # per-hop software overhead assumed when placing (measured later)
-HEADER = "## Emulated geo-distributed swarm: paper 000 Table 2 (issue 8)"
-ORDER = ["petals", "proposed", "chains"]  # table rows per cell
-
-
-# --- inputs -------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Cell:
-    rate: float  # paper-scale requests/s
-    l_out: int
-    requests: int
-
-
-def scaled_scenario(raw: dict, scale: float) -> Scenario:
-    """Every RTT (and jitter) times `scale`; bandwidths unchanged (hidden states are 256 bytes here)."""
-    raw = json.loads(json.dumps(raw))
-    links = raw.get("links", {})
-    for spec in [links.get("within_group"), links.get("between_groups"), *links.get("pairs", [])]:
-        if spec:
-            spec["rtt_ms"] = spec["rtt_ms"] * scale
-            if "jitter_ms" in spec:
-                spec["jitter_ms"] = spec["jitter_ms"] * scale
-    return parse_scenario(raw, f"table2 x{scale:g}")
-
-
-@dataclasses.dataclass(frozen=True)
-class TinyCosts:
-    """What one block of the emulation's tiny model really costs on this CPU."""
-
-    block_bytes: int
-    cache_token_bytes: int
-    tau_cpu: float  # decode, per block per token
-    tau_prefill_cpu: float  # prefill of l_in tokens, per block
-
-
-def measure_tiny(model_dir: Path, l_in: int) -> TinyCosts:
-    """Per-block CPU costs of the tiny model, best of 3 (the least disturbed by other jobs)."""
-    import torch
-
-    from server.throughput import measure_block_timings
-    from swarm.models import load_span
-
-    torch.set_num_threads(1)
-    span, _ = load_span(str(model_dir), 0, 8, dtype="float32")
-    timings = [measure_block_timings(span, l_in) for _ in range(3)]
-    return TinyCosts(
-        block_bytes=span.block_bytes,
-        cache_token_bytes=span.cache_bytes(num_tokens=1),
-        tau_cpu=min(t.tau for t in timings),
-        tau_prefill_cpu=min(t.tau_prefill for t in timings),
-    )
-
-
-PREFILL_TOKENS = 20  # what servers time their prefill on (ServerConfig.prefill_tokens)
-
-
-def write_block_timings(model_dir: Path, tiny: TinyCosts, delays: set[float], cache_dir: Path) -> None:
-    """The servers' timing cache (`server.throughput`), filled with this idle profile.
-
-    Nine servers starting at once on two cores would each time their blocks while the others load
-    theirs, and announce a tau up to 3x too high (and cache it). With the profile taken here, each
-    announces `CPU time of an idle block + compute delay` = the paper GPU's tau x the time scale.
-    """
-    import torch
-
-    from server.throughput import timings_cache_key
-    from swarm.models import load_span
-
-    torch.set_num_threads(1)  # the servers run with --torch-threads 1: part of the key
-    span, _ = load_span(str(model_dir), 0, 1, dtype="float32")
-    if PREFILL_TOKENS != 20:
-        raise AssertionError("the prefill profile below is for 20 tokens")
-    entries = {
-        timings_cache_key(span, PREFILL_TOKENS, delay): {
-            "tau": tiny.tau_cpu + delay,
-            "tau_prefill": tiny.tau_prefill_cpu + delay,
-            "prefill_tokens": PREFILL_TOKENS,
-        }
-        for delay in delays
-    }
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    (cache_dir / "block_timings.json").write_text(json.dumps(entries, indent=1))
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerPlan:
-    name: str
-    site: str
-    kind: str
-    memory_paper: float  # bytes
-    tau_paper: float  # seconds per block per token on the paper's GPU
-    compute_delay: float  # seconds per block per step, at the emulation's scale
-
-
-def paper_model(scenario_raw: dict, l_in: int, l_out: int) -> ModelSpec:
-    model = scenario_raw["paper_model"]
-    return ModelSpec(
-        num_blocks=model["num_blocks"],
-        block_bytes=model["block_bytes"],
-        cache_bytes=cache_bytes_per_block(model["kv_dim"], l_in + l_out, model["dtype_bytes"]),
-        hidden_size=model["hidden_size"],
-        kv_dim=model["kv_dim"],
-        dtype_bytes=model["dtype_bytes"],
-    )
-
-
-def server_plans(scenario: Scenario, raw: dict, scale: float, tiny: TinyCosts) -> list[ServerPlan]:
-    kinds = raw["server_kinds"]
-    plans = []
-    for proc in scenario.processes_of("server"):
-        kind = kinds[proc.options["kind"]]
-        tau = kind["tau_ms"] / 1e3
-        plans.append(
-            ServerPlan(
-                name=proc.name,
-                site=proc.site,
-                kind=proc.options["kind"],
-                memory_paper=kind["memory_gib"] * GIB,
-                tau_paper=tau,
-                compute_delay=round(max(tau * scale - tiny.tau_cpu, 0.0), 6),
-            )
-        )
-    return plans
-
-
-# --- placement ------------------------------------------------------------------------------------------
-
-
-def problem_document(
-    plans: list[ServerPlan],
-    model: ModelSpec,
-    scenario: Scenario,
-    client_site: str,
-    scale: float,
-    tiny: TinyCosts,
-) -> dict:
-    """SPEC 4 problem.json at the paper's memory scale with the emulation's times."""
-    servers = []
-    for plan in plans:
-        rtt = scenario.link(client_site, plan.site).rtt_ms / 1e3 + PLANNING_OVERHEAD_S
-        servers.append(
-            {
-                "name": plan.name,
-                "memory_bytes": plan.memory_paper,
-                "tau": tiny.tau_cpu + plan.compute_delay,
-                "tau_prefill": tiny.tau_prefill_cpu + plan.compute_delay,
-                "rtt": {CLIENT: rtt},
-                "rtt_prefill": {CLIENT: rtt},
-            }
-        )
-    return {"model": dataclasses.asdict(model), "servers": servers}
-
-
-def swarm_plan(algo: str, document: dict) -> tuple[int, dict]:
-    """`swarm-plan place --algo ALGO` on `document` (the CLI itself: the same path a user takes)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "scheduler.plan_cli", "place", "--algo", algo],
-        input=json.dumps(document),
-        capture_output=True,
-        text=True,
-    )
-    return result.returncode, json.loads(result.stdout) if result.stdout.strip() else {"error": result.stderr}
-
-
-def with_chain_times(document: dict, l_out: int) -> dict:
-    """Paper 001's per-request times on every server, so that a chain's eq. 2 time is eq. 1's."""
-    servers = []
-    for server in document["servers"]:
-        (rtt,), (rtt_prefill,) = server["rtt"].values(), server["rtt_prefill"].values()
-        tau_c, tau_p = request_times(rtt_prefill, rtt, server["tau_prefill"], server["tau"], l_out)
-        servers.append({**server, "tau_c": tau_c, "tau_p": tau_p})
-    return {**document, "servers": servers}
-
-
-def place(policy: str, document: dict, model: ModelSpec, rate: float, l_out: int) -> dict:
-    if policy in ("petals", "chains"):
-        algo, problem = "petals", document
-        if policy == "chains":  # GBP-CR with c tuned for this rate (Theorem 3.7's lower bound)
-            algo, problem = "gbp-cr", {**with_chain_times(document, l_out), "c": "auto", "arrival_rate": rate}
-        code, output = swarm_plan(algo, problem)
-        if code != 0:
-            raise RuntimeError(f"swarm-plan place --algo {algo} failed: {output}")
-        return output
-    problem = parse_problem(dumps(document))
-    requests = choose_num_requests(problem.servers, model, rate, l_out) or 1
-    while True:  # like the scheduler: the largest R <= the chosen one that CG-BP can place
-        code, output = swarm_plan("cg-bp", {**document, "num_requests": requests})
-        if code == 0:
-            return output
-        if code != 3 or requests == 1:
-            raise RuntimeError(f"swarm-plan place --algo cg-bp failed: {output}")
-        requests -= 1
-
-
-def cache_slot_counts(
-    policy: str, plans: list[ServerPlan], model: ModelSpec, spans: list[Span | None]
-) -> list[int]:
-    """Sessions' cache slots per server on the paper's GPUs: eq. 2's `n_j` (proposed) or PETALS'
-    fixed 4096-token cache (SPEC 3.3)."""
-    counts = []
-    for plan, span in zip(plans, spans, strict=True):
-        spec = ServerSpec(plan.name, plan.memory_paper)
-        blocks = span.length if span else 0
-        if policy == "petals":
-            counts.append(petals.cache_capacity_slots(spec, model, blocks))
-        else:
-            counts.append(cache_slots(spec, model, blocks))
-    return counts
-
-
-# --- one run ----------------------------------------------------------------------------------------------
 
 
 def run_policy(
@@ -418,137 +210,6 @@ def run_policy(
     }
 
 
-# --- the simulator's prediction ---------------------------------------------------------------------------
-
-
-class ScaledPetalsRouting(PetalsRouting):
-    """PETALS' client with the experiment's time scale applied to its backoff."""
-
-    def __init__(self, *args, scale: float = 1.0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.scale = scale
-
-    def on_arrival(self, request, now, attempt, free_slots):
-        decision = super().on_arrival(request, now, attempt, free_slots)
-        if isinstance(decision, RetryAt) and self.scale != 1.0:
-            return RetryAt(now + (decision.time - now) * self.scale)
-        return decision
-
-
-def predict(
-    policy: str,
-    plans: list[ServerPlan],
-    spans: list[Span | None],
-    slots: list[int],
-    online: dict,
-    model: ModelSpec,
-    requests: list[workload.Request],
-    l_in: int,
-    l_out: int,
-    scale: float,
-    setup: float,
-) -> dict:
-    """The simulator on this very swarm: spans and cache slots as emulated, tau/tau_prefill as the
-    servers announced them, t_cj = the client's measured info-RPC round trip + the batching wait,
-    a per-session set-up of `setup` seconds (the idle probe), PETALS' backoff x the time scale;
-    `chains`: GCA's chains on the emulated spans (times as the live scheduler computes them), JFFC."""
-    servers = []
-    for plan in plans:
-        info = online.get(plan.name)
-        if info is None:  # not started (no blocks): never on a route
-            servers.append(
-                ServerSpec(
-                    plan.name,
-                    plan.memory_paper,
-                    tau=1.0,
-                    tau_prefill=1.0,
-                    rtt={CLIENT: 1.0},
-                    rtt_prefill={CLIENT: 1.0},
-                )
-            )
-            continue
-        rtt = info["rtt_info_s"] + BATCH_WAIT_S
-        tau_prefill = (
-            info["tau_prefill"] * l_in / info["prefill_tokens"] if info["prefill_tokens"] else info["tau"]
-        )
-        tau_c, tau_p = request_times(rtt, rtt, tau_prefill, info["tau"], l_out)
-        servers.append(
-            ServerSpec(
-                plan.name,
-                plan.memory_paper,
-                tau=info["tau"],
-                tau_prefill=tau_prefill,
-                rtt={CLIENT: rtt},
-                rtt_prefill={CLIENT: rtt},
-                tau_c=tau_c,
-                tau_p=tau_p,
-            )
-        )
-    if policy == "petals":  # PETALS' router, fed the same measured round trips as the scheduler's
-        dispatcher = ScaledPetalsRouting(servers, model, spans, slots, setup, scale=scale)
-    elif policy == "chains":
-        dispatcher = JffcRouting(gca(servers, model, spans), spans, setup)
-    else:
-        dispatcher = WsRrRouting(RoutingState(servers, model, spans), spans, setup)
-    result = simulate(servers, model, dispatcher, requests)
-    summary = summarize(result.records)
-    summary["hops_mean"] = float(np.mean([r.num_hops for r in result.records]))
-    return summary
-
-
-# --- output -----------------------------------------------------------------------------------------------
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
-
-
-def markdown(report: dict) -> str:
-    scale = report["config"]["time_scale"]
-    lines = [
-        "| rate (req/s), l_out, N | policy | per-token, measured | simulated | TTFT, measured | simulated "
-        "| TPOT, measured | simulated | waiting, measured | simulated | hops, measured | sim |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    ordered = sorted(
-        report["runs"],
-        key=lambda r: (r["rate"], r["l_out"], ORDER.index(r["policy"]) if r["policy"] in ORDER else 9),
-    )
-    for run in ordered:
-        m, s = run["measured"], run["simulated"]
-        hops = [len(r["hops"]) for r in run["per_request"] if "hops" in r]
-        lines.append(
-            f"| {run['rate']:g}, {run['l_out']}, {run['requests']} | {run['policy']} "
-            f"| {_fmt(m.get('per_token_time_mean'))} | {_fmt(s.get('per_token_time_mean'))} "
-            f"| {_fmt(m.get('ttft_mean'))} | {_fmt(s.get('ttft_mean'))} "
-            f"| {_fmt(m.get('tpot_mean'))} | {_fmt(s.get('tpot_mean'))} "
-            f"| {_fmt(m.get('waiting_mean'))} | {_fmt(s.get('waiting_mean'))} "
-            f"| {np.mean(hops) if hops else math.nan:.2f} | {s.get('hops_mean', math.nan):.2f} |"
-        )
-    lines.append("")
-    lines.append("| rate, l_out | policy | per-token vs petals, measured | simulated | sim error |")
-    lines.append("|---|---|---:|---:|---:|")
-    cells = sorted({(run["rate"], run["l_out"]) for run in report["runs"]})
-    for rate, l_out in cells:
-        runs = {run["policy"]: run for run in report["runs"] if (run["rate"], run["l_out"]) == (rate, l_out)}
-        base = runs.get("petals")
-        for policy in sorted(runs, key=lambda p: ORDER.index(p) if p in ORDER else len(ORDER)):
-            measured, simulated = runs[policy]["measured"], runs[policy]["simulated"]
-            if not measured:
-                continue
-            error = simulated["per_token_time_mean"] / measured["per_token_time_mean"] - 1
-            gains = ["-", "-"]
-            if base is not None and base["measured"] and policy != "petals":
-                gains = [
-                    f"{1 - ours['per_token_time_mean'] / theirs['per_token_time_mean']:.0%} faster"
-                    for ours, theirs in ((measured, base["measured"]), (simulated, base["simulated"]))
-                ]
-            lines.append(f"| {rate:g}, {l_out} | {policy} | {gains[0]} | {gains[1]} | {error:+.0%} |")
-    if scale != 1:
-        lines.append(f"\nTimes at the emulation's scale k = {scale:g}; divide by k for paper-scale seconds.")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", type=Path, default=SCENARIO)
@@ -674,47 +335,6 @@ def main(argv: list[str] | None = None) -> int:
         write_section(HEADER, benchmarks_section(report, table))
     return 0
 
-
-def command_of(config: dict) -> str:
-    policies = "" if config["policies"] == "petals,proposed" else f" --policies {config['policies']}"
-    return (
-        f".venv/bin/python scripts/experiment.py{policies} --rates {config['rates']} "
-        f"--l-out {config['l_out']} --requests {config['requests']} --time-scale {config['time_scale']:g} "
-        f"--client-cluster {config['client_cluster']} --seed {config['seed']} "
-        f"--gpu-model {config['gpu_model']}{' --merge' if config.get('merge') else ''} --write-benchmarks"
-    )
-
-
-def benchmarks_section(report: dict, table: str) -> str:
-    """The BENCHMARKS.md section: the commands, the table; the analysis lives in the hand-written part."""
-    runs = [*report.get("merged", []), {"config": report["config"], "wall_s": report["wall_s"]}]
-    commands = "\n".join(
-        f"{command_of(run['config'])}   # {(run['wall_s'] or 0) / 60:.0f} min" for run in runs
-    )
-    pings = report.get("pings", [])
-    worst = max(
-        (p["measured_ms"] / p["configured_ms"] - 1 for p in pings if p["configured_ms"]), default=0.0, key=abs
-    )
-    delayer = report.get("delayer") or {}
-    notes = NOTES_PATH.read_text() if NOTES_PATH.exists() else ""
-    latest = " (the latest run)" if report.get("merged") else ""
-    return (
-        f"{HEADER}\n\nCommands (as root, wall time on this 2-core machine; later ones add their runs "
-        f"to the earlier ones' with `--merge`):\n\n"
-        f"```\n{commands}\n```\n\n"
-        f"Network{latest}: {len(pings)} site pairs, delay by `{report.get('delay_mode')}`; "
-        f"every pair's ping RTT within {abs(worst):.1%} of the scenario; "
-        f"delayer: {delayer.get('released', 0):,} packets, "
-        f"mean release {delayer.get('lateness_mean_ms', 0):+.2f} ms from due, "
-        f"{delayer.get('released_over_1ms_late', 0):,} released > 1 ms late, "
-        f"{delayer.get('dropped', 0)} dropped. "
-        f"Averages in seconds; `simulated` is `scheduler.sim` on the same swarm and arrivals "
-        f"(see `scripts/experiment.py`).\n\n"
-        f"{table}\n{notes}"
-    )
-
-
-NOTES_PATH = ROOT / "results" / "netem" / "notes.md"
 
 if __name__ == "__main__":
     sys.exit(main())

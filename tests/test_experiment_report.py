@@ -1,4 +1,5 @@
-"""scripts/experiment.py's pure parts: paper 001's chain times, the report table, the commands."""
+"""scripts/experiment.py's pure parts (`scripts/table2`): paper 001's chain times, the report table,
+the commands."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import experiment  # noqa: E402
+from table2.placement import with_chain_times  # noqa: E402
+from table2.report import command_of, markdown  # noqa: E402
 
 
 def test_chain_times_make_eq_2_equal_eq_1():
@@ -18,7 +20,7 @@ def test_chain_times_make_eq_2_equal_eq_1():
             {"name": "a", "tau": 0.01, "tau_prefill": 0.05, "rtt": {"c": 0.1}, "rtt_prefill": {"c": 0.2}}
         ]
     }
-    (server,) = experiment.with_chain_times(document, l_out=8)["servers"]
+    (server,) = with_chain_times(document, l_out=8)["servers"]
     assert server["tau_c"] == pytest.approx(0.2 + 7 * 0.1)
     assert server["tau_p"] == pytest.approx(0.05 + 7 * 0.01)
 
@@ -40,7 +42,7 @@ def test_the_table_compares_every_policy_with_petals():
         "config": {"time_scale": 1.0},
         "runs": [run("chains", 0.25, 0.2), run("petals", 1.0, 0.8), run("proposed", 0.4, 0.4)],
     }
-    table = experiment.markdown(report)
+    table = markdown(report)
     rows = [line for line in table.splitlines() if line.startswith("| 0.5, 64 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["petals", "proposed", "chains"]
     assert "| 0.5, 64 | petals | - | - | -20% |" in table
@@ -60,7 +62,7 @@ def test_commands_name_the_policies_and_the_merge():
         "gpu_model": "overlap",
         "merge": True,
     }
-    command = experiment.command_of(config)
+    command = command_of(config)
     assert "--policies chains" in command and command.endswith("--merge --write-benchmarks")
     default = {**config, "policies": "petals,proposed", "merge": False}
-    assert "--policies" not in experiment.command_of(default)
+    assert "--policies" not in command_of(default)
