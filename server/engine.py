@@ -161,6 +161,16 @@ class BatchingEngine:
             self._condition.notify()
         return step.future
 
+    def forget(self, cache: SpanCache) -> None:
+        """The session of `cache` has ended: stop expecting its decode steps. Without this, the next
+        session on the same blocks (e.g. a client's following request) would wait `batch_wait` at
+        every step for up to `active_horizon` s, for a companion that never comes."""
+        with self._condition:
+            for group in [g for g, seen in self._decoders.items() if seen.pop(id(cache), None) is not None]:
+                if not self._decoders[group]:
+                    del self._decoders[group]
+            self._condition.notify()  # a batch waiting for this session may now be complete
+
     async def run(
         self,
         span: TransformerSpan,

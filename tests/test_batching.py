@@ -179,6 +179,21 @@ def test_shutdown_cancels_waiting_steps(span_and_client):
     assert engine.submit(span, cache, torch.randn(1, 1, span.hidden_size), 0).cancelled()
 
 
+def test_an_ended_session_is_not_waited_for(span_and_client):
+    """A client's next session on the same blocks runs at once: the engine forgets the one that
+    ended instead of waiting for its steps (here: a window that would otherwise never close)."""
+    span, _client = span_and_client
+    engine = BatchingEngine(batch_wait=1e6, active_horizon=1e6)
+    try:
+        first, second = span.new_cache(1, 8), span.new_cache(1, 8)
+        step = lambda cache: engine.submit(span, cache, torch.randn(1, 1, span.hidden_size), 0)  # noqa: E731
+        step(first).result(timeout=30)  # the only session decoding lately: runs without waiting
+        engine.forget(first)
+        assert step(second).result(timeout=30).shape == (1, 1, span.hidden_size)
+    finally:
+        engine.shutdown(wait=True)
+
+
 # --- the pure prefill/decode rule, on hand-computed cases ------------------------------------------
 POLICY = SchedulerPolicy(
     batch_wait=0.002, max_batch_rows=16, max_prefill_skips=4, max_prefill_wait=0.5, max_decode_wait=0.5
