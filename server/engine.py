@@ -166,8 +166,9 @@ class BatchingEngine:
         session on the same blocks (e.g. a client's following request) would wait `batch_wait` at
         every step for up to `active_horizon` s, for a companion that never comes."""
         with self._condition:
-            for group in [g for g, seen in self._decoders.items() if seen.pop(id(cache), None) is not None]:
-                if not self._decoders[group]:
+            for group, seen in list(self._decoders.items()):
+                seen.pop(id(cache), None)
+                if not seen:
                     del self._decoders[group]
             self._condition.notify()  # a batch waiting for this session may now be complete
 

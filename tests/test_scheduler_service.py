@@ -9,6 +9,7 @@ policy (JFFC's central queue).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -75,6 +76,24 @@ def placed(address: str, count: int) -> pb.Status | None:
         and not current.uncovered_blocks
     )
     return current if ready else None
+
+
+def scheduler_args(*policy: str, settle: int) -> tuple[str, ...]:
+    """`swarm-scheduler` flags of these tests: `policy` flags, the planned session, a 5 s period."""
+    return (*policy, "--l-in", str(L_IN), "--l-out", str(L_OUT), "--period", "5", "--settle", str(settle))
+
+
+@contextlib.contextmanager
+def scheduled_swarm(directory, llama_dir, args: tuple[str, ...]):
+    """A DHT and `swarm-scheduler ARGS`; yields (swarm, scheduler address) and stops every process
+    it started (servers the caller adds included), asserting none is left running."""
+    swarm = LocalSwarm(directory)
+    try:
+        swarm.start_dht()
+        yield swarm, swarm.start_scheduler("scheduler", llama_dir, *args)
+    finally:
+        leaked = swarm.close()
+        assert not leaked, f"process groups left running: {leaked}"
 
 
 @pytest.fixture(scope="module")
@@ -152,22 +171,12 @@ FIVE = {  # name: (blocks its budget holds with R = 2, emulated per-block delay 
 
 @pytest.fixture(scope="module")
 def five(llama_dir, tmp_path_factory):
-    swarm = LocalSwarm(tmp_path_factory.mktemp("scheduler-five"))
-    try:
-        swarm.start_dht()
-        address = swarm.start_scheduler(
-            "scheduler",
-            llama_dir,
-            *("--num-requests", "2", "--l-in", str(L_IN), "--l-out", str(L_OUT)),
-            *("--period", "5", "--settle", "4"),
-        )
+    args = scheduler_args("--num-requests", "2", settle=4)
+    with scheduled_swarm(tmp_path_factory.mktemp("scheduler-five"), llama_dir, args) as (swarm, address):
         for name, (blocks, delay) in FIVE.items():
             memory = budget(llama_dir, blocks, sessions=2)
             swarm.start_server(name, llama_dir, None, memory, "--compute-delay", str(delay))
         yield swarm, address
-    finally:
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
 
 
 def test_managed_spans_equal_swarm_plan_and_generation_is_exact(five, llama_dir, reference):
@@ -243,22 +252,13 @@ def test_a_server_leaving_triggers_re_placement_and_loses_no_session(five, llama
 
 @pytest.fixture(scope="module")
 def tight(llama_dir, tmp_path_factory):
-    swarm = LocalSwarm(tmp_path_factory.mktemp("scheduler-tight"))
-    scheduler_args = (
-        *("--num-requests", "2", "--l-in", str(L_IN), "--l-out", str(L_OUT)),
-        *("--period", "5", "--settle", "3"),
-    )
-    try:
-        swarm.start_dht()
-        address = swarm.start_scheduler("scheduler", llama_dir, *scheduler_args)
+    args = scheduler_args("--num-requests", "2", settle=3)
+    with scheduled_swarm(tmp_path_factory.mktemp("scheduler-tight"), llama_dir, args) as (swarm, address):
         memory = budget(llama_dir, NUM_BLOCKS // 2, sessions=2)
         for name in ("t1", "t2"):  # same budget: CG-BP gives each half the blocks, room for 2 sessions
             swarm.start_server(name, llama_dir, None, memory, "--compute-delay", "0.01")
         wait_until(lambda: placed(address, 2), 150, "the two servers to serve their spans")
-        yield swarm, address, scheduler_args
-    finally:
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
+        yield swarm, address, args
 
 
 def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, llama_dir, reference):
@@ -282,7 +282,7 @@ def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, lla
 
 
 def test_killing_and_restarting_the_scheduler(tight, llama_dir, reference):
-    swarm, address, scheduler_args = tight
+    swarm, address, args = tight
     before = status(address)
     client = AutoDistributedModelForCausalLM.from_pretrained(
         llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
@@ -309,7 +309,7 @@ def test_killing_and_restarting_the_scheduler(tight, llama_dir, reference):
         assert torch.equal(results["running"][0], expected(reference, "The quick brown fox", 40))
 
         # a new scheduler rebuilds its state from the DHT: same servers, same spans, no moves
-        address = swarm.start_scheduler("scheduler-2", llama_dir, *scheduler_args)
+        address = swarm.start_scheduler("scheduler-2", llama_dir, *args)
         rebuilt = wait_until(lambda: placed(address, 2), 60, "the restarted scheduler to see the servers")
         spans = lambda s: sorted((x.peer_id, x.start, x.end) for x in s.servers)  # noqa: E731
         assert spans(rebuilt) == spans(before)
@@ -326,15 +326,8 @@ def test_killing_and_restarting_the_scheduler(tight, llama_dir, reference):
 
 @pytest.fixture(scope="module")
 def two_chains(llama_dir, tmp_path_factory):
-    swarm = LocalSwarm(tmp_path_factory.mktemp("scheduler-chains"))
-    try:
-        swarm.start_dht()
-        address = swarm.start_scheduler(
-            "scheduler",
-            llama_dir,
-            *("--policy", "chains", "--num-requests", "1", "--l-in", str(L_IN), "--l-out", str(L_OUT)),
-            *("--period", "5", "--settle", "1"),
-        )
+    args = scheduler_args("--policy", "chains", "--num-requests", "1", settle=1)
+    with scheduled_swarm(tmp_path_factory.mktemp("scheduler-chains"), llama_dir, args) as (swarm, address):
         memory = budget(llama_dir, NUM_BLOCKS, sessions=1)
         for name, delay in (("fast", "0.01"), ("slow", "0.03")):  # each its own chain of capacity 1
             swarm.start_server(name, llama_dir, f"0:{NUM_BLOCKS}", memory, "--compute-delay", delay)
@@ -344,9 +337,6 @@ def two_chains(llama_dir, tmp_path_factory):
             "the two servers to come online",
         )
         yield swarm, address
-    finally:
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
 
 
 def test_chains_policy_queues_for_the_first_free_chain_without_refusals(two_chains, llama_dir, reference):
