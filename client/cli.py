@@ -8,8 +8,9 @@ import torch
 from transformers import AutoTokenizer, TextStreamer
 
 from client.backend import LocalSpans
+from client.connection import ClientOptions
 from client.model import DistributedModelForCausalLM
-from swarm.cli.args import span_list_argument
+from swarm.cli.args import add_swarm_secret_argument, span_list_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
 from swarm.errors import SwarmUserError
 from swarm.hardware import DTYPE_CHOICES, checkpoint_dtype_name, probe_device, resolve_device, resolve_dtype
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scheduler-key",
+        help="route through the scheduler whose records this public key signs (the key text, or the "
+        "file swarm-scheduler wrote); without it, route locally",
+    )
+    add_swarm_secret_argument(parser)
     return parser
 
 
@@ -72,8 +79,14 @@ def generate(args: argparse.Namespace) -> None:
             args.model_dir, backend, dtype=dtype, device=device
         )
     else:
+        options = ClientOptions(scheduler_key=args.scheduler_key, swarm_secret=swarm_secret_from_args(args))
         model = DistributedModelForCausalLM.from_pretrained(
-            args.model_dir, args.initial_peers, dht_prefix=args.dht_prefix, dtype=dtype, device=device
+            args.model_dir,
+            args.initial_peers,
+            dht_prefix=args.dht_prefix,
+            dtype=dtype,
+            device=device,
+            options=options,
         )
     try:
         run_generation(model, args)

@@ -16,14 +16,17 @@ from dataclasses import dataclass
 from hivemind.dht import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 
 from client.routing import Candidate, RouteHop, SessionShape, choose_chain, uncovered_blocks
 from client.scheduler_link import SchedulerLink
 from server.handler import BlockServicer
+from swarm.closed_swarm import SwarmSecret
+from swarm.dht_peer import dht_options
 from swarm.dht_records import fetch_servers_async
 from swarm.errors import SwarmUserError
-from swarm.server_info import ServerInfo
+from swarm.model_limits import ModelLimits
+from swarm.server_info import ServerInfo, ServerState
+from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, encode
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,8 @@ class SwarmUnavailable(SwarmUserError):
 class ClientOptions:
     refresh_period: float = 1.0  # seconds a fetched list of servers stays fresh
     rtt_ttl: float = 60.0  # seconds a measured RTT stays valid
+    failed_ping_ttl: float = 3.0  # seconds a server that did not answer a ping is skipped before retrying
+    ping_timeout: float = 5.0  # first contact with a server: records may name peers that do not exist
     request_timeout: float = 30.0  # seconds to wait for any one reply
     wait_for_room: float = 60.0  # seconds to wait for cache room before giving up
     wait_for_servers: float = 15.0  # seconds to wait for some server to cover missing blocks
@@ -44,9 +49,24 @@ class ClientOptions:
     ban_max: float = 60.0
     expected_l_in: int = 20
     expected_l_out: int = 128
-    use_scheduler: bool = True  # ask the scheduler for routes when one is announced
+    use_scheduler: bool = True  # ask the scheduler for routes when one signed by scheduler_key is announced
+    scheduler_key: str | None = None  # the scheduler's public key (ssh-rsa ...); None: never use one
     scheduler_timeout: float = 3.0  # seconds to wait for a scheduler reply before routing locally
     scheduler_retry: float = 5.0  # after the scheduler failed, route locally this long before asking again
+    scheduler_distrust: float = 60.0  # after the scheduler said something impossible, ignore it this long
+    swarm_secret: SwarmSecret | None = None  # closed swarms: the secret every peer holds
+    max_refusals: int = 3  # "no cache room" answers a server announcing room may give before a ban
+
+    def __post_init__(self) -> None:
+        for name in ("refresh_period", "rtt_ttl", "failed_ping_ttl", "ping_timeout", "request_timeout"):
+            if not getattr(self, name) > 0:
+                raise SwarmUserError(f"ClientOptions.{name} must be positive, got {getattr(self, name)}")
+        if self.max_failovers < 0 or self.max_refusals < 1:
+            raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
+        if self.scheduler_key is not None:
+            from swarm.identity import read_public_key
+
+            self.scheduler_key = read_public_key(self.scheduler_key)
 
 
 def run_sync(coroutine):
@@ -58,15 +78,25 @@ DHT_START_TIMEOUT = 30.0  # a client peer is normally ready in about a second
 DHT_START_ATTEMPTS = 3
 
 
-def start_client_dht(initial_peers: list[str]) -> DHT:
-    """A client-mode DHT peer, ready. Its background process rarely never reports ready (seen in CI
-    under heavy load); `DHT(start=True)` would then wait forever, so bound each try and retry."""
+def start_client_dht(initial_peers: list[str], swarm_secret: SwarmSecret | None = None) -> DHT:
+    """A client-mode DHT peer that validates what it reads, ready. Its background process rarely
+    never reports ready (seen in CI under heavy load); `DHT(start=True)` would then wait forever, so
+    bound each try and retry."""
     for attempt in range(1, DHT_START_ATTEMPTS + 1):
-        dht = DHT(initial_peers=initial_peers, client_mode=True, start=False)
+        dht = DHT(
+            initial_peers=initial_peers, client_mode=True, start=False, **dht_options(None, swarm_secret)
+        )
         try:
             dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT)
             return dht
-        except TimeoutError:
+        except Exception as error:
+            if not isinstance(error, TimeoutError):
+                if dht.is_alive():
+                    dht.kill()
+                closed = "" if swarm_secret else " (a closed swarm refuses peers without its secret)"
+                raise SwarmUserError(
+                    f"could not join the swarm's DHT at {initial_peers}: {error}{closed}"
+                ) from None
             logger.warning(
                 "the client's DHT peer was not ready after %.0f s (try %d of %d)",
                 DHT_START_TIMEOUT,
@@ -84,22 +114,38 @@ def start_client_dht(initial_peers: list[str]) -> DHT:
 
 class SwarmConnection:
     def __init__(
-        self, initial_peers: list[str], prefix: str, num_blocks: int, options: ClientOptions | None = None
+        self,
+        initial_peers: list[str],
+        prefix: str,
+        limits: ModelLimits | int,
+        options: ClientOptions | None = None,
     ):
         if not initial_peers:
             raise SwarmUserError("initial_peers is empty: give the multiaddr of at least one DHT peer")
-        self.prefix, self.num_blocks = prefix, num_blocks
+        self.limits = limits if isinstance(limits, ModelLimits) else ModelLimits(num_blocks=limits)
+        self.prefix, self.num_blocks = prefix, self.limits.num_blocks
         self.client_id = uuid.uuid4().hex  # how the scheduler tells this client's RTT reports apart
         self.options = options or ClientOptions()
-        self.dht = start_client_dht(initial_peers)
+        self.dht = start_client_dht(initial_peers, self.options.swarm_secret)
         self.p2p = run_sync(self.dht.replicate_p2p())
+        self.peer_id = self.dht.peer_id.to_base58()
         self._servers: dict[str, ServerInfo] = {}
         self._fetched_at = -math.inf
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
+        self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
+        options = self.options
         self.scheduler = (
-            SchedulerLink(self.dht, prefix, self.options.scheduler_timeout, self.options.scheduler_retry)
-            if self.options.use_scheduler
+            SchedulerLink(
+                self.dht,
+                prefix,
+                options.scheduler_key,
+                options.scheduler_timeout,
+                options.scheduler_retry,
+                options.scheduler_distrust,
+                options.swarm_secret,
+            )
+            if options.use_scheduler and options.scheduler_key is not None
             else None
         )
         self.no_cache_room_refusals = (
@@ -109,26 +155,34 @@ class SwarmConnection:
     # --- what the swarm looks like ----------------------------------------------------------------
     async def servers(self, refresh: bool = False) -> dict[str, ServerInfo]:
         if refresh or time.monotonic() - self._fetched_at > self.options.refresh_period:
-            self._servers = await fetch_servers_async(self.dht, self.prefix, self.num_blocks)
+            self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits)
             self._fetched_at = time.monotonic()
         return self._servers
 
     def stub(self, peer_id: str):
         return BlockServicer.get_stub(self.p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
 
+    def swarm_proof(self, peer_id: str) -> str:
+        """What proves to server `peer_id` that we hold the closed swarm's secret ("" in open swarms)."""
+        secret = self.options.swarm_secret
+        return secret.session_proof(self.peer_id, peer_id) if secret is not None else ""
+
     async def rtt(self, peer_id: str) -> float:
-        """Round trip of an info call (includes serialization), cached; inf if the peer does not answer."""
+        """Round trip of an info call (includes serialization), cached; inf if the peer does not answer
+        within `ping_timeout` (a record may name a peer that does not exist). A failure is cached only
+        for `failed_ping_ttl`: a server still starting up answers a moment later."""
         cached = self._rtts.get(peer_id)
-        if cached is not None and time.monotonic() - cached[1] < self.options.rtt_ttl:
-            return cached[0]
+        if cached is not None:
+            ttl = self.options.rtt_ttl if cached[0] < math.inf else self.options.failed_ping_ttl
+            if time.monotonic() - cached[1] < ttl:
+                return cached[0]
         started = time.perf_counter()
+        request = encode(InfoRequest(swarm_proof=self.swarm_proof(peer_id)))
         try:
-            await self.stub(peer_id).rpc_info(
-                runtime_pb2.ExpertRequest(), timeout=self.options.request_timeout
-            )
+            await self.stub(peer_id).rpc_info(request, timeout=self.options.ping_timeout)
             rtt = time.perf_counter() - started
         except Exception as error:
-            logger.info("server %s does not answer: %s", peer_id[-8:], error)
+            logger.info("server %s does not answer: %s", peer_id[-8:], str(error) or type(error).__name__)
             rtt = math.inf
         self._rtts[peer_id] = (rtt, time.monotonic())
         return rtt
@@ -145,9 +199,32 @@ class SwarmConnection:
         ban = self._bans.get(peer_id)
         return ban is not None and ban[1] > time.monotonic()
 
+    def refused(self, peer_id: str, message: str = "") -> bool:
+        """Count a "no cache room" answer from a server whose record announced room; True (and a ban)
+        once it keeps refusing: a server that announces room it never grants only wastes our time.
+        A refusal for our own per-peer share is no fault of the server's: it is not counted."""
+        self.no_cache_room_refusals += 1
+        if message.startswith(PEER_LIMIT_PREFIX):
+            return False
+        self._refusals[peer_id] = self._refusals.get(peer_id, 0) + 1
+        if self._refusals[peer_id] < self.options.max_refusals:
+            return False
+        self._refusals.pop(peer_id)
+        duration = self.ban(peer_id)
+        logger.warning(
+            "server %s refused %d sessions while announcing cache room: avoiding it for %.0f s",
+            peer_id[-8:],
+            self.options.max_refusals,
+            duration,
+        )
+        return True
+
     async def candidates(self, refresh: bool = False) -> list[Candidate]:
+        # only servers that say they serve are worth a ping: a JOINING one has no handlers yet
         servers = {
-            peer: info for peer, info in (await self.servers(refresh)).items() if not self.is_banned(peer)
+            peer: info
+            for peer, info in (await self.servers(refresh)).items()
+            if info.state == ServerState.ONLINE and not self.is_banned(peer)
         }
         rtts = await asyncio.gather(*(self.rtt(peer) for peer in servers))
         return [

@@ -22,9 +22,9 @@ from client.connection import ClientOptions, SwarmConnection
 from client.remote import RemoteBlocks
 from client.session import InferenceSession
 from swarm.dht_keys import default_prefix, validate_prefix
+from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 from swarm.models.client_parts import ClientParts, load_client_parts
-from swarm.models.family import family_for
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -65,9 +65,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`."""
         config = load_config(model_dir)
         prefix = validate_prefix(dht_prefix) if dht_prefix else default_prefix(str(model_dir))
-        connection = SwarmConnection(
-            list(initial_peers), prefix, family_for(config).num_blocks(config), options
-        )
+        connection = SwarmConnection(list(initial_peers), prefix, ModelLimits.from_config(config), options)
         try:
             return cls.from_local_parts(model_dir, RemoteBlocks(connection), dtype=dtype, device=device)
         except BaseException:

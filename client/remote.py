@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,11 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
-from client.routing import RouteHop, SessionShape
+from client.routing import RouteHop, SessionShape, chain_problem
 from client.stream import ServerStream
 from swarm.wire import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
+
+# errors that another server would answer the same way: our request is wrong, or not allowed here
+FATAL_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED)
 
 
 @dataclass
@@ -84,10 +88,10 @@ class RemoteBlockSession:
             except RemoteError as error:
                 for stream in streams:
                     stream.close()
-                if error.code == ErrorCode.BAD_REQUEST:
-                    raise  # our own request is wrong: another server would refuse it too
+                if error.code in FATAL_CODES:
+                    raise  # our own request is wrong (or not allowed): another server would refuse it too
                 if error.code == ErrorCode.NO_CACHE_ROOM:
-                    self.connection.no_cache_room_refusals += 1
+                    self.connection.refused(error.peer, error.message)
                     logger.info("%s; re-routing", error)  # the announced free memory was stale
                     await self.connection.servers(refresh=True)
                     await asyncio.sleep(0.2)
@@ -105,11 +109,15 @@ class RemoteBlockSession:
         rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
         shape = self.shape
         reply = await link.route(
-            self.session_id, rtts, shape.l_in, shape.l_out, shape.batch_size, shape.max_length
+            self.connection.client_id, rtts, shape.l_in, shape.l_out, shape.batch_size, shape.max_length
         )
         if reply is None or reply.error:
             if reply is not None:
                 logger.info("the scheduler has no route (%s): routing locally", reply.error)
+            return None
+        if not _plausible(reply):
+            await link.end_session(reply.session_id)
+            link.distrust(f"answered a wait of {reply.expected_wait} s and a lease of {reply.lease} s")
             return None
         admission = Admission(reply.session_id, time.monotonic(), reply.expected_wait)
         self.admission = admission
@@ -131,8 +139,17 @@ class RemoteBlockSession:
                 if reply is not None:
                     logger.info("scheduler: %s; routing locally", reply.error)
                 return None
+            if not _plausible(reply):
+                await link.end_session(admission.scheduler_session)
+                link.distrust(f"answered a wait of {reply.expected_wait} s and a lease of {reply.lease} s")
+                return None
         admission.admitted_at = time.monotonic()
         hops = [RouteHop(hop.peer_id, hop.start, hop.end) for hop in reply.chain]
+        problem = chain_problem(hops, await self.connection.servers(refresh=True), self.connection.num_blocks)
+        if problem is not None:
+            await link.end_session(admission.scheduler_session)
+            link.distrust(f"routed through an impossible chain ({problem})")
+            return None
         streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in hops]
         try:
             for stream in streams:
@@ -141,10 +158,10 @@ class RemoteBlockSession:
             for stream in streams:
                 stream.close()
             await link.end_session(admission.scheduler_session)
-            if isinstance(error, RemoteError) and error.code == ErrorCode.BAD_REQUEST:
+            if isinstance(error, RemoteError) and error.code in FATAL_CODES:
                 raise
             if isinstance(error, RemoteError) and error.code == ErrorCode.NO_CACHE_ROOM:
-                self.connection.no_cache_room_refusals += 1
+                self.connection.refused(error.peer, error.message)
                 logger.warning("%s on the scheduler's route; routing locally", error)
             else:
                 self._blame(getattr(error, "peer", "") or _failed_peer(streams), error)
@@ -187,7 +204,7 @@ class RemoteBlockSession:
             try:
                 output = await stream.step(hidden, position, padding_mask, timeout)
             except RemoteError as error:
-                if error.code == ErrorCode.BAD_REQUEST:
+                if error.code in FATAL_CODES:
                     raise  # replaying it elsewhere would fail the same way
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)
@@ -235,7 +252,7 @@ class RemoteBlockSession:
             except Exception as error:
                 for stream in replacement:
                     stream.close()
-                if isinstance(error, RemoteError) and error.code == ErrorCode.BAD_REQUEST:
+                if isinstance(error, RemoteError) and error.code in FATAL_CODES:
                     raise
                 self._blame(getattr(error, "peer", "") or _failed_peer(replacement), error)
                 continue
@@ -289,3 +306,8 @@ def _failed_peer(streams: list[ServerStream]) -> str:
         if not stream.healthy:
             return stream.hop.peer_id
     return streams[-1].hop.peer_id if streams else ""
+
+
+def _plausible(reply) -> bool:
+    """The numbers of a scheduler's route reply that the client acts on are usable."""
+    return math.isfinite(reply.expected_wait) and reply.expected_wait >= 0 and 1.0 <= reply.lease <= 86400.0

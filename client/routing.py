@@ -10,6 +10,7 @@ which our servers allow because a session may ask any server for any blocks insi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,3 +98,23 @@ def uncovered_blocks(candidates: list[Candidate], start: int, end: int) -> list[
         if _usable(candidate, start, end):
             covered[max(candidate.info.start, start) - start : min(candidate.info.end, end) - start] = True
     return [start + int(block) for block in np.flatnonzero(~covered)]
+
+
+def chain_problem(hops: list[RouteHop], servers: Mapping[str, ServerInfo], num_blocks: int) -> str | None:
+    """Why a chain someone else chose (the scheduler) cannot be right, or None if it can: it must
+    cover blocks 0..L-1 in order, each hop inside the span that server's validated record holds."""
+    if not hops:
+        return "an empty chain"
+    position = 0
+    for hop in hops:
+        info = servers.get(hop.peer_id)
+        if hop.start != position or hop.end <= hop.start:
+            return f"hop {hop.peer_id[-8:]}[{hop.start}:{hop.end}] does not continue at block {position}"
+        if info is None or info.state != ServerState.ONLINE or not info.has_blocks:
+            return f"{hop.peer_id[-8:]} is not an online server of this model"
+        if not info.start <= hop.start < hop.end <= info.end:
+            return f"{hop.peer_id[-8:]} holds {info.start}:{info.end}, not {hop.start}:{hop.end}"
+        position = hop.end
+    if position != num_blocks:
+        return f"the chain ends at block {position} of {num_blocks}"
+    return None

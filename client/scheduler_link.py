@@ -1,9 +1,11 @@
 """The client's line to the scheduler service: found through the DHT, optional by design.
 
-Every call returns None when the scheduler is absent or does not answer in time; the caller then
-routes locally (SPEC section 1: the swarm never depends on the scheduler for liveness). After a
-failure the link stays quiet for `retry_after` seconds instead of stalling every session on a dead
-address, then looks the scheduler up in the DHT again (a restarted one has a new address).
+Only a scheduler whose DHT record is signed by the key the user gave (`ClientOptions.scheduler_key`)
+is used; anyone can announce a scheduler. Every call returns None when the scheduler is absent or
+does not answer in time; the caller then routes locally (SPEC section 1: the swarm never depends on
+the scheduler for liveness). After a failure the link stays quiet for `retry_after` seconds instead
+of stalling every session on a dead address, then looks the scheduler up in the DHT again (a
+restarted one has a new address); after an impossible answer (`distrust`) it stays quiet longer.
 """
 
 from __future__ import annotations
@@ -17,15 +19,26 @@ from hivemind.dht import DHT
 
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
+from swarm.closed_swarm import PROOF_METADATA_KEY, SwarmSecret
 from swarm.dht_records import fetch_scheduler_async
 
 logger = logging.getLogger(__name__)
 
 
 class SchedulerLink:
-    def __init__(self, dht: DHT, prefix: str, call_timeout: float = 3.0, retry_after: float = 5.0):
-        self.dht, self.prefix = dht, prefix
-        self.call_timeout, self.retry_after = call_timeout, retry_after
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        trusted_key: str,
+        call_timeout: float = 3.0,
+        retry_after: float = 5.0,
+        distrust_for: float = 60.0,
+        swarm_secret: SwarmSecret | None = None,
+    ):
+        self.dht, self.prefix, self.trusted_key = dht, prefix, trusted_key
+        self.call_timeout, self.retry_after, self.distrust_for = call_timeout, retry_after, distrust_for
+        self.swarm_secret = swarm_secret
         self._address: str | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerStub | None = None
@@ -38,14 +51,14 @@ class SchedulerLink:
         if time.monotonic() < self._quiet_until:
             return None
         try:
-            record = await fetch_scheduler_async(self.dht, self.prefix)
+            record = await fetch_scheduler_async(self.dht, self.prefix, self.trusted_key)
         except Exception as error:  # the DHT read failed: same as no scheduler, for now
             logger.debug("looking up the scheduler failed: %s", error)
             record = None
         if record is None:
             self._quiet(None)
             return None
-        self._address = record["address"]
+        self._address = record.address
         self._channel = grpc.aio.insecure_channel(self._address)
         self._stub = pb_grpc.SchedulerStub(self._channel)
         return self._stub
@@ -60,7 +73,9 @@ class SchedulerLink:
         if not self._announced_absence:
             self._announced_absence = True
             if error is None:
-                logger.info("no scheduler announced for %s: routing locally", self.prefix)
+                logger.info(
+                    "no scheduler with the trusted key announced for %s: routing locally", self.prefix
+                )
             else:
                 logger.warning(
                     "scheduler at %s unreachable (%s): routing locally", self._address, _describe(error)
@@ -70,8 +85,13 @@ class SchedulerLink:
         stub = await self._get_stub()
         if stub is None:
             return None
+        metadata = (
+            ((PROOF_METADATA_KEY, self.swarm_secret.timed_proof("scheduler")),) if self.swarm_secret else None
+        )
         try:
-            reply = await getattr(stub, method)(request, timeout=timeout or self.call_timeout)
+            reply = await getattr(stub, method)(
+                request, timeout=timeout or self.call_timeout, metadata=metadata
+            )
             if self._announced_absence:
                 logger.info("scheduler at %s answers again: routing through it", self._address)
                 self._announced_absence = False
@@ -81,6 +101,15 @@ class SchedulerLink:
                 raise ValueError(f"the scheduler rejected {method}: {error.details()}") from error
             self._quiet(error)
             return None
+
+    def distrust(self, reason: str) -> None:
+        """The scheduler said something impossible: route locally for `distrust_for` seconds."""
+        logger.warning(
+            "scheduler at %s %s: routing locally for %.0f s", self._address, reason, self.distrust_for
+        )
+        self._announced_absence = True  # said just now
+        self._quiet(None)
+        self._quiet_until = time.monotonic() + self.distrust_for
 
     # --- the API ----------------------------------------------------------------------------------
     async def route(

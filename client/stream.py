@@ -64,6 +64,7 @@ class ServerStream:
             batch_size=self.shape.batch_size,
             start=self.hop.start,
             end=self.hop.end,
+            swarm_proof=connection.swarm_proof(self.hop.peer_id),
         )
         queue.put_nowait(encode(open_message))
         try:

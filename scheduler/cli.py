@@ -8,10 +8,12 @@ from scheduler.service.core import CoreSettings
 from scheduler.service.planner import POLICIES, PlanSettings
 from scheduler.service.runner import SchedulerConfig, run_scheduler
 from scheduler.service.view import ModelShape
+from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.errors import SwarmUserError
+from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 
 EXAMPLES = """examples:
@@ -21,7 +23,8 @@ EXAMPLES = """examples:
       --host 0.0.0.0 --port 50051 --announce-host PUBLIC_ADDRESS
 
 Servers started without --blocks ask it for their span; clients ask it for routes. Both find it
-through the DHT and fall back to local decisions when it is unreachable.
+through the DHT, follow it only if given its public key (--scheduler-key, printed at start and
+written to --public-key-file), and fall back to local decisions when it is unreachable.
 """
 
 
@@ -74,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-place a working swarm only if this much faster (0.1 = 10%%)",
     )
     parser.add_argument("--address-file", help="write the gRPC address (host:port) here once serving")
+    parser.add_argument(
+        "--identity-path",
+        help="RSA identity file (created if missing): the key clients and servers trust this scheduler "
+        "by; keep it to keep the key across restarts (default: a new key per run)",
+    )
+    parser.add_argument(
+        "--public-key-file", help="write the public key here (what --scheduler-key of clients/servers reads)"
+    )
+    parser.add_argument(
+        "--max-sessions-per-client", type=int, default=64, help="sessions one client may have routed at once"
+    )
+    add_swarm_secret_argument(parser)
     parser.add_argument("--http-host", help="address of the status page and /metrics (default: --host)")
     parser.add_argument(
         "--http-port",
@@ -86,12 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    shape = ModelShape.from_config(load_config(args.model_dir))
+    model_config = load_config(args.model_dir)
+    shape = ModelShape.from_config(model_config)
     for name in ("period", "lease", "l_in", "l_out"):
         if getattr(args, name) <= 0:
             raise SwarmUserError(f"--{name.replace('_', '-')} must be positive")
     if args.settle < 0 or not 0 <= args.min_gain < 1:
         raise SwarmUserError("--settle must be >= 0 and --min-gain in [0, 1)")
+    if args.max_sessions_per_client < 1:
+        raise SwarmUserError("--max-sessions-per-client must be at least 1")
     if args.num_requests is not None and args.num_requests < 1:
         raise SwarmUserError("--num-requests must be at least 1")
     if not 0 <= args.port <= 65535:
@@ -120,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         period=args.period,
         settle=args.settle,
         lease=args.lease,
+        max_sessions_per_client=args.max_sessions_per_client,
     )
     return SchedulerConfig(
         initial_peers=args.initial_peers,
@@ -132,6 +151,10 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         address_file=args.address_file,
         http_host=args.http_host,
         http_port=None if args.http_port == -1 else args.http_port,
+        limits=ModelLimits.from_config(model_config),
+        identity_path=args.identity_path,
+        public_key_file=args.public_key_file,
+        swarm_secret=swarm_secret_from_args(args),
     )
 
 

@@ -18,11 +18,14 @@ from hivemind.dht import DHT
 from scheduler.service.status import announced_capacity, describe_servers
 from scheduler.service.view import ModelShape, SwarmView
 from scheduler.service.web import make_app, start_web
+from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.dht_keys import default_prefix, validate_prefix
+from swarm.dht_peer import dht_options
 from swarm.dht_records import fetch_roster_async
 from swarm.errors import SwarmUserError
+from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 
 logger = logging.getLogger(__name__)
@@ -49,18 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refresh", type=float, default=2.0, help="seconds between DHT reads")
     parser.add_argument("--json", action="store_true", help="print the status as JSON once and exit")
     parser.add_argument("--address-file", help="write the page's URL here once serving")
+    add_swarm_secret_argument(parser)
     add_log_level_argument(parser)
     return parser
 
 
 class HealthMonitor:
-    def __init__(self, dht: DHT, prefix: str, shape: ModelShape):
-        self.dht, self.prefix = dht, prefix
+    def __init__(self, dht: DHT, prefix: str, shape: ModelShape, limits: ModelLimits):
+        self.dht, self.prefix, self.limits = dht, prefix, limits
         self.view = SwarmView(shape, l_in=1, l_out=1)  # cache slots counted per token of context
         self.updated_at = 0.0
 
     async def refresh(self) -> None:
-        self.view.records = await fetch_roster_async(self.dht, self.prefix, self.view.shape.num_blocks)
+        self.view.records = await fetch_roster_async(self.dht, self.prefix, self.limits)
         self.updated_at = time.monotonic()
 
     async def status(self) -> dict:
@@ -82,10 +86,11 @@ class HealthMonitor:
         }
 
 
-async def serve(args: argparse.Namespace, prefix: str, shape: ModelShape) -> None:
-    dht = DHT(initial_peers=args.initial_peers, client_mode=True, start=True)
+async def serve(args: argparse.Namespace, prefix: str, shape: ModelShape, limits: ModelLimits) -> None:
+    options = dht_options(None, swarm_secret_from_args(args))
+    dht = DHT(initial_peers=args.initial_peers, client_mode=True, start=True, **options)
     try:
-        monitor = HealthMonitor(dht, prefix, shape)
+        monitor = HealthMonitor(dht, prefix, shape, limits)
         await monitor.refresh()
         if args.json:
             print(json.dumps(await monitor.status(), indent=2))
@@ -124,9 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     def run() -> None:
         if args.refresh <= 0 or not 0 <= args.port <= 65535:
             raise SwarmUserError("--refresh must be positive and --port in 0..65535")
-        shape = ModelShape.from_config(load_config(args.model_dir))
+        model_config = load_config(args.model_dir)
+        shape, limits = ModelShape.from_config(model_config), ModelLimits.from_config(model_config)
         prefix = validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir)
-        asyncio.run(serve(args, prefix, shape))
+        asyncio.run(serve(args, prefix, shape, limits))
 
     run_cli("swarm-health", run)
 

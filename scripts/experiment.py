@@ -135,6 +135,7 @@ def run_policy(
     spec = {
         "model_dir": str(model_dir),
         "initial_peers": emulation.initial_peers,
+        "scheduler_key": emulation.scheduler_key,
         "policy": policy,
         "time_scale": scale,
         "seed": args.seed,

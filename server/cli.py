@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from server.server import ServerConfig, run_server
-from swarm.cli.args import span_argument
+from swarm.cli.args import add_swarm_secret_argument, span_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.dht_keys import default_prefix, validate_prefix
@@ -23,11 +23,15 @@ from swarm.hardware import (
     resolve_dtype,
     server_memory_budget,
 )
+from swarm.identity import read_public_key
 from swarm.models.checkpoint import load_config
 from swarm.models.family import family_for
 from swarm.models.span import validate_span
 from swarm.quantization import QUANT_CHOICES, check_quant_device
+from swarm.record_validator import MAX_RECORD_TTL
 from swarm.units import parse_bytes
+
+MAX_ANNOUNCE_PERIOD = (MAX_RECORD_TTL - 1) / 2  # records live 2 periods + 1 s; validators allow no more
 
 EXAMPLES = """examples:
   swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --blocks 0:3 --memory 1GB
@@ -81,7 +85,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--announce-host", help="address clients dial, behind NAT or with --host 0.0.0.0 (needs --port)"
     )
-    parser.add_argument("--identity-path", help="private key file, so the peer id survives restarts")
+    parser.add_argument(
+        "--identity-path",
+        help="RSA identity file (created if missing): keeps the peer id, and the key that signs our "
+        "records, across restarts (default: a fresh identity per run)",
+    )
+    parser.add_argument(
+        "--scheduler-key",
+        help="managed: follow only the scheduler whose records this public key signs (the key text, or "
+        "the file swarm-scheduler wrote); without it, choose blocks PETALS-style",
+    )
+    add_swarm_secret_argument(parser)
+    parser.add_argument(
+        "--max-sessions-per-peer", type=int, default=64, help="open sessions one client peer may hold"
+    )
+    parser.add_argument(
+        "--max-peer-cache-fraction",
+        type=float,
+        default=0.5,
+        help="share of the attention-cache memory one client peer may reserve (0-1]",
+    )
+    parser.add_argument(
+        "--max-session-lifetime",
+        type=float,
+        default=24 * 3600.0,
+        help="close a session after this many seconds however active (its client replays elsewhere)",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -152,8 +181,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     for name in ("max_length", "slot_tokens", "max_batch_size"):
         if getattr(args, name) < 1:
             raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.announce_period <= 0 or args.session_timeout <= 0:
-        raise SwarmUserError("--announce-period and --session-timeout must be positive")
+    if not 0 < args.announce_period <= MAX_ANNOUNCE_PERIOD or not args.session_timeout > 0:
+        raise SwarmUserError(
+            f"--announce-period must be in (0, {MAX_ANNOUNCE_PERIOD:.0f}] and --session-timeout positive"
+        )
+    if args.max_sessions_per_peer < 1 or not 0 < args.max_peer_cache_fraction <= 1:
+        raise SwarmUserError("--max-sessions-per-peer must be >= 1 and --max-peer-cache-fraction in (0, 1]")
+    if not args.max_session_lifetime > 0:
+        raise SwarmUserError("--max-session-lifetime must be positive")
     if args.compute_delay < 0 or args.drain_timeout < 0:
         raise SwarmUserError("--compute-delay and --drain-timeout must be >= 0")
     if not args.batch_wait_ms >= 0:  # also rejects nan
@@ -163,7 +198,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise SwarmUserError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
-    dht_options: dict = {"identity_path": args.identity_path} if args.identity_path else {}
+    dht_options: dict = {}
     if args.announce_host:
         if args.port == 0:
             raise SwarmUserError("--announce-host needs a fixed --port (clients dial that port)")
@@ -198,6 +233,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         scheduler_timeout=args.scheduler_timeout,
         assignment_poll=args.assignment_poll,
         metrics_port=args.metrics_port,
+        identity_path=args.identity_path,
+        scheduler_key=read_public_key(args.scheduler_key) if args.scheduler_key else None,
+        swarm_secret=swarm_secret_from_args(args),
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        max_peer_cache_fraction=args.max_peer_cache_fraction,
+        max_session_lifetime=args.max_session_lifetime,
         extra_dht_options=dht_options,
     )
 

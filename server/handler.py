@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035  (hivemind detects streaming RPCs by typing's alias)
 
 import torch
@@ -21,15 +22,19 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from server.bounded_stream import StreamLimit, add_bounded_stream_handler
 from server.engine import BatchingEngine
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
 from server.session import Session, check_step_inputs
+from swarm.closed_swarm import SwarmSecret
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
     Error,
     ErrorCode,
+    PEER_LIMIT_PREFIX,
     Forward,
+    InfoRequest,
     Open,
     Opened,
     ProtocolError,
@@ -41,6 +46,15 @@ from swarm.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """What one client peer may hold at once, so no single peer can take the whole server."""
+
+    max_sessions: int = 64
+    max_cache_fraction: float = 0.5  # of the session cache (the budget less the blocks)
+    max_session_lifetime: float = 24 * 3600.0  # seconds, however active the session is
 
 
 class BlockServicer(ServicerBase):
@@ -58,6 +72,9 @@ class BlockServicer(ServicerBase):
         get_info: Callable[[], dict],
         on_sessions_changed: Callable[[], None] = lambda: None,
         metrics: ServerMetrics | None = None,
+        limits: PeerLimits | None = None,
+        swarm_secret: SwarmSecret | None = None,
+        local_peer_id: str = "",
     ):
         self.span, self.budget = span, budget
         self.max_length, self.max_batch_size = max_length, max_batch_size
@@ -75,6 +92,8 @@ class BlockServicer(ServicerBase):
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.sessions: dict[str, Session] = {}
         self.accepting = True
+        self.limits = limits or PeerLimits()
+        self.swarm_secret, self.local_peer_id = swarm_secret, local_peer_id
         # one compute thread: steps of different sessions run one at a time, like one accelerator;
         # with batching on (batch_wait_ms > 0) the engine's thread runs concurrent sessions' decode
         # steps as one batched forward (server/engine.py), otherwise each step runs alone, as before
@@ -93,6 +112,11 @@ class BlockServicer(ServicerBase):
     async def rpc_info(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
+        if self.swarm_secret is not None:
+            try:
+                self._check_proof(parse(request.metadata, InfoRequest).swarm_proof, context)
+            except ProtocolError as error:
+                return self._error(error.code, str(error))
         return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(self.get_info()))
 
     # --- stateless forward ----------------------------------------------------------------------
@@ -109,6 +133,7 @@ class BlockServicer(ServicerBase):
                     ErrorCode.BAD_REQUEST, f"message of {size:,} bytes exceeds the limit of {limit:,}"
                 )
             message = parse(request.metadata, Forward)
+            self._check_proof(message.swarm_proof, context)
             self._check_blocks(message.start, message.end)
             tensors = decode_tensors(request)
             hidden = tensors[0] if tensors else None
@@ -140,6 +165,13 @@ class BlockServicer(ServicerBase):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        # served by `add_p2p_handlers` through the bounded transport; this is hivemind's entry point
+        async for response in self._inference(requests, context, StreamLimit()):
+            yield response
+
+    async def _inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, limit: StreamLimit
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         peer = str(context.remote_id)
         session: Session | None = None
         try:
@@ -147,13 +179,16 @@ class BlockServicer(ServicerBase):
             if first is None:
                 return
             try:
-                session = self._open(parse(first.metadata, Open), peer)
+                message = parse(first.metadata, Open)
+                self._check_proof(message.swarm_proof, context)
+                session = self._open(message, peer)
             except ProtocolError as error:
                 yield self._error(error.code, str(error))
                 return
             except NoCacheRoom as error:
                 yield self._error(ErrorCode.NO_CACHE_ROOM, str(error))
                 return
+            limit.max_bytes = self._message_limit(session.batch_size, session.max_length)
             yield self._reply(
                 Opened(
                     session_id=session.session_id,
@@ -163,11 +198,19 @@ class BlockServicer(ServicerBase):
                 ),
                 [],
             )
+            ends_at = time.monotonic() + self.limits.max_session_lifetime
             while True:
-                request = await self._next_request(requests)
+                request = await self._next_request(requests, ends_at)
                 if request is None:
                     return  # the client closed its side: the session is over
                 yield await self._step(session, request)
+        except _LifetimeOver:
+            logger.info("session %s reached the lifetime limit: closed", session.session_id[:8])
+            with contextlib.suppress(Exception):
+                yield self._error(
+                    ErrorCode.SESSION_EXPIRED,
+                    f"session lifetime of {self.limits.max_session_lifetime:.0f} s is over: open a new one",
+                )
         except TimeoutError:
             logger.info(
                 "session %s idle for %.0f s: closed",
@@ -180,11 +223,18 @@ class BlockServicer(ServicerBase):
             if session is not None:
                 self._close(session)
 
-    async def _next_request(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+    async def _next_request(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], ends_at: float = float("inf")
+    ):
+        left = ends_at - time.monotonic()
         try:
-            request = await asyncio.wait_for(anext(requests), timeout=self.session_idle_timeout)
+            request = await asyncio.wait_for(anext(requests), timeout=min(self.session_idle_timeout, left))
         except StopAsyncIteration:
             return None
+        except TimeoutError:
+            if left <= self.session_idle_timeout:
+                raise _LifetimeOver() from None
+            raise
         self.metrics.received.inc(request.ByteSize())
         return request
 
@@ -198,6 +248,7 @@ class BlockServicer(ServicerBase):
         if message.session_id in self.sessions:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"session id {message.session_id} is already in use")
         needed = self.span.cache_bytes(message.max_length, message.batch_size) * (message.end - message.start)
+        self._check_peer_share(peer, needed)
         self.budget.reserve(message.session_id, needed)  # raises NoCacheRoom before allocating anything
         try:
             cache = self.span.new_cache(message.batch_size, message.max_length, message.start, message.end)
@@ -304,6 +355,31 @@ class BlockServicer(ServicerBase):
         return batch_size * tokens * (self.span.hidden_size * 4 + 8) + 64 * 1024
 
     # --- validation shared by the RPCs ------------------------------------------------------------
+    def _check_proof(self, proof: str, context: P2PContext) -> None:
+        """In a closed swarm, the caller must prove it holds the swarm secret (bound to both peer ids)."""
+        if self.swarm_secret is None:
+            return
+        if not self.swarm_secret.check_session_proof(proof, str(context.remote_id), self.local_peer_id):
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED,
+                "this server belongs to a closed swarm: the request does not prove the swarm secret",
+            )
+
+    def _check_peer_share(self, peer: str, needed: int) -> None:
+        """One peer may hold at most `max_sessions` sessions and `max_cache_fraction` of the cache."""
+        held = [session for session in self.sessions.values() if session.peer == peer]
+        if len(held) >= self.limits.max_sessions:
+            raise NoCacheRoom(
+                f"{PEER_LIMIT_PREFIX}: it already holds {len(held)} sessions, the per-peer limit"
+            )
+        share = int(self.budget.total_bytes * self.limits.max_cache_fraction)
+        reserved = sum(session.reserved_bytes for session in held)
+        if reserved + needed > share:
+            raise NoCacheRoom(
+                f"{PEER_LIMIT_PREFIX}: {reserved:,} bytes held + {needed:,} needed exceed the "
+                f"per-peer share of {share:,} bytes"
+            )
+
     def _check_blocks(self, start: int, end: int) -> None:
         if not self.span.start <= start < end <= self.span.end:
             raise ProtocolError(
@@ -321,9 +397,35 @@ class BlockServicer(ServicerBase):
                 ErrorCode.BAD_REQUEST, f"max_length {length} exceeds the server's limit {self.max_length}"
             )
 
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False) -> None:
+        """hivemind's handlers for the unary RPCs (the p2p daemon bounds their size), and the
+        inference stream on the bounded transport under the name hivemind's stubs call."""
+        self._collect_rpc_handlers()
+        unary = [handler for handler in self._rpc_handlers if handler.method_name != "rpc_inference"]
+        await asyncio.gather(
+            *(
+                p2p.add_protobuf_handler(
+                    self._get_handle_name(namespace, handler.method_name),
+                    getattr(self, handler.method_name),
+                    handler.request_type,
+                    stream_input=handler.stream_input,
+                    stream_output=handler.stream_output,
+                    balanced=balanced,
+                )
+                for handler in unary
+            ),
+            add_bounded_stream_handler(
+                p2p, self._get_handle_name(namespace, "rpc_inference"), self._inference
+            ),
+        )
+
     def shutdown(self) -> None:
         self.accepting = False
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             self.engine.shutdown()
             logger.info("batching engine: %s", self.engine.stats.summary())
+
+
+class _LifetimeOver(Exception):
+    """The session reached `PeerLimits.max_session_lifetime`."""

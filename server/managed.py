@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,9 @@ class ManagedSpan(_Base):
         deadline = started + config.scheduler_timeout
         next_announce = started + config.announce_period
         last_reason = None
+        if self.link.trusted_key is None:  # no scheduler may place us: choose at once
+            choice = await self._choose_locally()
+            return choice.start, choice.end
         while not self._stop.is_set():
             assignment = await self.link.get_assignment(self.peer_id)
             now = loop.time()
@@ -112,7 +116,11 @@ class ManagedSpan(_Base):
                         assignment.epoch,
                         assignment.reason or "no reason given",
                     )
-                wait = assignment.retry_after if assignment.retry_after > 0 else 1.0
+                if assignment.assigned:  # unusable, so the scheduler is distrusted: choose ourselves now
+                    deadline, wait = now, 0.0
+                else:  # bounded: a scheduler's number must not park us forever
+                    retry = assignment.retry_after
+                    wait = min(retry, 10.0) if math.isfinite(retry) and retry > 0 else 1.0
             elif now >= deadline:
                 choice = await self._choose_locally()
                 return choice.start, choice.end
@@ -138,9 +146,7 @@ class ManagedSpan(_Base):
             return True
         if assignment.epoch != self._ignored_epoch:
             self._ignored_epoch = assignment.epoch
-            logger.warning(
-                "ignoring assigned blocks %d:%d (epoch %d): %s", start, end, assignment.epoch, problem
-            )
+            self.link.distrust(f"assigned blocks {start}:{end} (epoch {assignment.epoch}): {problem}")
         return False
 
     async def _choose_locally(self) -> BlockChoice:
@@ -149,7 +155,7 @@ class ManagedSpan(_Base):
         config, span = self.config, self._model_span()
         try:
             servers = await asyncio.wait_for(
-                fetch_servers_async(self.dht, config.dht_prefix, self.model_blocks),
+                fetch_servers_async(self.dht, config.dht_prefix, self.limits),
                 config.scheduler_rpc_timeout * 3,
             )
         except Exception as error:  # without a view of the swarm, every block looks unserved

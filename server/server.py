@@ -17,13 +17,17 @@ import torch
 from hivemind.dht import DHT
 from tqdm import tqdm
 
-from server.handler import BlockServicer
+from server.handler import BlockServicer, PeerLimits
 from server.managed import ManagedSpan
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
 from server.scheduler_link import SchedulerLink
 from server.throughput import BlockTimings, cached_block_timings
+from swarm.closed_swarm import SwarmSecret
+from swarm.dht_peer import PeerIdentity, dht_options, open_identity
 from swarm.dht_records import announce
+from swarm.model_limits import ModelLimits
+from swarm.models.checkpoint import load_config
 from swarm.models.span import TransformerSpan, load_span
 from swarm.server_info import ServerInfo, ServerState
 
@@ -63,6 +67,12 @@ class ServerConfig:
     assignment_poll: float = 2.0  # managed: seconds between assignment requests while serving
     scheduler_rpc_timeout: float = 3.0  # bound on each DHT lookup / RPC to the scheduler
     metrics_port: int | None = None  # Prometheus endpoint on `host`; None: no endpoint
+    identity_path: str | None = None  # RSA key of the peer id and record signatures; None: fresh per run
+    scheduler_key: str | None = None  # managed: the only scheduler public key to follow; None: none
+    swarm_secret: SwarmSecret | None = None  # closed swarm: only holders of it may talk to us
+    max_sessions_per_peer: int = 64
+    max_peer_cache_fraction: float = 0.5  # of the session cache one peer may reserve
+    max_session_lifetime: float = 24 * 3600.0  # seconds a session may live, however active
     extra_dht_options: dict = field(default_factory=dict)
 
     @property
@@ -98,6 +108,8 @@ class SwarmServer(ManagedSpan):
         )
         self._stop = asyncio.Event()
         self._sessions_changed = asyncio.Event()
+        self.identity: PeerIdentity | None = None
+        self.limits = ModelLimits.from_config(load_config(config.model_dir))
 
     # --- what we announce -----------------------------------------------------------------------
     @property
@@ -134,7 +146,9 @@ class SwarmServer(ManagedSpan):
 
     def _announce(self, wait: bool = True):
         ttl = 2 * self.config.announce_period + 1
-        return announce(self.dht, self.config.dht_prefix, self.peer_id, self.info(), ttl=ttl, wait=wait)
+        return announce(
+            self.dht, self.config.dht_prefix, self.identity.owner, self.info(), ttl=ttl, wait=wait
+        )
 
     @property
     def peer_id(self) -> str:
@@ -147,10 +161,12 @@ class SwarmServer(ManagedSpan):
     # --- start-up -------------------------------------------------------------------------------
     def start(self) -> None:
         config = self.config
+        self.identity = open_identity(config.identity_path)
         self.dht = DHT(
             initial_peers=config.initial_peers,
             host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
             start=True,
+            **dht_options(self.identity, config.swarm_secret),
             **config.extra_dht_options,
         )
         logger.info(
@@ -208,7 +224,11 @@ class SwarmServer(ManagedSpan):
             loop.add_signal_handler(sig, self._stop.set)
         if self.config.managed:
             self.link = SchedulerLink(
-                self.dht, self.config.dht_prefix, timeout=self.config.scheduler_rpc_timeout
+                self.dht,
+                self.config.dht_prefix,
+                self.config.scheduler_key,
+                timeout=self.config.scheduler_rpc_timeout,
+                swarm_secret=self.config.swarm_secret,
             )
         try:
             if self.config.managed:
@@ -254,6 +274,13 @@ class SwarmServer(ManagedSpan):
             get_info=lambda: self.info().to_wire(),
             on_sessions_changed=self._sessions_changed.set,
             metrics=self.metrics,
+            limits=PeerLimits(
+                max_sessions=self.config.max_sessions_per_peer,
+                max_cache_fraction=self.config.max_peer_cache_fraction,
+                max_session_lifetime=self.config.max_session_lifetime,
+            ),
+            swarm_secret=self.config.swarm_secret,
+            local_peer_id=self.peer_id,
         )
 
     async def _announce_until_stopped(self) -> None:

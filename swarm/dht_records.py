@@ -7,9 +7,11 @@ Records:
 - every block key `{prefix}.{b}` holds, per serving peer, its `ServerInfo` (what clients route on);
 - the roster key `{prefix}._servers` holds every server's `ServerInfo`, blocks or not (what the
   scheduler places);
-- the scheduler key `{prefix}._scheduler` holds the scheduler's address and current placement.
-A server that moved leaves stale records under its old blocks until they expire; every record
-carries `announced_at`, and readers keep only the newest record per peer.
+- the scheduler key `{prefix}._scheduler` holds schedulers' addresses and current placements.
+Every record is an entry under its writer's owner subkey (`swarm.identity`), signed by the writer
+and validated by every node (`swarm.record_validator`); the writer's peer id is derived from that
+subkey, never read from the record. A server that moved leaves stale records under its old blocks
+until they expire; every record carries `announced_at`, and readers keep only the newest per peer.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ from hivemind.dht import DHT, DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
 from swarm.dht_keys import block_key, roster_key, scheduler_key
+from swarm.identity import owner_key, peer_id_of_key
+from swarm.model_limits import ModelLimits
+from swarm.record_validator import parse_record
+from swarm.scheduler_record import SCHEDULER_RECORD_VERSION, SchedulerRecord
 from swarm.server_info import ServerInfo
 
-SCHEDULER_RECORD_VERSION = 1
+Limits = ModelLimits | int  # an int: only the number of blocks is known
 
 
 async def _store(
-    _dht: DHT, node: DHTNode, keys: list[str], subkey: str, value: Any, expiration: float
+    _dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, value: Any, expiration: float
 ) -> bool:
     count = len(keys)
     results = await node.store_many(
@@ -36,18 +42,20 @@ async def _store(
     return all(results.values())
 
 
-def announce(dht: DHT, prefix: str, peer_id: str, info: ServerInfo, ttl: float, wait: bool = True):
-    """Store `info` under the roster key and every block key of the server's span, for `ttl` seconds."""
+def announce(dht: DHT, prefix: str, owner: bytes, info: ServerInfo, ttl: float, wait: bool = True):
+    """Store `info` under the roster key and every block key of the server's span, for `ttl` seconds,
+    as the entry of `owner` (the server's owner subkey: the DHT signs it with the server's key)."""
     now = get_dht_time()
     info = info.model_copy(update={"announced_at": now})
     keys = [roster_key(prefix)]
     if info.has_blocks:
         keys += [block_key(prefix, block) for block in range(info.start, info.end)]
-    coroutine = partial(_store, keys=keys, subkey=peer_id, value=info.to_wire(), expiration=now + ttl)
+    coroutine = partial(_store, keys=keys, subkey=owner, value=info.to_wire(), expiration=now + ttl)
     return dht.run_coroutine(coroutine, return_future=not wait)
 
 
 async def _get(_dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str, object]]:
+    """{key: {owner public key: value}} of the (validated) entries found under `keys`."""
     # latest: search the peers for the newest value instead of stopping at the first one found,
     # which may be this node's own cached copy (a server that moved, a scheduler that restarted)
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
@@ -55,42 +63,68 @@ async def _get(_dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str,
     for key, entry in found.items():
         if entry is None or not isinstance(entry.value, dict):
             continue
-        records[key] = {str(subkey): item.value for subkey, item in entry.value.items()}
+        owned = {}
+        for subkey, item in entry.value.items():
+            owner = owner_key(subkey)
+            if owner is not None:
+                owned[owner] = item.value
+        records[key] = owned
     return records
 
 
-def fetch_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerInfo]:
-    """Every valid record of a server with blocks, by peer id (base58); malformed records are skipped."""
-    records = dht.run_coroutine(partial(_get, keys=_all_block_keys(prefix, num_blocks)))
-    return parse_server_records(records, num_blocks)
+def fetch_servers(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
+    """Every valid record of a server with blocks, by peer id (base58); invalid records are skipped."""
+    limits = _limits(limits)
+    records = dht.run_coroutine(partial(_get, keys=_all_block_keys(prefix, limits.num_blocks)))
+    return parse_server_records(records, limits, _block_of_key(prefix, limits.num_blocks))
 
 
-async def fetch_servers_async(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerInfo]:
-    future = dht.run_coroutine(partial(_get, keys=_all_block_keys(prefix, num_blocks)), return_future=True)
-    return parse_server_records(await future, num_blocks)
+async def fetch_servers_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
+    limits = _limits(limits)
+    keys = _all_block_keys(prefix, limits.num_blocks)
+    future = dht.run_coroutine(partial(_get, keys=keys), return_future=True)
+    return parse_server_records(await future, limits, _block_of_key(prefix, limits.num_blocks))
 
 
-async def fetch_roster_async(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerInfo]:
+async def fetch_roster_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
     """Every server of the model (with or without blocks), newest record per peer."""
     future = dht.run_coroutine(partial(_get, keys=[roster_key(prefix)]), return_future=True)
-    return parse_server_records(await future, num_blocks, require_blocks=False)
+    return parse_server_records(await future, _limits(limits), {}, require_blocks=False)
+
+
+def _limits(limits: Limits) -> ModelLimits:
+    return limits if isinstance(limits, ModelLimits) else ModelLimits(num_blocks=limits)
 
 
 def _all_block_keys(prefix: str, num_blocks: int) -> list[str]:
     return [block_key(prefix, block) for block in range(num_blocks)]
 
 
+def _block_of_key(prefix: str, num_blocks: int) -> dict[str, int]:
+    return {block_key(prefix, block): block for block in range(num_blocks)}
+
+
 def parse_server_records(
-    records: dict[str, dict[str, object]], num_blocks: int, require_blocks: bool = True
+    records: dict[str, dict[str, object]],
+    limits: ModelLimits,
+    block_of_key: dict[str, int],
+    require_blocks: bool = True,
 ) -> dict[str, ServerInfo]:
-    """One record per peer: the newest valid one (a server that moved may leave older ones behind)."""
+    """One record per peer: the newest valid one (a server that moved may leave older ones behind).
+
+    A record counts only if it is valid for this model and, under a block key, holds that block."""
+    now = get_dht_time()
     servers: dict[str, ServerInfo] = {}
-    for per_peer in records.values():
-        for peer_id, value in per_peer.items():
-            info = ServerInfo.from_wire(value)
-            if info is None or (info.has_blocks and info.end > num_blocks):
+    for key, per_owner in records.items():
+        block = block_of_key.get(key)
+        for owner, value in per_owner.items():
+            info = parse_record(value, now)
+            peer_id = peer_id_of_key(owner)
+            if not isinstance(info, ServerInfo) or peer_id is None or limits.problem(info) is not None:
                 continue
             if require_blocks and not info.has_blocks:
+                continue
+            if block is not None and not (info.has_blocks and info.start <= block < info.end):
                 continue
             known = servers.get(peer_id)
             if known is None or info.announced_at > known.announced_at:
@@ -101,22 +135,22 @@ def parse_server_records(
 # --- the scheduler's record ---------------------------------------------------------------------
 
 
-def publish_scheduler(dht: DHT, prefix: str, record: dict[str, Any], ttl: float, wait: bool = True):
-    """Store the scheduler's address and placement (a JSON-able dict) under the scheduler key."""
-    value = {"schema_version": SCHEDULER_RECORD_VERSION, **record}
+def publish_scheduler(
+    dht: DHT, prefix: str, owner: bytes, record: dict[str, Any], ttl: float, wait: bool = True
+):
+    """Store the scheduler's address and placement under the scheduler key, as `owner`'s entry."""
+    value = SchedulerRecord.model_validate({"schema_version": SCHEDULER_RECORD_VERSION, **record}).to_wire()
     coroutine = partial(
-        _store, keys=[scheduler_key(prefix)], subkey="scheduler", value=value, expiration=get_dht_time() + ttl
+        _store, keys=[scheduler_key(prefix)], subkey=owner, value=value, expiration=get_dht_time() + ttl
     )
     return dht.run_coroutine(coroutine, return_future=not wait)
 
 
-async def fetch_scheduler_async(dht: DHT, prefix: str) -> dict[str, Any] | None:
-    """The scheduler's record, or None if no (valid) scheduler is announced."""
+async def fetch_scheduler_async(dht: DHT, prefix: str, trusted_key: str) -> SchedulerRecord | None:
+    """The record of the scheduler signed by `trusted_key`, or None if it announces none (valid).
+
+    Schedulers signed by any other key are ignored: anyone can run one and announce it."""
     future = dht.run_coroutine(partial(_get, keys=[scheduler_key(prefix)]), return_future=True)
-    value = (await future).get(scheduler_key(prefix), {}).get("scheduler")
-    if not isinstance(value, dict) or value.get("schema_version") != SCHEDULER_RECORD_VERSION:
-        return None
-    address = value.get("address")
-    if not isinstance(address, str) or ":" not in address:
-        return None
-    return value
+    value = (await future).get(scheduler_key(prefix), {}).get(trusted_key.strip())
+    record = parse_record(value, get_dht_time())
+    return record if isinstance(record, SchedulerRecord) else None

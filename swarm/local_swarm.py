@@ -16,7 +16,9 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
+from swarm.dht_peer import dht_options
 from swarm.dht_records import fetch_servers
+from swarm.identity import ensure_key_files
 from swarm.server_info import ServerInfo, ServerState
 
 PYTHON = sys.executable
@@ -35,6 +37,19 @@ class LocalSwarm:
         self.processes: dict[str, subprocess.Popen] = {}
         self.initial_peers: list[str] = []
         self._observer: DHT | None = None
+        self._scheduler_key: str | None = None
+
+    @property
+    def scheduler_key(self) -> str:
+        """The public key of this swarm's schedulers (made on first use): managed servers get it, and
+        clients that should use the scheduler need it in `ClientOptions(scheduler_key=...)`."""
+        if self._scheduler_key is None:
+            self._scheduler_key = ensure_key_files(self.scheduler_identity, self.log_dir / "scheduler.pub")
+        return self._scheduler_key
+
+    @property
+    def scheduler_identity(self) -> Path:
+        return self.log_dir / "scheduler.id"
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115  (the child owns it)
@@ -68,7 +83,7 @@ class LocalSwarm:
             str(model_dir),
             "--initial-peers",
             *self.initial_peers,
-            *(["--blocks", blocks] if blocks is not None else []),
+            *(["--blocks", blocks] if blocks is not None else ["--scheduler-key", self.scheduler_key]),
             "--memory",
             memory,
             "--announce-period",
@@ -86,7 +101,9 @@ class LocalSwarm:
         address_file = self.log_dir / f"{name}.address"
         address_file.unlink(missing_ok=True)
         argv = [PYTHON, "-m", "scheduler.cli", "--initial-peers", *self.initial_peers]
-        argv += ["--model-dir", str(model_dir), "--address-file", str(address_file), *extra]
+        argv += ["--model-dir", str(model_dir), "--address-file", str(address_file)]
+        argv += ["--identity-path", str(self.scheduler_identity), *extra]
+        _ = self.scheduler_key  # the key files exist before the scheduler reads them
         process = self.start(name, argv)
         deadline = time.monotonic() + timeout
         while not address_file.exists() or not address_file.read_text().strip():
@@ -106,7 +123,9 @@ class LocalSwarm:
     @property
     def observer(self) -> DHT:
         if self._observer is None:
-            self._observer = DHT(initial_peers=self.initial_peers, client_mode=True, start=True)
+            self._observer = DHT(
+                initial_peers=self.initial_peers, client_mode=True, start=True, **dht_options(None, None)
+            )
         return self._observer
 
     def servers(self, prefix: str, num_blocks: int) -> dict[str, ServerInfo]:

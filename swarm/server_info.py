@@ -2,6 +2,10 @@
 
 Readers skip records that fail validation (a buggy or hostile peer cannot break routing), and
 ignore fields they do not know, so newer servers can add fields without breaking older clients.
+Every number is finite and bounded: a record is what any peer of the DHT may have written, so
+nothing in it may be large enough to overflow a sum, starve the placement or break a JSON page.
+Bounds that depend on the model (blocks inside it, plausible block sizes) are the readers'
+(`swarm.model_limits`), from their own copy of its config.
 """
 
 from __future__ import annotations
@@ -12,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 SCHEMA_VERSION = 1
 
+MAX_BLOCKS = 1 << 16  # more blocks than any model has
+MAX_MEMORY_BYTES = 1 << 46  # 64 TiB: more than any one server holds
+MAX_TOKENS = 1 << 24
+MIN_TAU = 1e-6  # seconds per block per token: no real block decodes in under a microsecond
+MAX_SECONDS = 3600.0
+
 
 class ServerState(StrEnum):
     JOINING = "joining"  # loading blocks: visible, but not serving yet
@@ -21,28 +31,33 @@ class ServerState(StrEnum):
 
 
 class ServerInfo(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     schema_version: int = SCHEMA_VERSION
     state: ServerState
-    start: int | None = Field(default=None, ge=0)  # None: no blocks yet (waiting for an assignment)
-    end: int | None = Field(default=None, gt=0)
+    # None (with end None): no blocks yet, waiting for an assignment
+    start: int | None = Field(default=None, ge=0, lt=MAX_BLOCKS)
+    end: int | None = Field(default=None, gt=0, le=MAX_BLOCKS)
     managed: bool = False  # takes its span from the scheduler (started without --blocks)
-    announced_at: float = Field(default=0.0, ge=0)  # DHT time of the announcement: newest record wins
+    # DHT time of the announcement: the newest record of a peer wins
+    announced_at: float = Field(default=0.0, ge=0, le=1e12)
     public_name: str = Field(default="", max_length=128)
     version: str = Field(default="", max_length=64)
-    memory_bytes: int = Field(ge=0)  # M_j: the whole budget, blocks included
-    block_bytes: int = Field(ge=0)  # s_m
-    cache_token_bytes: int = Field(ge=0)  # cache bytes per token per block per sequence (s_c / tokens)
-    cache_bytes_left: int = Field(ge=0)  # what new sessions may still reserve
-    cache_slots_left: int = Field(ge=0)  # (session, block) caches of `slot_tokens` tokens that still fit
-    slot_tokens: int = Field(gt=0)  # the session length `cache_slots_left` is counted for
-    max_length: int = Field(gt=0)  # longest session the server accepts
-    tau: float | None = Field(default=None, ge=0)  # per-block per-token decode seconds
-    tau_prefill: float | None = Field(default=None, ge=0)  # per-block prefill seconds for `prefill_tokens`
-    prefill_tokens: int = Field(default=0, ge=0)
-    throughput: float | None = Field(default=None, ge=0)  # tokens/s through the whole span
-    active_sessions: int = Field(default=0, ge=0)
+    memory_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)  # M_j: the whole budget, blocks included
+    block_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)  # s_m
+    # cache bytes per token per block per sequence (s_c / tokens)
+    cache_token_bytes: int = Field(ge=0, le=1 << 32)
+    cache_bytes_left: int = Field(ge=0, le=MAX_MEMORY_BYTES)  # what new sessions may still reserve
+    # (session, block) caches of `slot_tokens` tokens that still fit
+    cache_slots_left: int = Field(ge=0, le=MAX_MEMORY_BYTES)
+    slot_tokens: int = Field(gt=0, le=MAX_TOKENS)  # the session length `cache_slots_left` is counted for
+    max_length: int = Field(gt=0, le=MAX_TOKENS)  # longest session the server accepts
+    tau: float | None = Field(default=None, ge=MIN_TAU, le=MAX_SECONDS)  # per-block per-token decode s
+    # per-block prefill seconds for `prefill_tokens`
+    tau_prefill: float | None = Field(default=None, ge=MIN_TAU, le=MAX_SECONDS)
+    prefill_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    throughput: float | None = Field(default=None, ge=0, le=1 / MIN_TAU)  # tokens/s through the whole span
+    active_sessions: int = Field(default=0, ge=0, le=1 << 24)
 
     @model_validator(mode="after")
     def _span_is_ordered(self) -> ServerInfo:
@@ -50,6 +65,8 @@ class ServerInfo(BaseModel):
             raise ValueError("start and end are both set or both absent")
         if self.start is not None and self.end <= self.start:
             raise ValueError("end must be greater than start")
+        if self.cache_bytes_left > self.memory_bytes:
+            raise ValueError("cache_bytes_left exceeds memory_bytes")
         return self
 
     @property

@@ -31,7 +31,13 @@ class ErrorCode(StrEnum):
     NO_CACHE_ROOM = "no_cache_room"  # valid but does not fit now: wait or route elsewhere
     NOT_SERVING = "not_serving"  # the server is leaving or does not hold those blocks: route elsewhere
     SESSION_EXPIRED = "session_expired"  # idle too long; open a new session and replay
+    UNAUTHORIZED = "unauthorized"  # a closed swarm, and the request does not prove its secret
     INTERNAL = "internal"
+
+
+# how a NO_CACHE_ROOM reply begins when the server has room, only not for this client peer (its
+# per-peer share is used up): the client goes elsewhere without holding it against the server
+PEER_LIMIT_PREFIX = "no cache room for this peer"
 
 
 class Message(BaseModel):
@@ -46,6 +52,7 @@ class Open(Message):
     batch_size: int = Field(gt=0)
     start: int = Field(ge=0)  # blocks to process for this session: [start, end) inside the server's span
     end: int = Field(gt=0)
+    swarm_proof: str = Field(default="", max_length=128)  # closed swarms only (swarm.closed_swarm)
 
 
 class Opened(Message):
@@ -72,6 +79,12 @@ class Forward(Message):
     type: str = "forward"
     start: int = Field(ge=0)
     end: int = Field(gt=0)
+    swarm_proof: str = Field(default="", max_length=128)
+
+
+class InfoRequest(Message):
+    type: str = "info"
+    swarm_proof: str = Field(default="", max_length=128)
 
 
 class Error(Message):
@@ -93,12 +106,14 @@ class RemoteError(Exception):
 
     def __init__(self, code: ErrorCode, message: str, peer: str = ""):
         super().__init__(f"{peer}: {message}" if peer else message)
-        self.code, self.peer = code, peer
+        self.code, self.peer, self.message = code, peer, message
 
 
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
     serialized = [serialize_torch_tensor(t) for t in tensors]
-    metadata = MSGPackSerializer.dumps(message.model_dump(mode="json"))
+    # an empty proof is left out, so servers that predate closed swarms accept the message
+    unused = {"swarm_proof"} if getattr(message, "swarm_proof", None) == "" else set()
+    metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))
     if request:
         return runtime_pb2.ExpertRequest(uid="", tensors=serialized, metadata=metadata)
     return runtime_pb2.ExpertResponse(tensors=serialized, metadata=metadata)

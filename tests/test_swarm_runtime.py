@@ -143,7 +143,14 @@ class TestCacheRoom:
         try:
             swarm.start_dht()
             swarm.start_server(
-                "tight", llama_dir, f"0:{NUM_BLOCKS}", str(memory), "--slot-tokens", str(self.MAX_LENGTH)
+                "tight",
+                llama_dir,
+                f"0:{NUM_BLOCKS}",
+                str(memory),
+                "--slot-tokens",
+                str(self.MAX_LENGTH),
+                "--max-peer-cache-fraction",
+                "1",  # this one client may fill the server: the point is what happens next
             )
             swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["tight"])
             yield swarm, session_bytes

@@ -50,6 +50,12 @@ class CoreSettings:
     settle: float = 2.0  # after the servers changed, wait this long for more changes before re-placing
     lease: float = 60.0  # seconds a session lives without KeepAlive
     client_ttl: float = 600.0  # forget a client's round trips after this long without queries
+    max_sessions_per_client: int = 64  # routed and not yet ended, per client id
+    max_sessions: int = 10_000  # routed and not yet ended, all clients together
+
+
+class RouteRefused(Exception):
+    """The scheduler will not route this session (the message says why); the client routes locally."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,8 @@ class SchedulerCore:
         max_length: int,
         now: float,
     ) -> RouteDecision | None:
+        self.book.expire(now)
+        self._check_admissible(client_id, batch_size, max_length)
         self.rate.record(now)
         new_client = client_id not in self.view.clients
         self.view.report_rtts(client_id, rtts, now)
@@ -210,9 +218,45 @@ class SchedulerCore:
         decision = self.book.route(
             uuid.uuid4().hex, client_id, rtts, l_out, self.book.units_for(batch_size, max_length), now
         )
-        if decision is not None:
-            self.tick(now)
+        if decision is None:
+            return None
+        problem = self._chain_cannot_hold(decision.session.hops, decision.session.units, max_length)
+        if problem is not None:
+            self.book.end(decision.session.session_id)
+            raise RouteRefused(
+                f"no chain could ever hold a session of {batch_size} x {max_length} tokens: {problem}"
+            )
+        self.tick(now)
         return decision
+
+    def _check_admissible(self, client_id: str, batch_size: int, max_length: int) -> None:
+        """Bounded: sessions per client and in all; a session longer than every server accepts."""
+        sessions = self.book.sessions.values()
+        if len(self.book.sessions) >= self.settings.max_sessions:
+            raise RouteRefused(f"the scheduler holds {self.settings.max_sessions} sessions, its limit")
+        held = sum(1 for session in sessions if session.client_id == client_id)
+        if held >= self.settings.max_sessions_per_client:
+            raise RouteRefused(
+                f"client {client_id[:8]} holds {held} sessions, the per-client limit: end some first"
+            )
+        live = [self.view.records[peer] for peer in self.view.live()]
+        if live and all(info.max_length < max_length for info in live):
+            longest = max(info.max_length for info in live)
+            raise RouteRefused(f"max_length {max_length} exceeds every server's limit (at most {longest})")
+
+    def _chain_cannot_hold(self, hops, units: int, max_length: int) -> str | None:
+        """Why a routed chain can never admit the session (None: it can, once its servers have room)."""
+        for hop in hops:
+            capacity = self.book.capacity(hop.peer)
+            if capacity < hop.num_blocks * units:
+                return (
+                    f"server {hop.peer[-8:]} has {capacity} cache slots in all, the session needs "
+                    f"{hop.num_blocks * units}"
+                )
+            info = self.view.records.get(hop.peer)
+            if info is not None and info.max_length < max_length:
+                return f"server {hop.peer[-8:]} accepts sessions of at most {info.max_length} tokens"
+        return None
 
     def tick(self, now: float) -> list[str]:
         """Expire leases and admit whoever fits now; returns newly admitted session ids."""

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from scheduler.service.core import SchedulerCore
+from scheduler.service.core import RouteRefused, SchedulerCore
 from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
@@ -21,7 +21,7 @@ from scheduler.service.request_stats import SUMMARY_KEYS
 
 MAX_AWAIT_S = 30.0  # one AwaitAdmission blocks at most this long; clients call again
 MAX_TOKENS = 1 << 20
-MAX_RTTS = 100_000
+MAX_RTTS = 4096  # round trips one route request may report (a client pings at most this many servers)
 ID_LIMIT = 128
 
 
@@ -76,15 +76,19 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rtts must be finite, >= 0 seconds")
             rtts[entry.peer_id] = entry.rtt
         now = self.clock()
-        decision = self.core.route(
-            request.client_id,
-            rtts,
-            request.l_in,
-            request.l_out,
-            request.batch_size,
-            request.max_length,
-            now,
-        )
+        try:
+            decision = self.core.route(
+                request.client_id,
+                rtts,
+                request.l_in,
+                request.l_out,
+                request.batch_size,
+                request.max_length,
+                now,
+            )
+        except RouteRefused as refusal:
+            self.metrics.routes.labels(outcome="refused").inc()
+            return pb.RouteReply(error=str(refusal))
         if decision is None:
             self.metrics.routes.labels(outcome="no_route").inc()
             return pb.RouteReply(error="no chain of servers reachable from this client covers the model")

@@ -16,13 +16,17 @@ from dataclasses import dataclass
 import grpc
 from hivemind.dht import DHT
 
+from scheduler.service.auth import SwarmProofInterceptor
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.grpc_api import SchedulerApi
 from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from scheduler.service.view import ModelShape
 from scheduler.service.web import make_app, start_web
+from swarm.closed_swarm import SwarmSecret
+from swarm.dht_peer import PeerIdentity, dht_options, open_identity
 from swarm.dht_records import fetch_roster_async, publish_scheduler
+from swarm.model_limits import ModelLimits
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,11 @@ class SchedulerConfig:
     address_file: str | None = None  # write "host:port" here once serving (for scripts and tests)
     http_host: str | None = None  # status page, /api/status and /metrics (default: host)
     http_port: int | None = 0  # 0: any free port; None: no web server
+    limits: ModelLimits | None = None  # what server records may say (default: the block count only)
+    identity_path: str | None = None  # the key clients and servers trust us by; None: fresh per run
+    public_key_file: str | None = None  # write our public key here (what clients and servers are given)
+    swarm_secret: SwarmSecret | None = None  # closed swarm: DHT authorizer, and proofs on every RPC
+    max_message_bytes: int = 1 << 20  # gRPC requests larger than this are refused unread
 
 
 class SchedulerService:
@@ -50,16 +59,29 @@ class SchedulerService:
         self.metrics = SchedulerMetrics()
         self.api = SchedulerApi(self.core, metrics=self.metrics)
         self.dht: DHT | None = None
+        self.identity: PeerIdentity | None = None
+        self.limits = config.limits or ModelLimits(num_blocks=config.shape.num_blocks)
         self.address = ""
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
         config = self.config
         loop = asyncio.get_running_loop()
-        self.dht = DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
+        self.identity = open_identity(config.identity_path)
+        self._share_public_key()
+        self.dht = DHT(
+            initial_peers=config.initial_peers,
+            client_mode=True,
+            start=True,
+            **dht_options(self.identity, config.swarm_secret),
+        )
         for sig in (signal.SIGTERM, signal.SIGINT):  # after the DHT forked: its process keeps defaults
             loop.add_signal_handler(sig, self._stop.set)
-        server = grpc.aio.server()
+        interceptors = [SwarmProofInterceptor(config.swarm_secret)] if config.swarm_secret else []
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", config.max_message_bytes)],
+        )
         pb_grpc.add_SchedulerServicer_to_server(self.api, server)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         await server.start()
@@ -98,7 +120,7 @@ class SchedulerService:
         while not self._stop.is_set():
             now = time.monotonic()
             try:
-                roster = await fetch_roster_async(self.dht, config.dht_prefix, config.shape.num_blocks)
+                roster = await fetch_roster_async(self.dht, config.dht_prefix, self.limits)
                 self.core.update_roster(roster, now)
                 self.core.review(now)
             except Exception as error:  # a flaky DHT read must not stop routing; next round retries
@@ -107,7 +129,12 @@ class SchedulerService:
             if self.core.epoch != published_epoch or now - last_published > config.record_ttl / 3:
                 try:
                     await publish_scheduler(
-                        self.dht, config.dht_prefix, self._record(), ttl=config.record_ttl, wait=False
+                        self.dht,
+                        config.dht_prefix,
+                        self.identity.owner,
+                        self._record(),
+                        ttl=config.record_ttl,
+                        wait=False,
                     )
                     last_published, published_epoch = now, self.core.epoch
                 except Exception as error:
@@ -116,6 +143,20 @@ class SchedulerService:
                 await asyncio.wait_for(self._stop.wait(), timeout=config.refresh)
             except TimeoutError:
                 pass
+
+    def _share_public_key(self) -> None:
+        """Clients and managed servers follow us only if given this key: print it, and write it out."""
+        key = self.identity.public_key
+        if self.config.public_key_file:
+            with open(self.config.public_key_file, "w") as file:
+                file.write(key + "\n")
+        logger.info(
+            "scheduler public key (give it to clients and servers as --scheduler-key)%s: %s",
+            f", written to {self.config.public_key_file}" if self.config.public_key_file else "",
+            key,
+        )
+        if self.config.identity_path is None:
+            logger.warning("no --identity-path: this key is new and lasts only for this run")
 
     async def _status(self) -> dict:
         return {**self.core.status(time.monotonic()), "status_url": self.api.status_url}

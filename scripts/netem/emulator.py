@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from swarm.identity import ensure_key_files
 from swarm.local_swarm import CHILD_ENV, _group_alive, _signal_group
 
 from .scenario import Scenario
@@ -52,6 +53,9 @@ class Emulation:
         self.initial_peers: list[str] = []
         self.teardown_report: list[str] = []
         self._previous_handlers: dict[int, object] = {}
+        # the scheduler's key, made up front: managed servers and clients trust only it
+        self.scheduler_identity = self.run_dir / "scheduler.id"
+        self.scheduler_key = ensure_key_files(self.scheduler_identity, self.run_dir / "scheduler.pub")
 
     # --- lifetime ---------------------------------------------------------------------------------
     def __enter__(self) -> Emulation:
@@ -193,7 +197,7 @@ class Emulation:
         argv = self.python(
             "scheduler.cli", "--initial-peers", *self.initial_peers, "--model-dir", str(model_dir),
             "--host", self.network.address(site), "--port", "0", "--address-file", str(address_file),
-            "--http-port", "-1", *extra,
+            "--http-port", "-1", "--identity-path", str(self.scheduler_identity), *extra,
         )  # fmt: skip
         process = self.start(name, site, argv)
         deadline = time.monotonic() + 90
@@ -215,7 +219,8 @@ class Emulation:
     ) -> subprocess.Popen:
         argv = self.python(
             "server.cli", str(model_dir), "--initial-peers", *self.initial_peers,
-            *(["--blocks", blocks] if blocks else []), "--memory", str(memory),
+            *(["--blocks", blocks] if blocks else ["--scheduler-key", self.scheduler_key]),
+            "--memory", str(memory),
             "--host", self.network.address(site), "--public-name", name,
             "--compute-delay", repr(compute_delay), "--torch-threads", "1", "--announce-period", "5", *extra,
         )  # fmt: skip

@@ -68,6 +68,7 @@ def run(spec: dict) -> dict:
         # PETALS' client gives up on a full chain at once and backs off (below); WS-RR clients wait
         wait_for_room=0.0 if policy == "petals" else 24 * 3600.0,
         scheduler_timeout=30.0,
+        scheduler_key=spec.get("scheduler_key"),
     )
     torch.set_num_threads(1)
     model = AutoDistributedModelForCausalLM.from_pretrained(

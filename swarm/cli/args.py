@@ -36,3 +36,19 @@ def span_list_argument(text: str) -> list[tuple[int, int]]:
         return span_list(text)
     except SwarmUserError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_swarm_secret_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--swarm-secret",
+        metavar="FILE",
+        help="closed swarm: the file holding its secret (every peer needs the same one; see "
+        "docs/security.md); default: an open swarm",
+    )
+
+
+def swarm_secret_from_args(args: argparse.Namespace):
+    """The `SwarmSecret` named by --swarm-secret, or None (an open swarm)."""
+    from swarm.closed_swarm import SwarmSecret
+
+    return SwarmSecret.from_file(args.swarm_secret) if args.swarm_secret else None

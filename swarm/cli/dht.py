@@ -9,8 +9,11 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
+from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.closed_swarm import SwarmSecret
+from swarm.dht_peer import dht_options
 from swarm.errors import SwarmUserError
 
 EXAMPLES = """example:
@@ -34,6 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--maddr-file", type=Path, help="write the visible multiaddrs here, one per line")
     parser.add_argument("--identity-path", help="private key file, so the peer id survives restarts")
+    add_swarm_secret_argument(parser)
+    parser.add_argument(
+        "--new-swarm-secret",
+        action="store_true",
+        help="with --swarm-secret FILE: write a new random secret to FILE first (closed swarms)",
+    )
     parser.add_argument(
         "--announce-host",
         help="public IPv4 address peers should dial (behind NAT or when listening on 0.0.0.0)",
@@ -48,7 +57,16 @@ def run(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    options: dict = {"identity_path": args.identity_path} if args.identity_path else {}
+    if args.new_swarm_secret:
+        if not args.swarm_secret:
+            raise SwarmUserError("--new-swarm-secret needs --swarm-secret FILE (where to write it)")
+        if Path(args.swarm_secret).exists():
+            raise SwarmUserError(f"{args.swarm_secret} exists: refusing to replace a swarm's secret")
+        SwarmSecret.generate(args.swarm_secret)
+    # every node of ours validates records; a bootstrap peer stores many, so it matters most here
+    options: dict = dht_options(None, swarm_secret_from_args(args))
+    if args.identity_path:
+        options["identity_path"] = args.identity_path
     if args.announce_host:
         if args.port == 0:
             raise SwarmUserError("--announce-host needs a fixed --port (peers dial that port)")

@@ -1,0 +1,107 @@
+"""The inference stream's transport with a size limit checked *before* a message is read.
+
+hivemind's protobuf stream handler reads each message whole (`readexactly(length)`) before the
+handler sees it, so a peer could announce a terabyte and make the server buffer whatever it sends.
+This handler speaks the same framing (a marker byte, an 8-byte length, the protobuf), so clients
+keep using hivemind's stub unchanged, but compares the announced length with the stream's current
+limit first: the handler raises the limit once a session is open (to what its shape allows) and an
+oversized message gets a BAD_REQUEST reply and the stream is closed, unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import closing, suppress
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.proto import runtime_pb2
+
+from swarm.wire import Error, ErrorCode, encode
+
+logger = logging.getLogger(__name__)
+
+OPEN_MESSAGE_LIMIT = 64 * 1024  # before a session is open, only an Open message is expected
+
+
+@dataclass
+class StreamLimit:
+    """The largest message the stream accepts now; the handler raises it once it knows the session."""
+
+    max_bytes: int = OPEN_MESSAGE_LIMIT
+
+
+Handler = Callable[
+    [AsyncIterator[runtime_pb2.ExpertRequest], P2PContext, StreamLimit],
+    AsyncIterator[runtime_pb2.ExpertResponse],
+]
+
+
+async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_prefetch: int = 5) -> None:
+    async def handle_stream(
+        stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
+        limit = StreamLimit()
+        requests: asyncio.Queue = asyncio.Queue(max_prefetch)
+
+        async def read_requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            while (request := await requests.get()) is not None:
+                yield request
+
+        async def process() -> None:
+            try:
+                async for response in handler(read_requests(), context, limit):
+                    await P2P.send_protobuf(response, writer)
+            except Exception:  # the caller went away mid-reply: nothing more to tell it
+                logger.debug("inference stream ended while replying", exc_info=True)
+
+        with closing(writer):
+            processing = asyncio.create_task(process())
+            try:
+                while True:
+                    receiving = asyncio.create_task(_receive(reader, limit.max_bytes))
+                    await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                    if processing.done():
+                        receiving.cancel()
+                        return
+                    try:
+                        request = await receiving
+                    except asyncio.IncompleteReadError:  # the client closed the connection
+                        return
+                    except _Refused as error:
+                        logger.warning("peer %s: %s; stream closed", str(stream_info.peer_id)[-8:], error)
+                        reply = encode(Error(code=ErrorCode.BAD_REQUEST, message=str(error)), request=False)
+                        with suppress(Exception):
+                            await P2P.send_protobuf(reply, writer)
+                        return
+                    await requests.put(request)  # None: the client ended its side of the stream
+            except Exception:
+                logger.warning("inference stream failed while receiving", exc_info=True)
+            finally:
+                processing.cancel()
+
+    await p2p.add_binary_stream_handler(name, handle_stream)
+
+
+class _Refused(Exception):
+    pass
+
+
+async def _receive(reader: asyncio.StreamReader, max_bytes: int) -> runtime_pb2.ExpertRequest | None:
+    """One framed message (None for the end-of-stream marker), refused unread if over `max_bytes`."""
+    marker = await reader.readexactly(1)
+    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if length > max_bytes:
+        raise _Refused(f"message of {length:,} bytes exceeds this stream's limit of {max_bytes:,}")
+    data = await reader.readexactly(length)
+    if marker == P2P.ERROR_MARKER:
+        return None  # hivemind's stub ends its request stream with an (empty) error message
+    if marker != P2P.MESSAGE_MARKER:
+        raise _Refused(f"invalid message marker {marker!r}")
+    request = runtime_pb2.ExpertRequest()
+    request.ParseFromString(data)
+    return request

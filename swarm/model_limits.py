@@ -1,0 +1,55 @@
+"""What a record may say about a model, from the reader's own copy of its config (never from peers).
+
+The number of blocks and the size of a block are facts of the checkpoint: a server announcing
+`block_bytes = 2^62` or a span past the last block is lying or broken, and a reader that took such
+numbers at face value would let one record starve the placement or route into nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from swarm.models.family import family_for
+from swarm.models.span import prepare_config
+from swarm.server_info import ServerInfo
+
+# bytes per parameter a served block may take: nf4 packs 0.5 (plus scales), float32 takes 4
+MIN_BYTES_PER_PARAM = 0.4
+MAX_BYTES_PER_PARAM = 4.5
+CACHE_ELEMENT_BYTES = (1, 2, 4)  # int8, 16-bit and float32 attention caches
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    num_blocks: int
+    block_params: int | None = None  # parameters of one block; None: sizes are not checked
+    kv_dim: int | None = None  # key/value width of one block
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ModelLimits:
+        family = family_for(config)
+        with torch.device("meta"):  # shapes only: no memory, no weights
+            block = family.build_block(prepare_config(config), 0)
+        return cls(
+            num_blocks=family.num_blocks(config),
+            block_params=sum(parameter.numel() for parameter in block.parameters()),
+            kv_dim=family.num_kv_heads(config) * family.head_dim(config),
+        )
+
+    def problem(self, info: ServerInfo) -> str | None:
+        """Why `info` cannot be a true record of a server of this model (None: it can)."""
+        if info.has_blocks and info.end > self.num_blocks:
+            return f"span {info.start}:{info.end} is outside the model's {self.num_blocks} blocks"
+        if self.block_params is not None and info.block_bytes:
+            low, high = self.block_params * MIN_BYTES_PER_PARAM, self.block_params * MAX_BYTES_PER_PARAM
+            if not low <= info.block_bytes <= high + 65536:
+                return f"block_bytes {info.block_bytes} is impossible for {self.block_params} parameters"
+        if self.kv_dim is not None and info.cache_token_bytes:
+            if info.cache_token_bytes not in {2 * self.kv_dim * size for size in CACHE_ELEMENT_BYTES}:
+                return (
+                    f"cache_token_bytes {info.cache_token_bytes} does not match key/value width {self.kv_dim}"
+                )
+        return None
