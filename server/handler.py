@@ -30,9 +30,9 @@ from server.session import Session, check_step_inputs
 from swarm.closed_swarm import SwarmSecret
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
+    PEER_LIMIT_PREFIX,
     Error,
     ErrorCode,
-    PEER_LIMIT_PREFIX,
     Forward,
     InfoRequest,
     Open,

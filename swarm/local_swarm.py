@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
-from swarm.dht_peer import dht_options
+from swarm.dht_peer import dht_options, open_identity
 from swarm.dht_records import fetch_servers
 from swarm.identity import ensure_key_files
 from swarm.server_info import ServerInfo, ServerState
@@ -38,6 +38,7 @@ class LocalSwarm:
         self.initial_peers: list[str] = []
         self._observer: DHT | None = None
         self._scheduler_key: str | None = None
+        self._peers: list[DHT] = []  # DHT peers of this process made for tests, besides the observer
 
     @property
     def scheduler_key(self) -> str:
@@ -50,6 +51,17 @@ class LocalSwarm:
     @property
     def scheduler_identity(self) -> Path:
         return self.log_dir / "scheduler.id"
+
+    def scheduler_dht(self) -> DHT:
+        """A DHT peer holding the scheduler's key, for tests that publish a scheduler record themselves
+        (a scripted or rogue scheduler): what they store is signed as the trusted scheduler's."""
+        _ = self.scheduler_key
+        identity = open_identity(str(self.scheduler_identity))
+        dht = DHT(
+            initial_peers=self.initial_peers, client_mode=True, start=True, **dht_options(identity, None)
+        )
+        self._peers.append(dht)  # shut down by close()
+        return dht
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115  (the child owns it)
@@ -92,6 +104,9 @@ class LocalSwarm:
             "1",
             "--public-name",
             name,
+            # one test client often drives many sessions; tests of the per-peer limit pass their own
+            "--max-peer-cache-fraction",
+            "1",
             *extra,
         ]
         return self.start(name, argv)
@@ -175,6 +190,9 @@ class LocalSwarm:
         if self._observer is not None:
             self._observer.shutdown()
             self._observer = None
+        for peer in self._peers:
+            peer.shutdown()
+        self._peers.clear()
         for name in reversed(list(self.processes)):
             if self.processes[name].poll() is None:
                 self.stop(name)

@@ -10,6 +10,7 @@ policy (JFFC's central queue).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import subprocess
@@ -32,6 +33,11 @@ from tests.conftest import NUM_BLOCKS
 L_IN, L_OUT = 16, 48  # the scheduler's planned session: 64 tokens = one cache slot
 SLOT_TOKENS = L_IN + L_OUT
 OPTIONS = ClientOptions(scheduler_retry=1.0, wait_for_room=120.0)
+
+
+def options_for(swarm: LocalSwarm) -> ClientOptions:
+    """The tests' client options, trusting the swarm's scheduler key."""
+    return dataclasses.replace(OPTIONS, scheduler_key=swarm.scheduler_key)
 
 
 def sizes(model_dir) -> tuple[int, int]:
@@ -122,7 +128,7 @@ def generate_concurrently(swarm, llama_dir, reference, plan):
     against local generation and returns (admissions, chain peer ids) by name and the client's
     no-cache-room refusals."""
     client = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+        llama_dir, initial_peers=swarm.initial_peers, options=options_for(swarm)
     )
     _, tokenizer = reference
     results, admissions, peers, errors = {}, {}, {}, []
@@ -199,7 +205,7 @@ def test_managed_spans_equal_swarm_plan_and_generation_is_exact(five, llama_dir,
     assert current.bound > 0
 
     client = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+        llama_dir, initial_peers=swarm.initial_peers, options=options_for(swarm)
     )
     try:
         output, admission = generate(client, reference, "Once upon a time", 24)
@@ -213,7 +219,7 @@ def test_a_server_leaving_triggers_re_placement_and_loses_no_session(five, llama
     swarm, address = five
     before = wait_until(lambda: placed(address, len(FIVE)), 150, "a settled placement")
     client = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+        llama_dir, initial_peers=swarm.initial_peers, options=options_for(swarm)
     )
     results, errors = {}, []
 
@@ -285,7 +291,7 @@ def test_killing_and_restarting_the_scheduler(tight, llama_dir, reference):
     swarm, address, args = tight
     before = status(address)
     client = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, initial_peers=swarm.initial_peers, options=OPTIONS
+        llama_dir, initial_peers=swarm.initial_peers, options=options_for(swarm)
     )
     results, errors = {}, []
 

@@ -29,6 +29,7 @@ from server.cli import build_parser, config_from_args
 from swarm.dht_keys import default_prefix
 from swarm.dht_records import fetch_roster_async, publish_scheduler
 from swarm.errors import SpanError, SwarmUserError
+from swarm.identity import owner_subkey
 from swarm.local_swarm import PYTHON, LocalSwarm
 from swarm.models import load_span
 from swarm.models.span import rebuild_span
@@ -316,7 +317,9 @@ def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
     swarm = LocalSwarm(tmp_path)
     try:
         swarm.start_dht()
-        publish_scheduler(swarm.observer, prefix, {"address": f"127.0.0.1:{port}"}, ttl=600)
+        publisher = swarm.scheduler_dht()  # the scripted scheduler's record, signed by the trusted key
+        owner = owner_subkey(swarm.scheduler_key)
+        publish_scheduler(publisher, prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=600)
         for name in ("a", "b"):  # a short scheduler timeout: the scheduler answers, so it never fires
             options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
             start_managed(swarm, name, bloom_dir, 10**9, *options)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM
+from client import AutoDistributedModelForCausalLM, ClientOptions
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from swarm.dht_keys import default_prefix
@@ -116,7 +116,9 @@ def test_metrics_move_after_a_generation(swarm, llama_dir):
     before_servers = [fetch(url) for url in server_urls]
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     client = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, initial_peers=local_swarm.initial_peers
+        llama_dir,
+        initial_peers=local_swarm.initial_peers,
+        options=ClientOptions(scheduler_key=local_swarm.scheduler_key),
     )
     try:
         ids = tokenizer("Once upon a time", return_tensors="pt").input_ids

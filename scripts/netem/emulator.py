@@ -222,7 +222,9 @@ class Emulation:
             *(["--blocks", blocks] if blocks else ["--scheduler-key", self.scheduler_key]),
             "--memory", str(memory),
             "--host", self.network.address(site), "--public-name", name,
-            "--compute-delay", repr(compute_delay), "--torch-threads", "1", "--announce-period", "5", *extra,
+            "--compute-delay", repr(compute_delay), "--torch-threads", "1", "--announce-period", "5",
+            "--max-peer-cache-fraction", "1",  # one load generator drives every session of a run
+            *extra,
         )  # fmt: skip
         return self.start(name, site, argv)
 
