@@ -25,6 +25,7 @@ from swarm.wire import Error, ErrorCode, encode
 logger = logging.getLogger(__name__)
 
 OPEN_MESSAGE_LIMIT = 64 * 1024  # before a session is open, only an Open message is expected
+DISCARD_SECONDS = 5.0  # after refusing a message, how long the client may keep sending into the void
 
 
 @dataclass
@@ -77,6 +78,9 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
                         reply = encode(Error(code=ErrorCode.BAD_REQUEST, message=str(error)), request=False)
                         with suppress(Exception):
                             await P2P.send_protobuf(reply, writer)
+                            # closing now would reset the stream under the client, losing the reply:
+                            # let it see the reply first, dropping (not keeping) what it still sends
+                            await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
                         return
                     await requests.put(request)  # None: the client ended its side of the stream
             except Exception:
@@ -96,7 +100,7 @@ async def _receive(reader: asyncio.StreamReader, max_bytes: int) -> runtime_pb2.
     marker = await reader.readexactly(1)
     length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
     if length > max_bytes:
-        raise _Refused(f"message of {length:,} bytes exceeds this stream's limit of {max_bytes:,}")
+        raise _Refused(f"message of {length:,} bytes exceeds this session's limit of {max_bytes:,}")
     data = await reader.readexactly(length)
     if marker == P2P.ERROR_MARKER:
         return None  # hivemind's stub ends its request stream with an (empty) error message
@@ -105,3 +109,9 @@ async def _receive(reader: asyncio.StreamReader, max_bytes: int) -> runtime_pb2.
     request = runtime_pb2.ExpertRequest()
     request.ParseFromString(data)
     return request
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    """Read and drop the rest of the stream, a chunk at a time (memory stays constant)."""
+    while await reader.read(1 << 16):
+        pass

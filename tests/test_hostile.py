@@ -21,7 +21,7 @@ from client import AutoDistributedModelForCausalLM
 from client.connection import SwarmConnection, run_sync
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm
-from swarm.wire import Forward, Step, encode
+from swarm.wire import PEER_LIMIT_PREFIX, Forward, Step, encode
 from tests.conftest import NUM_BLOCKS
 
 HIDDEN = 64
@@ -100,6 +100,8 @@ def hostile_swarm(llama_dir, tmp_path_factory):
             str(SESSION_TIMEOUT),
             "--max-batch-size",
             "4",
+            "--max-peer-cache-fraction",
+            "0.5",  # the default (LocalSwarm lifts it for single-client tests)
         )
         swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["target"])
         yield swarm
@@ -222,7 +224,9 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         idle.close()
         covered.append("idle session timeout")
 
-        # a thousand session opens: some fit, the rest get "no cache room"; all are freed
+    async def open_a_thousand() -> list[RawStream]:
+        """One peer opens a thousand sessions and keeps them: it gets its per-peer share (64 sessions
+        by default), the rest are refused as over that share, not as a full server."""
         streams = [RawStream(connection, peer_id) for _ in range(1000)]
         outcomes: list[str] = []
         for batch in range(0, len(streams), 100):
@@ -232,15 +236,25 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
             outcomes += [
                 reply["type"] if reply["type"] == "opened" else reply["message"] for reply, _ in replies
             ]
-        for stream in streams:
-            stream.close()
-        assert outcomes.count("opened") >= 250 and any("no cache room" in o for o in outcomes)
-        covered.append("a thousand session opens")
+        assert 1 <= outcomes.count("opened") <= 64, outcomes.count("opened")
+        refusals = [outcome for outcome in outcomes if outcome != "opened"]
+        assert refusals and all(refusal.startswith(PEER_LIMIT_PREFIX) for refusal in refusals), refusals[:3]
+        return streams
 
     try:
         assert torch.equal(normal.generate(prompt, max_new_tokens=12, do_sample=False), expected)
         run_sync(scenario())
         assert torch.equal(normal.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+        held = run_sync(open_a_thousand())
+        # while that peer holds everything it could get, another client still has room
+        honest = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
+        try:
+            assert torch.equal(honest.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+        finally:
+            honest.shutdown()
+            for stream in held:
+                stream.close()
+        covered.append("one peer holding a thousand sessions")
     finally:
         normal.shutdown()
     assert len(covered) >= 15, covered
