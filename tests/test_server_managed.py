@@ -213,6 +213,7 @@ def start_managed(swarm: LocalSwarm, name: str, model_dir, memory: int, *extra: 
     """A server started without --blocks (`LocalSwarm.start_server` always pins a span)."""
     argv = [PYTHON, "-m", "server.cli", str(model_dir), "--initial-peers", *swarm.initial_peers]
     argv += ["--memory", str(memory), "--announce-period", "2", "--torch-threads", "1"]
+    argv += ["--scheduler-key", swarm.scheduler_key]
     return swarm.start(name, [*argv, "--public-name", name, *extra])
 
 
@@ -319,7 +320,7 @@ def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
         swarm.start_dht()
         publisher = swarm.scheduler_dht()  # the scripted scheduler's record, signed by the trusted key
         owner = owner_subkey(swarm.scheduler_key)
-        publish_scheduler(publisher, prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=600)
+        publish_scheduler(publisher, prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
         for name in ("a", "b"):  # a short scheduler timeout: the scheduler answers, so it never fires
             options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
             start_managed(swarm, name, bloom_dir, 10**9, *options)
