@@ -204,7 +204,9 @@ class SwarmConnection:
         once it keeps refusing: a server that announces room it never grants only wastes our time.
         A refusal for our own per-peer share is no fault of the server's: it is not counted."""
         self.no_cache_room_refusals += 1
-        if message.startswith(PEER_LIMIT_PREFIX):
+        if message.startswith(PEER_LIMIT_PREFIX):  # our own share there is used up: go elsewhere a while
+            failures = self._bans.get(peer_id, (0, 0.0))[0]
+            self._bans[peer_id] = (failures, time.monotonic() + self.options.ban_base)
             return False
         self._refusals[peer_id] = self._refusals.get(peer_id, 0) + 1
         if self._refusals[peer_id] < self.options.max_refusals:

@@ -70,6 +70,8 @@ class RemoteBlockSession:
             streams = await self._open_scheduled_chain()
             if streams is not None:
                 return streams
+        # refusals are bounded like waiting for room: servers that keep saying no end the attempt
+        deadline = time.monotonic() + self.connection.options.wait_for_room
         while True:
             chain = await self.connection.route(start, end, self.shape)
             # a fresh id per stream: a replacement may land on a server already in this chain
@@ -92,6 +94,11 @@ class RemoteBlockSession:
                     raise  # our own request is wrong (or not allowed): another server would refuse it too
                 if error.code == ErrorCode.NO_CACHE_ROOM:
                     self.connection.refused(error.peer, error.message)
+                    if time.monotonic() > deadline:
+                        raise SwarmUnavailable(
+                            f"servers of blocks {start}:{end} kept refusing sessions for "
+                            f"{self.connection.options.wait_for_room:.0f} s; last: {error}"
+                        ) from error
                     logger.info("%s; re-routing", error)  # the announced free memory was stale
                     await self.connection.servers(refresh=True)
                     await asyncio.sleep(0.2)

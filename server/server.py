@@ -24,7 +24,7 @@ from server.metrics import ServerMetrics
 from server.scheduler_link import SchedulerLink
 from server.throughput import BlockTimings, cached_block_timings
 from swarm.closed_swarm import SwarmSecret
-from swarm.dht_peer import PeerIdentity, dht_options, open_identity
+from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
 from swarm.dht_records import announce
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
@@ -351,6 +351,8 @@ class SwarmServer(ManagedSpan):
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self.identity is not None and self.config.identity_path is None:
+            forget_identity(self.identity)  # a per-run key: nobody needs it after us
 
 
 def run_server(config: ServerConfig, torch_threads: int | None = None) -> None:

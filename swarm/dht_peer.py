@@ -7,6 +7,7 @@ validators. Keeping this in one place means no node of ours ever runs without va
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,14 @@ def open_identity(path: str | None) -> PeerIdentity:
     target = path if path is not None else temporary_identity_path()
     created = not Path(target).exists()
     return PeerIdentity(load_identity(target), target, created)
+
+
+def forget_identity(identity: PeerIdentity) -> None:
+    """Delete a per-run identity (made by `open_identity(None)`) and its private directory."""
+    path = Path(identity.path)
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()
 
 
 def dht_options(identity: PeerIdentity | None, secret: SwarmSecret | None) -> dict:

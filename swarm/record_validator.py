@@ -76,6 +76,17 @@ class SwarmRecordValidator(RecordValidatorBase):
         return isinstance(other, SwarmRecordValidator)
 
 
+class SignatureValidator(RSASignatureValidator):
+    """hivemind's signature check, except that a malformed owner key is an invalid record: hivemind's
+    raises on it, which fails the whole request it came in (every other record of it too)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except Exception:  # cryptography raises several types on garbage keys and signatures
+            return False
+
+
 def swarm_validators(private_key: RSAPrivateKey | None = None) -> list[RecordValidatorBase]:
     """The validators of a DHT node of ours; `private_key` signs what it stores (readers need none)."""
-    return [RSASignatureValidator(private_key), SwarmRecordValidator()]
+    return [SignatureValidator(private_key), SwarmRecordValidator()]

@@ -24,7 +24,7 @@ from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from scheduler.service.view import ModelShape
 from scheduler.service.web import make_app, start_web
 from swarm.closed_swarm import SwarmSecret
-from swarm.dht_peer import PeerIdentity, dht_options, open_identity
+from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
 from swarm.dht_records import fetch_roster_async, publish_scheduler
 from swarm.model_limits import ModelLimits
 
@@ -112,6 +112,8 @@ class SchedulerService:
                 await web_runner.cleanup()
             await server.stop(grace=1.0)
             self.dht.shutdown()
+            if config.identity_path is None:
+                forget_identity(self.identity)  # a per-run key: nobody can trust it after us
             logger.info("stopped")
 
     async def _loop(self) -> None:

@@ -1,0 +1,125 @@
+"""Closed swarms (issue 17): only holders of the swarm secret join the DHT, announce, discover servers,
+open sessions or ask the scheduler; holders work as before; the others get a clear refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+
+import grpc
+import pytest
+import torch
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.timed_storage import get_dht_time
+from transformers import AutoModelForCausalLM
+
+from client import AutoDistributedModelForCausalLM, ClientOptions
+from client.connection import run_sync
+from scheduler.service.proto import scheduler_pb2 as pb
+from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
+from server.handler import BlockServicer
+from swarm.closed_swarm import SwarmSecret
+from swarm.dht_keys import block_key, default_prefix
+from swarm.errors import SwarmUserError
+from swarm.local_swarm import PYTHON, LocalSwarm
+from swarm.wire import InfoRequest, Open, decode_metadata, encode
+from tests.conftest import NUM_BLOCKS
+
+PROMPT = torch.tensor([[5, 17, 99, 200]])
+
+
+@pytest.fixture(scope="module")
+def closed_swarm(llama_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("closed")
+    secret_file = directory / "swarm.secret"
+    swarm = LocalSwarm(directory)
+    try:
+        maddr_file = directory / "dht.maddrs"
+        swarm.start(
+            "dht",
+            [PYTHON, "-m", "swarm.cli.dht", "--maddr-file", str(maddr_file)]
+            + ["--swarm-secret", str(secret_file), "--new-swarm-secret"],
+        )
+        swarm.initial_peers = wait_file(swarm, maddr_file).split()
+        secret = ["--swarm-secret", str(secret_file)]
+        address = swarm.start_scheduler("scheduler", llama_dir, *secret)
+        swarm.start_server("only", llama_dir, f"0:{NUM_BLOCKS}", "1GB", *secret)
+        yield swarm, SwarmSecret.from_file(secret_file), address
+    finally:
+        assert not swarm.close()
+
+
+def wait_file(swarm: LocalSwarm, path, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text().strip():
+        assert time.monotonic() < deadline and swarm.processes["dht"].poll() is None, swarm.log("dht")
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def test_holders_generate_and_outsiders_are_refused(closed_swarm, llama_dir):
+    swarm, secret, address = closed_swarm
+    prefix = default_prefix(str(llama_dir))
+    expected = (
+        AutoModelForCausalLM.from_pretrained(llama_dir)
+        .eval()
+        .generate(PROMPT, max_new_tokens=8, do_sample=False)
+    )
+    # a holder generates exactly, through the scheduler too (it needs the secret to be asked at all)
+    options = ClientOptions(swarm_secret=secret, scheduler_key=swarm.scheduler_key, wait_for_servers=120.0)
+    holder = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
+    try:
+        with holder.inference_session(max_length=PROMPT.shape[1] + 8) as session:
+            output = holder.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
+            assert session.blocks.admission is not None  # the scheduler routed it
+        assert torch.equal(output, expected)
+        ((server_peer, _info),) = run_sync(holder.backend.connection.servers(refresh=True)).items()
+    finally:
+        holder.shutdown()
+
+    # an outsider cannot join the DHT: our client says why
+    with pytest.raises(SwarmUserError, match="could not join the swarm's DHT"):
+        AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
+
+    # a plain hivemind peer that skips the bootstrap check can neither announce nor discover
+    outsider = DHT(initial_peers=swarm.initial_peers, start=True, ensure_bootstrap_success=False)
+    try:
+        assert not outsider.store(block_key(prefix, 0), "gone", get_dht_time() + 60)
+        assert outsider.get(block_key(prefix, 0), latest=True) is None
+    finally:
+        outsider.shutdown()
+
+    # it cannot open a session or even ping the server, knowing its address: a clear refusal
+    async def knock() -> tuple[dict, dict]:
+        # the server's own addresses (from its log): the outsider knows where to knock
+        server_maddrs = re.findall(r"'(/ip4/[^']+)'", swarm.log("only"))
+        p2p = await P2P.create(initial_peers=server_maddrs)
+        try:
+            stub = BlockServicer.get_stub(p2p, PeerID.from_base58(server_peer), namespace=prefix)
+            info_reply = await stub.rpc_info(encode(InfoRequest()), timeout=20)
+            opening = Open(session_id=uuid.uuid4().hex, max_length=8, batch_size=1, start=0, end=NUM_BLOCKS)
+
+            async def requests():
+                yield encode(opening)
+
+            responses = await stub.rpc_inference(requests())
+            open_reply = await asyncio.wait_for(anext(responses), 20)
+            return decode_metadata(info_reply.metadata), decode_metadata(open_reply.metadata)
+        finally:
+            await p2p.shutdown()
+
+    info_reply, open_reply = asyncio.run(knock())
+    for reply in (info_reply, open_reply):
+        assert reply["type"] == "error" and reply["code"] == "unauthorized", reply
+        assert "closed swarm" in reply["message"]
+
+    # nor ask the scheduler for routes
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+        request = pb.RouteRequest(client_id="outsider", l_in=1, l_out=1, batch_size=1, max_length=8)
+        pb_grpc.SchedulerStub(channel).Route(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "closed swarm" in refused.value.details()
+    assert swarm.processes["only"].poll() is None
