@@ -167,9 +167,10 @@ def attacked_swarm(llama_dir, tmp_path_factory):
         assert not leaked, f"process groups left running: {leaked}"
 
 
-def honest_subkeys(attacker: DHT, key: str) -> list:
-    """The subkeys under `key` as a plain peer sees them (the honest servers' owner markers)."""
-    found = attacker.get(key, latest=True)
+def honest_subkeys(swarm: LocalSwarm, key: str) -> list:
+    """The subkeys under `key` (the honest servers' owner markers), read by a validating peer (a plain
+    hivemind peer cannot even decode signed values: its `get` never returns)."""
+    found = swarm.observer.get(key, latest=True)
     return list(found.value) if found is not None and isinstance(found.value, dict) else []
 
 
@@ -184,11 +185,20 @@ def test_dht_attacks_neither_erase_nor_hijack_nor_poison(
 
     # forged subkeys: the honest servers' peer ids, and their own owner markers (unsigned), with a
     # record saying OFFLINE, no cache, announced in the future
+    # (a second, client-mode plain peer for the peer-id subkeys, after the others: hivemind cannot
+    # hold str and bytes subkeys in one dictionary, and the attacker's own node would break on it)
     forged = record(state="offline", cache_bytes_left=0, cache_slots_left=0, announced_at=now + 5)
-    for block in range(NUM_BLOCKS):
-        key = block_key(prefix, block)
-        for subkey in [*honest, *honest_subkeys(attacker, key)]:
+    block_keys = [block_key(prefix, block) for block in range(NUM_BLOCKS)]
+    for key in block_keys:
+        for subkey in honest_subkeys(swarm, key):
             attacker.store(key, forged, now + 60, subkey=subkey)
+    by_peer_id = DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True)
+    try:
+        for key in block_keys:
+            for peer_id in honest:
+                by_peer_id.store(key, forged, now + 60, subkey=peer_id)
+    finally:
+        by_peer_id.shutdown()
 
     # plain values with a later expiration would replace every dictionary they land on
     for key in [*(block_key(prefix, b) for b in range(NUM_BLOCKS)), roster_key(prefix)]:
@@ -262,14 +272,19 @@ def test_dht_attacks_neither_erase_nor_hijack_nor_poison(
 
 
 def test_a_route_no_chain_can_hold_is_refused_and_blocks_nobody(attacked_swarm, llama_dir, reference):
-    swarm, _prefix, _attacker, scheduler_url, _ = attacked_swarm
+    swarm, prefix, _attacker, scheduler_url, _ = attacked_swarm
     address = (swarm.log_dir / "scheduler.address").read_text().strip()
+    rtts = [pb.ServerRtt(peer_id=peer, rtt=0.001) for peer in swarm.servers(prefix, NUM_BLOCKS)]
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.SchedulerStub(channel)
-        huge = pb.RouteRequest(client_id="greedy", l_in=16, l_out=16, batch_size=64, max_length=2000)
+        huge = pb.RouteRequest(
+            client_id="greedy", rtts=rtts, l_in=16, l_out=16, batch_size=64, max_length=2000
+        )
         reply = stub.Route(huge, timeout=10)
         assert "no chain could ever hold" in reply.error, reply
-        longer = pb.RouteRequest(client_id="greedy", l_in=16, l_out=16, batch_size=1, max_length=1 << 20)
+        longer = pb.RouteRequest(
+            client_id="greedy", rtts=rtts, l_in=16, l_out=16, batch_size=1, max_length=1 << 20
+        )
         assert "exceeds every server's limit" in stub.Route(longer, timeout=10).error
         with pytest.raises(grpc.RpcError) as refused:
             too_many = [pb.ServerRtt(peer_id=f"p{i}", rtt=0.1) for i in range(5000)]
@@ -288,8 +303,13 @@ def test_the_scheduler_caps_sessions_per_client(llama_dir, tmp_path):
         swarm.start_dht()
         address = swarm.start_scheduler("scheduler", llama_dir, "--max-sessions-per-client", "2")
         swarm.start_server("only", llama_dir, f"0:{NUM_BLOCKS}")
-        swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["only"])
-        request = pb.RouteRequest(client_id="one", l_in=4, l_out=4, batch_size=1, max_length=8)
+        online = swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["only"])
+        rtts = [
+            pb.ServerRtt(peer_id=peer, rtt=0.001)
+            for peer in swarm.servers(default_prefix(str(llama_dir)), NUM_BLOCKS)
+        ]
+        assert len(rtts) == len(online) == 1
+        request = pb.RouteRequest(client_id="one", rtts=rtts, l_in=4, l_out=4, batch_size=1, max_length=8)
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.SchedulerStub(channel)
             deadline = time.monotonic() + 30  # until the scheduler has read the server's record
@@ -298,7 +318,7 @@ def test_the_scheduler_caps_sessions_per_client(llama_dir, tmp_path):
             assert not first.error, first.error
             assert not stub.Route(request, timeout=10).error
             assert "per-client limit" in stub.Route(request, timeout=10).error
-            other = pb.RouteRequest(client_id="two", l_in=4, l_out=4, batch_size=1, max_length=8)
+            other = pb.RouteRequest(client_id="two", rtts=rtts, l_in=4, l_out=4, batch_size=1, max_length=8)
             assert not stub.Route(other, timeout=10).error  # others are not affected
     finally:
         assert not swarm.close()
