@@ -11,7 +11,7 @@ import uuid
 import grpc
 import pytest
 import torch
-from hivemind.dht import DHT
+from hivemind.dht import DHT, DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 from transformers import AutoModelForCausalLM
@@ -23,7 +23,9 @@ from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from server.handler import BlockServicer
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_keys import block_key, default_prefix
+from swarm.dht_peer import dht_options
 from swarm.errors import SwarmUserError
+from swarm.identity import peer_id_of_subkey
 from swarm.local_swarm import PYTHON, LocalSwarm
 from swarm.wire import InfoRequest, Open, decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
@@ -69,6 +71,17 @@ def test_holders_generate_and_outsiders_are_refused(closed_swarm, llama_dir):
         .generate(PROMPT, max_new_tokens=8, do_sample=False)
     )
     # a holder generates exactly, through the scheduler too (it needs the secret to be asked at all)
+    proof = (("x-swarm-proof", secret.timed_proof("scheduler")),)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.SchedulerStub(channel)
+        deadline = time.monotonic() + 120
+        while not [
+            s
+            for s in stub.GetStatus(pb.StatusRequest(), timeout=10, metadata=proof).servers
+            if s.state == "online"
+        ]:
+            assert time.monotonic() < deadline, "the scheduler never saw the server"
+            time.sleep(0.5)
     options = ClientOptions(swarm_secret=secret, scheduler_key=swarm.scheduler_key, wait_for_servers=120.0)
     holder = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
     try:
@@ -84,13 +97,24 @@ def test_holders_generate_and_outsiders_are_refused(closed_swarm, llama_dir):
     with pytest.raises(SwarmUserError, match="could not join the swarm's DHT"):
         AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
 
-    # a plain hivemind peer that skips the bootstrap check can neither announce nor discover
-    outsider = DHT(initial_peers=swarm.initial_peers, start=True, ensure_bootstrap_success=False)
-    try:
-        assert not outsider.store(block_key(prefix, 0), "gone", get_dht_time() + 60)
-        assert outsider.get(block_key(prefix, 0), latest=True) is None
+    # a plain hivemind node that skips the bootstrap check can neither announce nor discover
+    async def announce_and_discover() -> tuple[bool, object]:
+        node = await DHTNode.create(initial_peers=swarm.initial_peers, ensure_bootstrap_success=False)
+        try:
+            stored = await asyncio.wait_for(node.store(block_key(prefix, 0), "gone", get_dht_time() + 60), 60)
+            found = await asyncio.wait_for(node.get(block_key(prefix, 1), latest=True), 60)  # the server's
+            return stored, found
+        finally:
+            await node.shutdown()
+
+    _stored_locally, found = asyncio.run(announce_and_discover())
+    assert found is None
+    member = DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True, **dht_options(None, secret))
+    try:  # what it stored reached no member: the block's entries are still the server's record
+        entries = member.get(block_key(prefix, 0), latest=True).value
+        assert [peer_id_of_subkey(subkey) for subkey in entries] == [server_peer]
     finally:
-        outsider.shutdown()
+        member.shutdown()
 
     # it cannot open a session or even ping the server, knowing its address: a clear refusal
     async def knock() -> tuple[dict, dict]:
