@@ -13,12 +13,14 @@ import uuid
 import pytest
 import torch
 from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
 from client.connection import SwarmConnection, run_sync
+from server.handler import BlockServicer
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm
 from swarm.wire import PEER_LIMIT_PREFIX, Forward, Step, encode
@@ -123,6 +125,11 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
     covered: list[str] = []
 
     async def expect_error(name: str, requests: list, match: str, open_first: bool = True) -> None:
+        if not requests:  # raw bytes: a message header announcing 1 GiB, then a trickle of data
+            reply = await announce_a_gigabyte()
+            assert reply["type"] == "error" and match in reply["message"], (name, reply)
+            covered.append(name)
+            return
         stream = RawStream(connection, peer_id)
         await stream.start()
         try:
@@ -136,6 +143,21 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         finally:
             stream.close()
         covered.append(name)
+
+    async def announce_a_gigabyte() -> dict:
+        """The server must refuse from the length header alone, not buffer what follows."""
+        name = BlockServicer._get_handle_name(prefix, "rpc_inference")
+        _, reader, writer = await connection.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+        try:
+            writer.write(P2P.MESSAGE_MARKER + (1 << 30).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            writer.write(b"\0" * 65536)
+            await writer.drain()
+            response, _error = await asyncio.wait_for(
+                P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 20
+            )
+            return MSGPackSerializer.loads(response.metadata)
+        finally:
+            writer.close()
 
     async def scenario() -> None:
         await expect_error("wrong hidden size", [step(0, torch.randn(1, 1, 32))], "hidden size 32 differs")
@@ -154,6 +176,7 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         await expect_error(
             "oversized message", [step(0, torch.randn(1, 400, HIDDEN))], "exceeds this session's limit"
         )
+        await expect_error("a gigabyte announced", [], "exceeds this session's limit", open_first=False)
         await expect_error(
             "step before open", [step(0, good)], "expected a message of type ['open']", open_first=False
         )
