@@ -226,7 +226,13 @@ class RemoteBlockSession:
 
     def _count_failure(self, failures: int, stream: ServerStream, error: BaseException) -> int:
         failures += 1
-        self._blame(stream.hop.peer_id, error)
+        if isinstance(error, RemoteError) and error.code == ErrorCode.SESSION_EXPIRED:
+            # the server's idle or lifetime limit: no fault of its own; open a new session and replay
+            logger.info(
+                "session %s on %s expired (%s): replaying", self.session_id[:8], error.peer[-8:], error
+            )
+        else:
+            self._blame(stream.hop.peer_id, error)
         if failures > self.connection.options.max_failovers:
             raise SwarmUnavailable(
                 f"blocks {stream.hop.start}:{stream.hop.end} failed {failures} times in one step; "

@@ -15,15 +15,14 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_timing import TokenClock, percentile  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
 
 from client.backend import LocalSpans  # noqa: E402
@@ -36,23 +35,6 @@ from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 CHAINS = {2: ["0:3", "3:6"], 3: ["0:2", "2:4", "4:6"]}
 
 
-class TokenClock(BaseStreamer):
-    """Records when each generated token arrives (the first `put` is the prompt)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-    def intervals(self) -> list[float]:
-        # times[0] is the prompt, times[1] the first token (prefill); decode steps follow
-        return [b - a for a, b in zip(self.times[1:], self.times[2:], strict=False)]
-
-
 def decode_latencies(model: DistributedModelForCausalLM, tokens: int, runs: int) -> list[float]:
     prompt = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
     model.generate(prompt, max_new_tokens=4, do_sample=False)  # warm-up: connections, routing, caches
@@ -62,11 +44,6 @@ def decode_latencies(model: DistributedModelForCausalLM, tokens: int, runs: int)
         model.generate(prompt, max_new_tokens=tokens, do_sample=False, streamer=clock)
         samples.extend(clock.intervals())
     return samples
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ def worker(tree: Path, model_dir: Path, log_dir: Path, tokens: int, out: Path) -
     """Runs inside `tree` (its modules first on sys.path): one swarm, one client, measured."""
     sys.path.insert(0, str(tree))
     import torch
-    from transformers.generation.streamers import BaseStreamer
+    from bench_timing import TokenClock
 
     import server
     from client.model import DistributedModelForCausalLM
@@ -40,16 +40,6 @@ def worker(tree: Path, model_dir: Path, log_dir: Path, tokens: int, out: Path) -
 
     assert Path(server.__file__).resolve().is_relative_to(tree.resolve()), server.__file__
     torch.set_num_threads(1)
-
-    class Clock(BaseStreamer):
-        def __init__(self):
-            self.times: list[float] = []
-
-        def put(self, value) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
 
     prompt = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
     swarm = LocalSwarm(log_dir)
@@ -62,13 +52,13 @@ def worker(tree: Path, model_dir: Path, log_dir: Path, tokens: int, out: Path) -
         started = time.perf_counter()
         model = DistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers)
         try:
-            clock = Clock()
+            clock = TokenClock()
             model.generate(prompt, max_new_tokens=tokens, do_sample=False, streamer=clock)
             startup = clock.times[1] - started  # times[0] is the prompt, times[1] the first token
-            steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:], strict=False)]
-            clock = Clock()
+            steps = clock.intervals()
+            clock = TokenClock()
             model.generate(prompt, max_new_tokens=tokens, do_sample=False, streamer=clock)
-            steps += [b - a for a, b in zip(clock.times[1:], clock.times[2:], strict=False)]
+            steps += clock.intervals()
         finally:
             model.shutdown()
     finally:
@@ -98,11 +88,6 @@ def run_tree(tree: Path, model_dir: Path, scratch: Path, tokens: int, label: str
     return json.loads(out.read_text())
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,6 +106,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
+    from bench_timing import percentile
     from tqdm import tqdm
 
     from swarm.models.tiny import TinyModelSpec, build_tiny_model
@@ -156,7 +142,24 @@ def main() -> None:
         start, p50, p95 = summary[name]
         rows.append(f"| {name} | {start:.2f} | {p50 * 1e3:.2f} | {p95 * 1e3:.2f} |")
     ratio = [summary["trust"][i] / summary["baseline"][i] for i in range(3)]
-    rows.append(f"| trust / baseline | {ratio[0]:.2f}x | {ratio[1]:.2f}x | {ratio[2]:.2f}x |")
+    rows.append(f"| trust / baseline, pooled | {ratio[0]:.2f}x | {ratio[1]:.2f}x | {ratio[2]:.2f}x |")
+    # each round measured both trees back to back: the median of those paired ratios is what load
+    # from elsewhere on the machine disturbs least
+    paired = [
+        (
+            trust["startup"] / base["startup"],
+            statistics.median(trust["steps"]) / statistics.median(base["steps"]),
+            percentile(trust["steps"], 95) / percentile(base["steps"], 95),
+        )
+        for base, trust in zip(results["baseline"], results["trust"], strict=True)
+    ]
+    for round_index, (start, p50, p95) in enumerate(paired):
+        print(f"round {round_index}: start-up {start:.2f}x, per-token p50 {p50:.2f}x, p95 {p95:.2f}x")
+    medians = [statistics.median(values) for values in zip(*paired, strict=True)]
+    rows.append(
+        f"| trust / baseline, median of {len(paired)} paired rounds | {medians[0]:.2f}x | {medians[1]:.2f}x "
+        f"| {medians[2]:.2f}x |"
+    )
     table = "\n".join(
         [
             "| tree | client start-up p50 (s) | per-token p50 (ms) | per-token p95 (ms) |",

@@ -29,6 +29,7 @@ from tests.conftest import NUM_BLOCKS
 HIDDEN = 64
 MAX_LENGTH = 16
 SESSION_TIMEOUT = 3.0
+SESSION_LIFETIME = 8.0  # longer than any session of this test but the one that checks it
 
 
 def raw(metadata: object, tensors: list[torch.Tensor] = ()) -> runtime_pb2.ExpertRequest:
@@ -104,6 +105,8 @@ def hostile_swarm(llama_dir, tmp_path_factory):
             "4",
             "--max-peer-cache-fraction",
             "0.5",  # the default (LocalSwarm lifts it for single-client tests)
+            "--max-session-lifetime",
+            str(SESSION_LIFETIME),
         )
         swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["target"])
         yield swarm
@@ -246,6 +249,22 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         assert b"idle" in reply.metadata
         idle.close()
         covered.append("idle session timeout")
+
+        # a busy session is closed at its lifetime limit all the same
+        busy = RawStream(connection, peer_id)
+        await busy.start()
+        assert (await busy.ask(open_message(max_length=64)))[0]["type"] == "opened"
+        opened_at, position, reply = time.monotonic(), 0, {}
+        while time.monotonic() - opened_at < SESSION_LIFETIME + 10:
+            reply, _ = await busy.ask(step(position, good))
+            if reply["type"] != "step_done":
+                break
+            position += 1
+            await asyncio.sleep(1.0)  # never idle for SESSION_TIMEOUT
+        assert reply.get("code") == "session_expired" and "lifetime" in reply["message"], reply
+        assert time.monotonic() - opened_at >= SESSION_LIFETIME - 1
+        busy.close()
+        covered.append("session lifetime")
 
     async def open_a_thousand() -> list[RawStream]:
         """One peer opens a thousand sessions and keeps them: it gets its per-peer share (64 sessions
