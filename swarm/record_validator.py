@@ -78,7 +78,15 @@ class SwarmRecordValidator(RecordValidatorBase):
 
 class SignatureValidator(RSASignatureValidator):
     """hivemind's signature check, except that a malformed owner key is an invalid record: hivemind's
-    raises on it, which fails the whole request it came in (every other record of it too)."""
+    raises on it, which fails the whole request it came in (every other record of it too). Without a
+    private key it only verifies: readers sign nothing, so they need not spend a key generation."""
+
+    def __init__(self, private_key: RSAPrivateKey | None = None):
+        if private_key is not None:
+            super().__init__(private_key)
+        else:
+            self._private_key = None
+            self._local_public_key = b"\0no local key\0"  # matches no subkey: nothing gets signed
 
     def validate(self, record: DHTRecord) -> bool:
         try:
