@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="route through the scheduler whose records this public key signs (the key text, or the "
         "file swarm-scheduler wrote); without it, route locally",
     )
+    parser.add_argument(
+        "--verify-fraction",
+        type=float,
+        default=0.0,
+        help="also run this fraction of each server's steps (chosen unpredictably; 1 = all) on another "
+        "server holding the same blocks, and ban a server two replicas outvote",
+    )
     add_swarm_secret_argument(parser)
     return parser
 
@@ -79,7 +86,11 @@ def generate(args: argparse.Namespace) -> None:
             args.model_dir, backend, dtype=dtype, device=device
         )
     else:
-        options = ClientOptions(scheduler_key=args.scheduler_key, swarm_secret=swarm_secret_from_args(args))
+        options = ClientOptions(
+            scheduler_key=args.scheduler_key,
+            swarm_secret=swarm_secret_from_args(args),
+            verify_fraction=args.verify_fraction,
+        )
         model = DistributedModelForCausalLM.from_pretrained(
             args.model_dir,
             args.initial_peers,

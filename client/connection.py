@@ -56,11 +56,19 @@ class ClientOptions:
     scheduler_distrust: float = 60.0  # after the scheduler said something impossible, ignore it this long
     swarm_secret: SwarmSecret | None = None  # closed swarms: the secret every peer holds
     max_refusals: int = 3  # "no cache room" answers a server announcing room may give before a ban
+    # replica verification: this fraction of each hop's steps (drawn unpredictably) also runs on another
+    # server holding the same blocks; a third decides a disagreement and the liar is banned for liar_ban
+    verify_fraction: float = 0.0
+    liar_ban: float = 3600.0
 
     def __post_init__(self) -> None:
         for name in ("refresh_period", "rtt_ttl", "failed_ping_ttl", "ping_timeout", "request_timeout"):
             if not getattr(self, name) > 0:
                 raise SwarmUserError(f"ClientOptions.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise SwarmUserError(
+                f"ClientOptions.verify_fraction must be in [0, 1], got {self.verify_fraction}"
+            )
         if self.max_failovers < 0 or self.max_refusals < 1:
             raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
         if self.scheduler_key is not None:
@@ -134,6 +142,8 @@ class SwarmConnection:
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
         self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
+        self.caught: dict[str, int] = {}  # peer -> steps where replicas outvoted it (wrong outputs)
+        self.verified_steps = 0  # steps a replica confirmed
         options = self.options
         self.scheduler = (
             SchedulerLink(
@@ -157,6 +167,11 @@ class SwarmConnection:
         if refresh or time.monotonic() - self._fetched_at > self.options.refresh_period:
             self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits)
             self._fetched_at = time.monotonic()
+        return self._servers
+
+    @property
+    def known_servers(self) -> dict[str, ServerInfo]:
+        """The server records of the last read (no DHT access)."""
         return self._servers
 
     def stub(self, peer_id: str):
@@ -194,6 +209,13 @@ class SwarmConnection:
         self._bans[peer_id] = (failures, time.monotonic() + duration)
         self._rtts.pop(peer_id, None)
         return duration
+
+    def ban_liar(self, peer_id: str) -> None:
+        """A server outvoted by two replicas: avoided for `liar_ban` seconds, and counted."""
+        self.caught[peer_id] = self.caught.get(peer_id, 0) + 1
+        failures = self._bans.get(peer_id, (0, 0.0))[0] + 1
+        self._bans[peer_id] = (failures, time.monotonic() + self.options.liar_ban)
+        self._rtts.pop(peer_id, None)
 
     def is_banned(self, peer_id: str) -> bool:
         ban = self._bans.get(peer_id)

@@ -22,6 +22,7 @@ import torch
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
 from client.routing import RouteHop, SessionShape, chain_problem
 from client.stream import ServerStream
+from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
 from swarm.wire import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,10 @@ class RemoteBlockSession:
         self.later_step_seconds: list[float] = []  # for TPOT, reported to the scheduler at the end
         self.admission: Admission | None = None
         self._keep_alive: asyncio.Future | None = None
+        self.verify_plan = VerifyPlan(connection.options.verify_fraction)
+        self.verifiers: dict[tuple[int, int], ServerStream] = {}  # a replica per hop's blocks, once needed
+        self.steps_done = 0
+        self.caught_at_step: int | None = None  # the first step at which a replica outvoted a server
         self.streams: list[ServerStream] = run_sync(self._open_chain(0, connection.num_blocks))
 
     async def _open_chain(self, start: int, end: int) -> list[ServerStream]:
@@ -194,6 +199,7 @@ class RemoteBlockSession:
         hidden = hidden.cpu()
         padding_mask = padding_mask.cpu() if padding_mask is not None else None
         output = run_sync(self._step(hidden, position, padding_mask)).to(device)
+        self.steps_done += 1
         if self.first_step_done_at is None:
             self.first_step_done_at = time.monotonic()
         else:
@@ -209,7 +215,10 @@ class RemoteBlockSession:
         while index < len(self.streams):
             stream = self.streams[index]
             try:
-                output = await stream.step(hidden, position, padding_mask, timeout)
+                if self.verify_plan.verify_now():
+                    output = await self._verified_step(index, hidden, position, padding_mask, timeout)
+                else:
+                    output = await stream.step(hidden, position, padding_mask, timeout)
             except RemoteError as error:
                 if error.code in FATAL_CODES:
                     raise  # replaying it elsewhere would fail the same way
@@ -223,6 +232,142 @@ class RemoteBlockSession:
             hidden = output
             index += 1
         return hidden
+
+    # --- replica verification ------------------------------------------------------------------------
+    async def _verified_step(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        timeout: float,
+    ) -> torch.Tensor:
+        """The step on the chain's server and, in parallel, on a replica holding the same blocks (its
+        cache caught up from this hop's history); a disagreement goes to a third server."""
+        stream = self.streams[index]
+        history = list(stream.history)  # what the replicas must have seen before this step
+        verifier = await self._replica(stream, self.verifiers.get((stream.hop.start, stream.hop.end)))
+        if verifier is None:
+            return await stream.step(hidden, position, padding_mask, timeout)
+        self.verifiers[(stream.hop.start, stream.hop.end)] = verifier
+        checking = asyncio.ensure_future(
+            _replay_then_step(verifier, history, hidden, position, padding_mask, timeout)
+        )
+        try:
+            output = await stream.step(hidden, position, padding_mask, timeout)
+        except BaseException:
+            checking.cancel()
+            raise  # the chain's server failed: ordinary failover
+        try:
+            checked = await checking
+        except Exception as error:  # the replica failed: no verdict this time, and a new replica next time
+            self._drop_verifier(verifier, error)
+            return output
+        tol = self._tolerance(stream.hop.peer_id, verifier.hop.peer_id)
+        if agree(output, checked, tol):
+            self.connection.verified_steps += 1
+            return output
+        return await self._arbitrate(
+            index, verifier, history, output, checked, hidden, position, padding_mask, tol
+        )
+
+    async def _arbitrate(
+        self,
+        index: int,
+        verifier: ServerStream,
+        history: list,
+        output: torch.Tensor,
+        checked: torch.Tensor,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        tol: float,
+    ) -> torch.Tensor:
+        """Two replicas disagree: a third server holding the blocks decides; the outvoted one is banned
+        for long and the step continues with the majority's output."""
+        stream, timeout = self.streams[index], self.connection.options.request_timeout
+        primary, second = stream.hop.peer_id, verifier.hop.peer_id
+        difference = relative_difference(output, checked)
+        blocks = f"{stream.hop.start}:{stream.hop.end}"
+        arbiter = await self._replica(stream, None, exclude={primary, second})
+        if arbiter is None:
+            raise SwarmUnavailable(
+                f"servers {primary} and {second} disagree on blocks {blocks} (relative difference "
+                f"{difference:.3g}, tolerance {tol:.3g}) and no third server holds them to decide"
+            )
+        third = await _replay_then_step(arbiter, history, hidden, position, padding_mask, timeout)
+        tol = max(tol, self._tolerance(arbiter.hop.peer_id))
+        verdict = decide({primary: output, second: checked, arbiter.hop.peer_id: third}, tol)
+        if verdict.liar is None:
+            arbiter.close()
+            raise SwarmUnavailable(
+                f"servers {primary}, {second} and {arbiter.hop.peer_id} all disagree on blocks {blocks}"
+            )
+        self.connection.ban_liar(verdict.liar)
+        if self.caught_at_step is None:
+            self.caught_at_step = self.steps_done + 1
+        logger.warning(
+            "server %s returned wrong outputs for blocks %s (relative difference %.3g, tolerance %.3g; two "
+            "replicas agree): banned for %.0f s",
+            verdict.liar,
+            blocks,
+            difference,
+            tol,
+            self.connection.options.liar_ban,
+        )
+        key = (stream.hop.start, stream.hop.end)
+        if verdict.liar == primary:  # the replica takes its place: it has every input of this hop
+            stream.close()
+            self.streams[index], self.verifiers[key] = verifier, arbiter
+            return checked
+        if verdict.liar == second:
+            verifier.close()
+            self.verifiers[key] = arbiter
+            return output
+        arbiter.close()  # the arbiter itself was outvoted (its own cache is suspect)
+        return output
+
+    async def _replica(
+        self, stream: ServerStream, current: ServerStream | None, exclude: set[str] = frozenset()
+    ) -> ServerStream | None:
+        """A server other than the chain's holding the stream's blocks, with an open stream (the
+        current replica while it is healthy); None when there is none."""
+        if current is not None and current.healthy and not self.connection.is_banned(current.hop.peer_id):
+            return current
+        start, end = stream.hop.start, stream.hop.end
+        skip = {stream.hop.peer_id, *exclude}
+        candidates = sorted(
+            (c for c in await self.connection.candidates() if c.peer_id not in skip),
+            key=lambda candidate: candidate.rtt,
+        )
+        for candidate in candidates:
+            info = candidate.info
+            if not (info.has_blocks and info.start <= start and end <= info.end):
+                continue
+            replica = ServerStream(RouteHop(candidate.peer_id, start, end), uuid.uuid4().hex, self.shape)
+            try:
+                await replica.open(self.connection)
+                return replica
+            except Exception as error:
+                replica.close()
+                if isinstance(error, RemoteError) and error.code in FATAL_CODES:
+                    raise
+                logger.info(
+                    "replica %s for blocks %d:%d unavailable: %s", candidate.peer_id[-8:], start, end, error
+                )
+        logger.info(
+            "no replica holds blocks %d:%d besides %s: step not verified", start, end, stream.hop.peer_id[-8:]
+        )
+        return None
+
+    def _drop_verifier(self, verifier: ServerStream, error: BaseException) -> None:
+        verifier.close()
+        self.verifiers.pop((verifier.hop.start, verifier.hop.end), None)
+        self._blame(verifier.hop.peer_id, error)
+
+    def _tolerance(self, *peers: str) -> float:
+        servers = self.connection.known_servers
+        return tolerance(servers[peer].dtype if peer in servers else "" for peer in peers)
 
     def _count_failure(self, failures: int, stream: ServerStream, error: BaseException) -> int:
         failures += 1
@@ -283,7 +428,8 @@ class RemoteBlockSession:
             return replacement
 
     def close(self) -> None:
-        streams, self.streams = self.streams, []
+        streams, self.streams = self.streams + list(self.verifiers.values()), []
+        self.verifiers = {}
         if streams or self._keep_alive is not None:
             run_sync(self._close(streams))
 
@@ -324,3 +470,20 @@ def _failed_peer(streams: list[ServerStream]) -> str:
 def _plausible(reply) -> bool:
     """The numbers of a scheduler's route reply that the client acts on are usable."""
     return math.isfinite(reply.expected_wait) and reply.expected_wait >= 0 and 1.0 <= reply.lease <= 86400.0
+
+
+async def _replay_then_step(
+    replica: ServerStream,
+    history: list,
+    hidden: torch.Tensor,
+    position: int,
+    padding_mask: torch.Tensor | None,
+    timeout: float,
+) -> torch.Tensor:
+    """Bring a replica's cache up to `position` with the inputs it has not seen (one prefill: close
+    enough for verification's tolerance, and exact when it has seen every step), then run the step."""
+    missing = [sent for sent in history if sent.position >= replica.position]
+    if missing:
+        inputs = torch.cat([sent.hidden for sent in missing], dim=1)
+        await replica.step(inputs, replica.position, missing[-1].padding_mask, timeout)
+    return await replica.step(hidden, position, padding_mask, timeout)

@@ -86,11 +86,20 @@ class ServerStream:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
         self._queue.put_nowait(encode(Step(step_id=step_id, position=position), tensors))
         reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
-        if reply.step_id != step_id or len(outputs) != 1 or outputs[0].shape != hidden.shape:
+        problem = output_problem(reply.step_id, step_id, outputs, hidden)
+        if problem is not None:  # this server's fault: blamed here, never the next server it would reach
             self.healthy = False
-            raise StreamFailure(self.hop.peer_id, "the server answered with the wrong step or shape")
+            raise StreamFailure(self.hop.peer_id, f"the server answered {problem}")
         self.history.append(_SentStep(position, hidden, padding_mask))
         return outputs[0]
+
+    @property
+    def position(self) -> int:
+        """Positions this server has processed for the session (its cache length)."""
+        if not self.history:
+            return 0
+        last = self.history[-1]
+        return last.position + last.hidden.shape[1]
 
     async def _receive(self, timeout: float, expected: type, with_tensors: bool = False):
         try:
@@ -130,3 +139,19 @@ class ServerStream:
 async def _drain(responses) -> None:
     async for _ in responses:
         pass
+
+
+def output_problem(
+    step_id: str, expected_id: str, outputs: list[torch.Tensor], sent: torch.Tensor
+) -> str | None:
+    """What is wrong with a server's answer to a step (None: nothing we can see without a replica)."""
+    if step_id != expected_id:
+        return f"step {step_id!r} to step {expected_id!r}"
+    if len(outputs) != 1:
+        return f"{len(outputs)} tensors instead of 1"
+    output = outputs[0]
+    if output.shape != sent.shape or output.dtype != sent.dtype:
+        return f"a {output.dtype} tensor of shape {tuple(output.shape)} to a {sent.dtype} {tuple(sent.shape)}"
+    if not bool(torch.isfinite(output).all()):
+        return "hidden states with NaN or infinity"
+    return None

@@ -127,6 +127,7 @@ class SwarmServer(ManagedSpan):
             end=self.end_block,
             managed=config.managed,
             public_name=config.public_name,
+            dtype=config.quant if config.quant != "none" else config.dtype,
             version=PACKAGE_VERSION,
             memory_bytes=config.memory_bytes,
             block_bytes=self.block_bytes,

@@ -85,13 +85,20 @@ class LocalSwarm:
         return self.initial_peers
 
     def start_server(
-        self, name: str, model_dir: Path, blocks: str | None, memory: str = "1GB", *extra: str
+        self,
+        name: str,
+        model_dir: Path,
+        blocks: str | None,
+        memory: str = "1GB",
+        *extra: str,
+        module: tuple[str, ...] = ("server.cli",),
     ) -> subprocess.Popen:
-        """A server of `blocks` ("0:3"), or managed by the scheduler when `blocks` is None."""
+        """A server of `blocks` ("0:3"), or managed by the scheduler when `blocks` is None. `module`:
+        what runs it (a test helper that wraps `server.cli`, with its own arguments first)."""
         argv = [
             PYTHON,
             "-m",
-            "server.cli",
+            *module,
             str(model_dir),
             "--initial-peers",
             *self.initial_peers,

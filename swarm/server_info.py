@@ -42,6 +42,9 @@ class ServerInfo(BaseModel):
     # DHT time of the announcement: the newest record of a peer wins
     announced_at: float = Field(default=0.0, ge=0, le=1e12)
     public_name: str = Field(default="", max_length=128)
+    # what the blocks compute in ("float32", "bfloat16", ...; "int8"/"nf4" when quantized): how far
+    # its outputs may honestly differ from another server's (replica verification's tolerance)
+    dtype: str = Field(default="", max_length=16)
     version: str = Field(default="", max_length=64)
     memory_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)  # M_j: the whole budget, blocks included
     block_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)  # s_m

@@ -1,0 +1,122 @@
+"""How much honest servers disagree: the calibration of replica verification's tolerance (issue 18).
+
+    .venv/bin/python scripts/calibrate_verification.py [--layers 3] [--tokens 32] [--write]
+
+For a tiny LLaMA-GQA and BLOOM (hidden 64) and a wider LLaMA (hidden 512), the same inputs go
+through the same blocks as different honest servers would compute them, and the relative
+difference `|a - b| / max(|a|, |b|)` of the outputs is taken per decode step (max over steps):
+- float32 step by step vs float32 with the history replayed as one prefill (a verifier catching up);
+- float32 unbatched vs batched with three other sessions (`forward_batch`);
+- float32 vs bfloat16 and float16 blocks (servers of other dtypes); on CPU here (CUDA where lent).
+The tolerance of `client.verification.TOLERANCE` must sit well above these, and well below what a
+liar changes (the test liar adds noise of half the output's norm: relative difference ~0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from client.verification import TOLERANCE, relative_difference  # noqa: E402
+from swarm.models import load_span  # noqa: E402
+from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+
+SHAPES = {
+    "llama h64": TinyModelSpec(family="llama", num_layers=3, num_kv_heads=2),
+    "bloom h64": TinyModelSpec(family="bloom", num_layers=3),
+    "llama h512": TinyModelSpec(family="llama", num_layers=3, hidden_size=512, num_heads=8, num_kv_heads=4),
+}
+
+
+def decode(span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    cache = span.new_cache(1, prompt.shape[1] + len(steps))
+    outputs = [span(prompt, cache, 0)[:, -1:].float()]
+    for index, step in enumerate(steps):
+        outputs.append(span(step, cache, prompt.shape[1] + index).float())
+    return outputs
+
+
+def measure(model_dir: Path, tokens: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    reference = load_span(model_dir, 0, 3, dtype="float32")[0]
+    width = reference.hidden_size
+    prompt = torch.randn(1, 8, width)
+    steps = [torch.randn(1, 1, width) for _ in range(tokens)]
+    base = decode(reference, prompt, steps)
+    results = {}
+    # a verifier that caught up with one prefill of the history, then computes the last step
+    cache = reference.new_cache(1, prompt.shape[1] + tokens)
+    history = torch.cat([prompt, *steps[:-1]], dim=1)
+    reference(history, cache, 0)
+    caught_up = reference(steps[-1], cache, history.shape[1]).float()
+    results["prefill catch-up"] = relative_difference(caught_up, base[-1])
+    # the same step batched with three other sessions
+    others = [reference.new_cache(1, 64) for _ in range(3)]
+    for other in others:
+        reference(torch.randn(1, 5, width), other, 0)
+    cache = reference.new_cache(1, prompt.shape[1] + tokens)
+    reference(history, cache, 0)
+    batch = [(steps[-1], cache, history.shape[1], None)]
+    batch += [(torch.randn(1, 1, width), other, 5, None) for other in others]
+    results["batched"] = relative_difference(reference.forward_batch(batch)[0].float(), caught_up)
+    for dtype in ("bfloat16", "float16"):
+        span = load_span(model_dir, 0, 3, dtype=dtype)[0]
+        outputs = decode(span, prompt, steps)
+        results[dtype] = max(relative_difference(a, b) for a, b in zip(outputs, base, strict=True))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, spec in SHAPES.items():
+            model_dir = Path(scratch) / name.replace(" ", "-")
+            build_tiny_model(model_dir, spec)
+            results = measure(model_dir, args.tokens)
+            rows.append(
+                f"| {name} | {results['prefill catch-up']:.1e} | {results['batched']:.1e} | "
+                f"{results['bfloat16']:.1e} | {results['float16']:.1e} |"
+            )
+    table = "\n".join(
+        [
+            "| blocks (3) | float32: prefill catch-up | float32: batched | bfloat16 vs float32 "
+            "| float16 vs float32 |",
+            "|---|---|---|---|---|",
+            *rows,
+            f"| tolerance used | {TOLERANCE['float32']:.0e} | {TOLERANCE['float32']:.0e} | "
+            f"{TOLERANCE['bfloat16']:.0e} | {TOLERANCE['float16']:.0e} |",
+        ]
+    )
+    print(table)
+    if args.write:
+        from benchmarks_md import write_section
+
+        header = "## Replica verification: how much honest servers disagree (issue 18)"
+        command = f".venv/bin/python scripts/calibrate_verification.py --tokens {args.tokens} --write"
+        body = (
+            f"{header}\n\nCommand: `{command}`\n\nThe largest relative difference "
+            f"`|a - b| / max(|a|, |b|)` of 3 blocks' outputs over {args.tokens} decode steps between two "
+            "honest ways of computing them, on this machine's CPU. A verified step passes when the "
+            "difference is within the tolerance of the coarser dtype of the two servers "
+            "(`client/verification.py`); the test liar's noise is 0.5.\n\n"
+            f"{table}\n"
+        )
+        write_section(header, body)
+
+
+if __name__ == "__main__":
+    main()

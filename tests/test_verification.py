@@ -1,0 +1,106 @@
+"""Verified outputs (issue 18): a server returning wrong hidden states is caught and banned.
+
+The liars are real servers started through `tests/lying_server.py` (a test-only wrapper): one adds
+noise of half the output's norm, one returns NaN; both announce themselves as the fastest servers of
+their blocks, so routing picks them first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import AutoDistributedModelForCausalLM, ClientOptions
+from swarm.dht_keys import default_prefix
+from swarm.local_swarm import LocalSwarm
+from tests.conftest import NUM_BLOCKS
+
+PROMPT = torch.tensor([[5, 17, 99, 200]])
+HONEST_DELAY = ("--compute-delay", "0.004")  # honest servers announce themselves slower than the liars
+
+
+@pytest.fixture(scope="module")
+def lying_swarm(llama_dir, tmp_path_factory):
+    swarm = LocalSwarm(tmp_path_factory.mktemp("verify"))
+    try:
+        swarm.start_dht()
+        swarm.start_server("liar", llama_dir, "0:3", module=("tests.lying_server", "noise"))
+        swarm.start_server("nan", llama_dir, "3:6", module=("tests.lying_server", "nan"))
+        for name, blocks in (("h1", "0:3"), ("h2", "0:3"), ("b1", "3:6"), ("b2", "3:6")):
+            swarm.start_server(name, llama_dir, blocks, "1GB", *HONEST_DELAY)
+        names = ["liar", "nan", "h1", "h2", "b1", "b2"]
+        online = swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, names)
+        assert online["liar"].tau < online["h1"].tau and online["nan"].tau < online["b1"].tau
+        peers = {
+            info.public_name: peer
+            for peer, info in swarm.servers(default_prefix(str(llama_dir)), NUM_BLOCKS).items()
+        }
+        yield swarm, peers
+    finally:
+        assert not swarm.close()
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+
+
+def test_verifying_every_step_gives_exact_outputs_and_bans_the_liars(lying_swarm, llama_dir, reference):
+    swarm, peers = lying_swarm
+    client = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=ClientOptions(verify_fraction=1.0)
+    )
+    try:
+        connection = client.backend.connection
+        for prompt in (PROMPT, torch.tensor([[7, 8, 9]]), torch.tensor([[300, 2, 41, 41, 5]])):
+            expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
+            assert torch.equal(client.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+        assert set(connection.caught) == {peers["liar"]}  # outvoted by two replicas
+        assert connection.is_banned(peers["liar"]) and connection.is_banned(
+            peers["nan"]
+        )  # NaN: blamed itself
+        assert connection.verified_steps > 0
+    finally:
+        client.shutdown()
+
+
+def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir):
+    """Each step of the liar's hop is verified with probability 0.1: caught after 10 steps on average
+    (geometric). Measured over several clients; the step of the catch is printed for the notes."""
+    swarm, peers = lying_swarm
+    caught_at = []
+    for _ in range(4):
+        client = AutoDistributedModelForCausalLM.from_pretrained(
+            llama_dir, swarm.initial_peers, options=ClientOptions(verify_fraction=0.1)
+        )
+        try:
+            with client.inference_session(max_length=PROMPT.shape[1] + 80) as session:
+                client.generate(PROMPT, max_new_tokens=80, do_sample=False, session=session)
+                caught_at.append(session.blocks.caught_at_step)
+            assert peers["liar"] in client.backend.connection.caught
+        finally:
+            client.shutdown()
+    print(f"liar caught at steps {caught_at} with verify_fraction 0.1 (expected 10 on average)")
+    assert all(step is not None and step <= 80 for step in caught_at), caught_at
+
+
+def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tmp_path):
+    swarm = LocalSwarm(tmp_path)
+    try:
+        swarm.start_dht()
+        swarm.start_server("f32", llama_dir, f"0:{NUM_BLOCKS}")
+        swarm.start_server("bf16", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--dtype", "bfloat16")
+        swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["f32", "bf16"])
+        client = AutoDistributedModelForCausalLM.from_pretrained(
+            llama_dir, swarm.initial_peers, options=ClientOptions(verify_fraction=1.0)
+        )
+        try:
+            for prompt in (PROMPT, torch.tensor([[7, 8, 9]])):
+                client.generate(prompt, max_new_tokens=24, do_sample=False)
+            connection = client.backend.connection
+            assert connection.caught == {} and connection.verified_steps >= 2 * 24
+        finally:
+            client.shutdown()
+    finally:
+        assert not swarm.close()
