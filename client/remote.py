@@ -257,6 +257,7 @@ class RemoteBlockSession:
             output = await stream.step(hidden, position, padding_mask, timeout)
         except BaseException:
             checking.cancel()
+            self._drop_verifier(verifier)  # cut off mid-step: its stream is of no use any more
             raise  # the chain's server failed: ordinary failover
         try:
             checked = await checking
@@ -360,10 +361,11 @@ class RemoteBlockSession:
         )
         return None
 
-    def _drop_verifier(self, verifier: ServerStream, error: BaseException) -> None:
+    def _drop_verifier(self, verifier: ServerStream, error: BaseException | None = None) -> None:
         verifier.close()
         self.verifiers.pop((verifier.hop.start, verifier.hop.end), None)
-        self._blame(verifier.hop.peer_id, error)
+        if error is not None:
+            self._blame(verifier.hop.peer_id, error)
 
     def _tolerance(self, *peers: str) -> float:
         servers = self.connection.known_servers
@@ -386,7 +388,12 @@ class RemoteBlockSession:
         return failures
 
     def _blame(self, peer_id: str, error: BaseException) -> None:
-        if peer_id:
+        if peer_id and getattr(error, "wrong_output", False):
+            self.connection.ban_liar(peer_id)
+            logger.warning(
+                "server %s %s: banned for %.0f s", peer_id[-8:], error, self.connection.options.liar_ban
+            )
+        elif peer_id:
             duration = self.connection.ban(peer_id)
             logger.warning(
                 "server %s failed (%s); avoiding it for %.0f s",

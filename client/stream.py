@@ -24,11 +24,12 @@ from swarm.wire import (
 
 
 class StreamFailure(Exception):
-    """The connection to a server broke, timed out or carried garbage."""
+    """The connection to a server broke, timed out or carried garbage. `wrong_output`: the server
+    answered, but with something no honest server sends (NaN, a wrong shape): its fault for sure."""
 
-    def __init__(self, peer: str, cause: object):
+    def __init__(self, peer: str, cause: object, wrong_output: bool = False):
         super().__init__(f"{peer[-8:]}: {cause or type(cause).__name__}")
-        self.peer = peer
+        self.peer, self.wrong_output = peer, wrong_output
 
 
 @dataclass
@@ -89,7 +90,7 @@ class ServerStream:
         problem = output_problem(reply.step_id, step_id, outputs, hidden)
         if problem is not None:  # this server's fault: blamed here, never the next server it would reach
             self.healthy = False
-            raise StreamFailure(self.hop.peer_id, f"the server answered {problem}")
+            raise StreamFailure(self.hop.peer_id, f"the server answered {problem}", wrong_output=True)
         self.history.append(_SentStep(position, hidden, padding_mask))
         return outputs[0]
 
