@@ -225,6 +225,8 @@ class RemoteBlockSession:
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)
                 continue
+            except SwarmUnavailable:
+                raise  # e.g. two replicas disagree and none can decide: failing over would hide it
             except Exception as error:  # the connection broke or timed out
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
+from client.connection import SwarmUnavailable
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm
 from tests.conftest import NUM_BLOCKS
@@ -87,6 +88,7 @@ def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir)
 
 
 def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tmp_path):
+    """...and when only two servers hold the blocks and they disagree, the step fails naming both."""
     swarm = LocalSwarm(tmp_path)
     try:
         swarm.start_dht()
@@ -101,6 +103,21 @@ def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tm
                 client.generate(prompt, max_new_tokens=24, do_sample=False)
             connection = client.backend.connection
             assert connection.caught == {} and connection.verified_steps >= 2 * 24
+        finally:
+            client.shutdown()
+
+        swarm.stop("bf16")
+        swarm.start_server("liar", llama_dir, f"0:{NUM_BLOCKS}", module=("tests.lying_server", "noise"))
+        swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["f32", "liar"])
+        client = AutoDistributedModelForCausalLM.from_pretrained(
+            llama_dir, swarm.initial_peers, options=ClientOptions(verify_fraction=1.0)
+        )
+        try:
+            with pytest.raises(SwarmUnavailable, match="disagree on blocks 0:6") as failure:
+                client.generate(PROMPT, max_new_tokens=4, do_sample=False)
+            servers = swarm.servers(default_prefix(str(llama_dir)), NUM_BLOCKS)
+            named = {servers[peer].public_name for peer in servers if peer in str(failure.value)}
+            assert named == {"f32", "liar"}, failure.value
         finally:
             client.shutdown()
     finally:
