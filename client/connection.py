@@ -7,6 +7,8 @@ All network work runs as coroutines on hivemind's background event loop (`Remote
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import logging
 import math
 import time
@@ -135,6 +137,8 @@ class SwarmConnection:
         self.client_id = uuid.uuid4().hex  # how the scheduler tells this client's RTT reports apart
         self.options = options or ClientOptions()
         self.dht = start_client_dht(initial_peers, self.options.swarm_secret)
+        self._closed = False
+        atexit.register(self._shutdown_at_exit)
         self.p2p = run_sync(self.dht.replicate_p2p())
         self.peer_id = self.dht.peer_id.to_base58()
         self._servers: dict[str, ServerInfo] = {}
@@ -285,12 +289,22 @@ class SwarmConnection:
             refresh = True
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._shutdown_at_exit)
         try:
             if self.scheduler is not None:
                 run_sync(self.scheduler.close())
             run_sync(self.p2p.shutdown())
         finally:
             self.dht.shutdown()
+
+    def _shutdown_at_exit(self) -> None:
+        """A script that never called `shutdown()` still leaves quietly: at exit, while the event loops
+        still run (later, hivemind's finalizers would print tracebacks about missing loops)."""
+        with contextlib.suppress(Exception):
+            self.shutdown()
 
 
 def _ranges(blocks: list[int]) -> str:

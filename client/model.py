@@ -86,10 +86,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @contextlib.contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
-        """A session that several `generate(..., session=s)` calls continue, reusing server caches."""
+        """A session that several `generate()` calls continue, reusing server caches: inside the `with`
+        block it is this thread's active session (PETALS' semantics: `generate(None, ...)` continues it),
+        or pass it explicitly as `generate(..., session=s)`."""
         session = self.open_session(max_length, batch_size)
         try:
-            yield session
+            with self._use_session(session):
+                yield session
         finally:
             session.close()
 
@@ -110,8 +113,23 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(
         self, input_ids: torch.Tensor | None = None, session: InferenceSession | None = None, **kwargs
     ):
-        if input_ids is None:
-            raise ValueError("generate() needs input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        if input_ids is None and embeds is not None:  # a prompt given as embeddings (returns new tokens)
+            input_ids = torch.empty(embeds.shape[0], 0, dtype=torch.long, device=embeds.device)
+            if session is None and self._active_session is None:
+                length = embeds.shape[1] + (kwargs.get("max_new_tokens") or self.generation_config.max_length)
+                with self.inference_session(max_length=length, batch_size=embeds.shape[0]):
+                    return super().generate(**kwargs)
+            with self._use_session(session or self._active_session):
+                return super().generate(**kwargs)
+        if input_ids is None:  # PETALS' form: continue the active session where generate() left it
+            continued = session or self._active_session
+            if continued is None or continued.last_output_ids is None:
+                raise ValueError(
+                    "generate(None) continues an inference session that generate() already produced "
+                    "tokens in; otherwise pass input_ids"
+                )
+            input_ids = continued.last_output_ids
         if session is None and self._active_session is None:
             # a one-off generation: size the session for the prompt plus every token it may add
             max_new = kwargs.get("max_new_tokens")
@@ -121,29 +139,56 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0]) as own:
                 with self._use_session(own):
                     return super().generate(input_ids, **kwargs)
-        with self._use_session(session or self._active_session):
-            return super().generate(input_ids, **kwargs)
+        active = session or self._active_session
+        with self._use_session(active):
+            output = super().generate(input_ids, **kwargs)
+        if isinstance(output, torch.Tensor):
+            active.last_output_ids = output  # what generate(None) continues from
+        return output
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> dict:
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, attention_mask=None, inputs_embeds=None, **kwargs
+    ) -> dict:
+        session = self._active_session
+        if inputs_embeds is not None and (session is None or session.position == 0):
+            return {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}  # the prompt, once
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
+    def get_input_embeddings(self) -> torch.nn.Module:
+        """The token embedding table (what `inputs_embeds` are looked up in, as in transformers)."""
+        return self.client_parts.token_embedding
+
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits for the tokens of `input_ids` that the session has not processed yet."""
+        """Logits for the tokens of `input_ids` that the session has not processed yet, or for a prompt
+        given as `inputs_embeds` (token embeddings, as `get_input_embeddings()` makes them)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("forward() takes exactly one of input_ids and inputs_embeds")
+        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         session = self._active_session
         if session is None:
-            total = input_ids.shape[1]
-            with self.inference_session(max_length=total, batch_size=input_ids.shape[0]) as session:
-                return self._forward_in(session, input_ids, attention_mask)
-        return self._forward_in(session, input_ids, attention_mask)
+            with self.inference_session(max_length=length, batch_size=batch) as session:
+                return self._forward_in(session, input_ids, attention_mask, inputs_embeds)
+        return self._forward_in(session, input_ids, attention_mask, inputs_embeds)
 
     def _forward_in(
-        self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        session: InferenceSession,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutputWithPast:
-        new_ids = session.unprocessed(input_ids)
-        hidden = self.client_parts.embed_tokens(new_ids)
-        hidden = session.step(new_ids, hidden, attention_mask)
+        if inputs_embeds is not None:
+            hidden = session.step_embeddings(self.client_parts.from_embeddings(inputs_embeds), attention_mask)
+        else:
+            new_ids = session.unprocessed(input_ids)
+            hidden = self.client_parts.embed_tokens(new_ids)
+            hidden = session.step(new_ids, hidden, attention_mask)
         return CausalLMOutputWithPast(logits=self.client_parts.logits(hidden).float())
 
 

@@ -21,12 +21,16 @@ class InferenceSession:
         self.batch_size = batch_size
         self.max_length = max_length
         self.token_ids = torch.empty(batch_size, 0, dtype=torch.long)  # tokens processed so far
+        self.prefix_length = 0  # positions given as embeddings first (`inputs_embeds`): no token ids
         self.padding_mask: torch.Tensor | None = None  # [batch, position], only once padding appears
+        # the sequences the last generate() in this session returned: its last token is not processed
+        # yet, and generate(None) continues from there
+        self.last_output_ids: torch.Tensor | None = None
         self.closed = False
 
     @property
     def position(self) -> int:
-        return self.token_ids.shape[1]
+        return self.prefix_length + self.token_ids.shape[1]
 
     def unprocessed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The suffix of `input_ids` that the blocks have not processed yet."""
@@ -35,31 +39,51 @@ class InferenceSession:
                 f"this session was opened for batch size {self.batch_size}, "
                 f"got input of batch size {input_ids.shape[0]}"
             )
-        if input_ids.shape[1] < self.position or not torch.equal(
-            input_ids[:, : self.position].cpu(), self.token_ids
-        ):
+        known = self.token_ids.shape[1]  # after an embedded prefix, input_ids hold what follows it
+        if input_ids.shape[1] < known or not torch.equal(input_ids[:, :known].cpu(), self.token_ids):
             raise SwarmUserError(
                 "input_ids must start with the tokens this inference session has already processed "
-                f"({self.position} tokens); pass the previous output followed by the new tokens"
+                f"({known} tokens); pass the previous output followed by the new tokens"
             )
-        return input_ids[:, self.position :]
+        return input_ids[:, known:]
+
+    def step_embeddings(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run a prompt given as embeddings (the first block's input) through every block: only at the
+        start of a session, before any token ids (the positions it takes have no ids to check)."""
+        if self.token_ids.shape[1]:
+            raise SwarmUserError("inputs_embeds can only start an inference session, before any input_ids")
+        if hidden.shape[0] != self.batch_size:
+            raise SwarmUserError(
+                f"this session was opened for batch size {self.batch_size}, got embeddings of batch size "
+                f"{hidden.shape[0]}"
+            )
+        num_new = hidden.shape[1]
+        self._check_room(num_new)
+        padding_mask = self._padding_mask(attention_mask, num_new)
+        output = self.blocks.step(hidden, self.position, padding_mask)
+        self.prefix_length += num_new
+        self.padding_mask = padding_mask
+        return output
 
     def step(
         self, new_ids: torch.Tensor, hidden: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         """Run `hidden` (the embeddings of `new_ids`) through every block; record the tokens."""
-        if self.closed:
-            raise SwarmUserError("this inference session is closed")
-        if self.position + new_ids.shape[1] > self.max_length:
-            raise SwarmUserError(
-                f"the session's max_length {self.max_length} is exceeded: {self.position} tokens processed, "
-                f"{new_ids.shape[1]} more requested; open the session with a larger max_length"
-            )
+        self._check_room(new_ids.shape[1])
         padding_mask = self._padding_mask(attention_mask, new_ids.shape[1])
         output = self.blocks.step(hidden, self.position, padding_mask)
         self.token_ids = torch.cat([self.token_ids, new_ids.cpu()], dim=1)
         self.padding_mask = padding_mask
         return output
+
+    def _check_room(self, num_new: int) -> None:
+        if self.closed:
+            raise SwarmUserError("this inference session is closed")
+        if self.position + num_new > self.max_length:
+            raise SwarmUserError(
+                f"the session's max_length {self.max_length} is exceeded: {self.position} tokens processed, "
+                f"{num_new} more requested; open the session with a larger max_length"
+            )
 
     def _padding_mask(self, attention_mask: torch.Tensor | None, num_new: int) -> torch.Tensor | None:
         """The full `[batch, position + new]` mask, or None while no sequence has padding (the fast path)."""

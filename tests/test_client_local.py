@@ -49,6 +49,37 @@ def test_session_reused_across_generate_calls(model_dir, models):
     assert torch.equal(second, reference.generate(follow_up, max_new_tokens=6, do_sample=False))
 
 
+def test_generate_none_continues_the_active_session(models):
+    """PETALS' form: inside `with model.inference_session(...)`, generate(None) goes on where the last
+    generate() stopped, and equals one call that generates all the tokens."""
+    reference, distributed = models
+    prompt = torch.tensor([[5, 17, 99, 200]])
+    with distributed.inference_session(max_length=32):
+        first = distributed.generate(prompt, max_new_tokens=5, do_sample=False)
+        second = distributed.generate(None, max_new_tokens=5, do_sample=False)
+        third = distributed.generate(None, max_new_tokens=3, do_sample=False)
+    assert torch.equal(first, reference.generate(prompt, max_new_tokens=5, do_sample=False))
+    assert torch.equal(third, reference.generate(prompt, max_new_tokens=13, do_sample=False))
+    assert torch.equal(second, third[:, : second.shape[1]])
+    with pytest.raises(ValueError, match="generate\\(None\\) continues"):
+        distributed.generate(None, max_new_tokens=2)
+
+
+def test_inputs_embeds_equal_input_ids(models):
+    reference, distributed = models
+    prompt = torch.tensor([[5, 17, 99, 200, 7]])
+    embeds = distributed.get_input_embeddings()(prompt)
+    assert torch.equal(embeds, reference.get_input_embeddings()(prompt))
+    by_ids, by_embeds = distributed(input_ids=prompt).logits, distributed(inputs_embeds=embeds).logits
+    assert torch.allclose(by_ids, by_embeds, atol=1e-5)
+    assert torch.allclose(by_embeds, reference(input_ids=prompt).logits, atol=1e-4)
+    expected = reference.generate(inputs_embeds=embeds, max_new_tokens=8, do_sample=False)
+    assert torch.equal(
+        distributed.generate(inputs_embeds=embeds, max_new_tokens=8, do_sample=False), expected
+    )
+    assert torch.equal(expected, reference.generate(prompt, max_new_tokens=8, do_sample=False)[:, 5:])
+
+
 def test_sampling_matches_under_the_same_seed(models):
     reference, distributed = models
     prompt = torch.tensor([[5, 17, 99, 200]])

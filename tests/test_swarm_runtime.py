@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +17,7 @@ from client.remote import RemoteBlockSession
 from client.routing import RouteHop, SessionShape
 from client.stream import ServerStream
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm, child_pids
+from swarm.local_swarm import CHILD_ENV, LocalSwarm, child_pids
 from swarm.wire import ErrorCode, RemoteError
 from tests.conftest import NUM_BLOCKS
 
@@ -204,3 +206,34 @@ class TestCacheRoom:
 
 async def _close_stream(stream: ServerStream) -> None:
     stream.close()
+
+
+def test_generate_none_and_inputs_embeds_through_the_swarm(client, reference):
+    """PETALS' `generate(None)` continues the active session; a prompt as `inputs_embeds` generates
+    what the same prompt as ids generates (issue 19)."""
+    model, tokenizer = reference
+    prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    with client.inference_session(max_length=prompt.shape[1] + 16):
+        client.generate(prompt, max_new_tokens=6, do_sample=False)
+        continued = client.generate(None, max_new_tokens=10, do_sample=False)
+    assert torch.equal(continued, model.generate(prompt, max_new_tokens=16, do_sample=False))
+    embeds = client.get_input_embeddings()(prompt)
+    expected = model.generate(inputs_embeds=embeds, max_new_tokens=8, do_sample=False)
+    assert torch.equal(client.generate(inputs_embeds=embeds, max_new_tokens=8, do_sample=False), expected)
+
+
+def test_a_script_without_shutdown_exits_cleanly(swarm, model_dir):
+    """No `model.shutdown()`: the client still leaves at exit, with nothing on stderr (issue 19)."""
+    script = (
+        "import torch\n"
+        "from client import AutoDistributedModelForCausalLM\n"
+        f"peers = {swarm.initial_peers!r}\n"
+        f"model = AutoDistributedModelForCausalLM.from_pretrained({str(model_dir)!r}, peers)\n"
+        "print(model.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=4, do_sample=False).tolist())\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=CHILD_ENV
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().startswith("[[5, 17, 99,")
+    assert completed.stderr.strip() == "", completed.stderr[-3000:]

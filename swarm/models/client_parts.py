@@ -35,6 +35,20 @@ class ClientParts(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids.to(self.lm_head.weight.device))
 
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        """The embedding table alone (BLOOM normalizes its output before the first block)."""
+        return self.embed[0] if isinstance(self.embed, nn.Sequential) else self.embed
+
+    @torch.inference_mode()
+    def from_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """The first block's input for token embeddings (`inputs_embeds`): what follows the table."""
+        hidden = embeddings.to(device=self.lm_head.weight.device, dtype=self.dtype)
+        if isinstance(self.embed, nn.Sequential):
+            for module in list(self.embed)[1:]:
+                hidden = module(hidden)
+        return hidden
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(device=self.lm_head.weight.device, dtype=self.dtype)
