@@ -15,8 +15,15 @@ import torch
 class BlockSession(Protocol):
     """A stateful run of all blocks for one batch of sequences, holding attention caches somewhere."""
 
-    def step(self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """Run `hidden` (`[batch, new, hidden]`) at absolute `position`; returns the last block's output."""
+    def step(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run `hidden` (`[batch, new, hidden]`) at absolute `position`; returns the last block's output.
+        `hypo_ids` (beam search): first, sequence i continues what sequence hypo_ids[i] held."""
         ...
 
     def close(self) -> None: ...
@@ -43,8 +50,16 @@ class _LocalSession:
     def __init__(self, caches: list, spans: list):
         self.caches, self.spans = caches, spans
 
-    def step(self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         for span, cache in zip(self.spans, self.caches, strict=True):
+            if hypo_ids is not None:
+                cache.reorder(hypo_ids)
             hidden = span(hidden, cache, position, padding_mask)
         return hidden
 

@@ -131,12 +131,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 )
             input_ids = continued.last_output_ids
         if session is None and self._active_session is None:
-            # a one-off generation: size the session for the prompt plus every token it may add
+            # a one-off generation: size the session for the prompt plus every token it may add, and
+            # for every hypothesis of a beam search
             max_new = kwargs.get("max_new_tokens")
             max_length = kwargs.get("max_length") or self.generation_config.max_length
             if max_new is not None:
                 max_length = input_ids.shape[1] + max_new
-            with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0]) as own:
+            beams = kwargs.get("num_beams") or self.generation_config.num_beams or 1
+            with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0] * beams) as own:
                 with self._use_session(own):
                     return super().generate(input_ids, **kwargs)
         active = session or self._active_session
@@ -153,6 +155,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if inputs_embeds is not None and (session is None or session.position == 0):
             return {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}  # the prompt, once
         return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def _reorder_cache(self, past_key_values, beam_idx: torch.Tensor):
+        """transformers' beam search hook: the session (and, with its next step, the servers) reorder."""
+        self._active_session.reorder(beam_idx)
+        return past_key_values
 
     def get_input_embeddings(self) -> torch.nn.Module:
         """The token embedding table (what `inputs_embeds` are looked up in, as in transformers)."""
@@ -189,7 +196,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             new_ids = session.unprocessed(input_ids)
             hidden = self.client_parts.embed_tokens(new_ids)
             hidden = session.step(new_ids, hidden, attention_mask)
-        return CausalLMOutputWithPast(logits=self.client_parts.logits(hidden).float())
+        # the session stands for the cache: beam search then calls `_reorder_cache` with its choices
+        return CausalLMOutputWithPast(
+            logits=self.client_parts.logits(hidden).float(), past_key_values=session
+        )
 
 
 AutoDistributedModelForCausalLM = DistributedModelForCausalLM  # the name users know from PETALS

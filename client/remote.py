@@ -193,12 +193,19 @@ class RemoteBlockSession:
             await asyncio.sleep(max(lease / 3, 0.5))
             await self.connection.scheduler.keep_alive(scheduler_session)
 
-    def step(self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         started = time.monotonic()
         device = hidden.device  # the client's modules may sit on a GPU; the wire and history are CPU
         hidden = hidden.cpu()
         padding_mask = padding_mask.cpu() if padding_mask is not None else None
-        output = run_sync(self._step(hidden, position, padding_mask)).to(device)
+        reorder = [int(i) for i in hypo_ids] if hypo_ids is not None else None
+        output = run_sync(self._step(hidden, position, padding_mask, reorder)).to(device)
         self.steps_done += 1
         if self.first_step_done_at is None:
             self.first_step_done_at = time.monotonic()
@@ -207,7 +214,11 @@ class RemoteBlockSession:
         return output
 
     async def _step(
-        self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        hypo_ids: list[int] | None = None,
     ) -> torch.Tensor:
         timeout = self.connection.options.request_timeout
         failures = 0
@@ -216,9 +227,11 @@ class RemoteBlockSession:
             stream = self.streams[index]
             try:
                 if self.verify_plan.verify_now():
-                    output = await self._verified_step(index, hidden, position, padding_mask, timeout)
+                    output = await self._verified_step(
+                        index, hidden, position, padding_mask, timeout, hypo_ids
+                    )
                 else:
-                    output = await stream.step(hidden, position, padding_mask, timeout)
+                    output = await stream.step(hidden, position, padding_mask, timeout, hypo_ids)
             except RemoteError as error:
                 if error.code in FATAL_CODES:
                     raise  # replaying it elsewhere would fail the same way
@@ -243,6 +256,7 @@ class RemoteBlockSession:
         position: int,
         padding_mask: torch.Tensor | None,
         timeout: float,
+        hypo_ids: list[int] | None = None,
     ) -> torch.Tensor:
         """The step on the chain's server and, in parallel, on a replica holding the same blocks (its
         cache caught up from this hop's history); a disagreement goes to a third server."""
@@ -250,13 +264,13 @@ class RemoteBlockSession:
         history = list(stream.history)  # what the replicas must have seen before this step
         verifier = await self._replica(stream, self.verifiers.get((stream.hop.start, stream.hop.end)))
         if verifier is None:
-            return await stream.step(hidden, position, padding_mask, timeout)
+            return await stream.step(hidden, position, padding_mask, timeout, hypo_ids)
         self.verifiers[(stream.hop.start, stream.hop.end)] = verifier
         checking = asyncio.ensure_future(
-            _replay_then_step(verifier, history, hidden, position, padding_mask, timeout)
+            _replay_then_step(verifier, history, hidden, position, padding_mask, timeout, hypo_ids)
         )
         try:
-            output = await stream.step(hidden, position, padding_mask, timeout)
+            output = await stream.step(hidden, position, padding_mask, timeout, hypo_ids)
         except BaseException:
             checking.cancel()
             self._drop_verifier(verifier)  # cut off mid-step: its stream is of no use any more
@@ -270,9 +284,8 @@ class RemoteBlockSession:
         if agree(output, checked, tol):
             self.connection.verified_steps += 1
             return output
-        return await self._arbitrate(
-            index, verifier, history, output, checked, hidden, position, padding_mask, tol
-        )
+        step = (hidden, position, padding_mask, hypo_ids)
+        return await self._arbitrate(index, verifier, history, output, checked, step, tol)
 
     async def _arbitrate(
         self,
@@ -281,9 +294,7 @@ class RemoteBlockSession:
         history: list,
         output: torch.Tensor,
         checked: torch.Tensor,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
+        step: tuple,
         tol: float,
     ) -> torch.Tensor:
         """Two replicas disagree: a third server holding the blocks decides; the outvoted one is banned
@@ -298,7 +309,8 @@ class RemoteBlockSession:
                 f"servers {primary} and {second} disagree on blocks {blocks} (relative difference "
                 f"{difference:.3g}, tolerance {tol:.3g}) and no third server holds them to decide"
             )
-        third = await _replay_then_step(arbiter, history, hidden, position, padding_mask, timeout)
+        hidden, position, padding_mask, hypo_ids = step
+        third = await _replay_then_step(arbiter, history, hidden, position, padding_mask, timeout, hypo_ids)
         tol = max(tol, self._tolerance(arbiter.hop.peer_id))
         verdict = decide({primary: output, second: checked, arbiter.hop.peer_id: third}, tol)
         if verdict.liar is None:
@@ -413,9 +425,11 @@ class RemoteBlockSession:
             try:
                 timeout = self.connection.options.request_timeout
                 for sent in failed.history:  # same steps, same shapes: the rebuilt caches are bit-identical
-                    hidden = sent.hidden
+                    hidden = sent.hidden  # (and beam search's reorderings, at the same steps)
                     for stream in replacement:
-                        hidden = await stream.step(hidden, sent.position, sent.padding_mask, timeout)
+                        hidden = await stream.step(
+                            hidden, sent.position, sent.padding_mask, timeout, sent.hypo_ids
+                        )
             except Exception as error:
                 for stream in replacement:
                     stream.close()
@@ -488,11 +502,16 @@ async def _replay_then_step(
     position: int,
     padding_mask: torch.Tensor | None,
     timeout: float,
+    hypo_ids: list[int] | None = None,
 ) -> torch.Tensor:
     """Bring a replica's cache up to `position` with the inputs it has not seen (one prefill: close
-    enough for verification's tolerance, and exact when it has seen every step), then run the step."""
+    enough for verification's tolerance, and exact when it has seen every step; step by step when beam
+    search reordered the sequences in between), then run the step."""
     missing = [sent for sent in history if sent.position >= replica.position]
-    if missing:
+    if any(sent.hypo_ids is not None for sent in missing):
+        for sent in missing:
+            await replica.step(sent.hidden, sent.position, sent.padding_mask, timeout, sent.hypo_ids)
+    elif missing:
         inputs = torch.cat([sent.hidden for sent in missing], dim=1)
         await replica.step(inputs, replica.position, missing[-1].padding_mask, timeout)
-    return await replica.step(hidden, position, padding_mask, timeout)
+    return await replica.step(hidden, position, padding_mask, timeout, hypo_ids)

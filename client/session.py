@@ -26,6 +26,7 @@ class InferenceSession:
         # the sequences the last generate() in this session returned: its last token is not processed
         # yet, and generate(None) continues from there
         self.last_output_ids: torch.Tensor | None = None
+        self._pending_reorder: torch.Tensor | None = None  # beam search: sent with the next step
         self.closed = False
 
     @property
@@ -71,10 +72,26 @@ class InferenceSession:
         """Run `hidden` (the embeddings of `new_ids`) through every block; record the tokens."""
         self._check_room(new_ids.shape[1])
         padding_mask = self._padding_mask(attention_mask, new_ids.shape[1])
-        output = self.blocks.step(hidden, self.position, padding_mask)
+        output = self.blocks.step(hidden, self.position, padding_mask, self._take_reorder())
         self.token_ids = torch.cat([self.token_ids, new_ids.cpu()], dim=1)
         self.padding_mask = padding_mask
         return output
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search chose which hypothesis each sequence continues: reorder what this session knows
+        now, and the servers' caches with the next step (PETALS' `hypo_ids`, no replay)."""
+        beam_idx = beam_idx.cpu().long()
+        if torch.equal(beam_idx, torch.arange(self.batch_size)):
+            return
+        self.token_ids = self.token_ids[beam_idx]
+        if self.padding_mask is not None:
+            self.padding_mask = self.padding_mask[beam_idx]
+        pending = self._pending_reorder
+        self._pending_reorder = beam_idx if pending is None else pending[beam_idx]
+
+    def _take_reorder(self) -> torch.Tensor | None:
+        reorder, self._pending_reorder = self._pending_reorder, None
+        return reorder
 
     def _check_room(self, num_new: int) -> None:
         if self.closed:

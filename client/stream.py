@@ -37,6 +37,7 @@ class _SentStep:
     position: int
     hidden: torch.Tensor
     padding_mask: torch.Tensor | None
+    hypo_ids: list[int] | None = None  # beam search's reordering before this step (replayed with it)
 
 
 @dataclass
@@ -79,19 +80,24 @@ class ServerStream:
         self.healthy = True
 
     async def step(
-        self, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None, timeout: float
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        timeout: float,
+        hypo_ids: list[int] | None = None,
     ) -> torch.Tensor:
         tensors = [hidden] if padding_mask is None else [hidden, padding_mask]
         step_id = f"{position}+{hidden.shape[1]}"
         if self._queue is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
-        self._queue.put_nowait(encode(Step(step_id=step_id, position=position), tensors))
+        self._queue.put_nowait(encode(Step(step_id=step_id, position=position, hypo_ids=hypo_ids), tensors))
         reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
         problem = output_problem(reply.step_id, step_id, outputs, hidden)
         if problem is not None:  # this server's fault: blamed here, never the next server it would reach
             self.healthy = False
             raise StreamFailure(self.hop.peer_id, f"the server answered {problem}", wrong_output=True)
-        self.history.append(_SentStep(position, hidden, padding_mask))
+        self.history.append(_SentStep(position, hidden, padding_mask, hypo_ids))
         return outputs[0]
 
     @property

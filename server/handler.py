@@ -26,7 +26,7 @@ from server.bounded_stream import StreamLimit, add_bounded_stream_handler
 from server.engine import BatchingEngine
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
-from server.session import Session, check_step_inputs
+from server.session import Session, check_hypo_ids, check_step_inputs
 from swarm.closed_swarm import SwarmSecret
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
@@ -306,6 +306,9 @@ class BlockServicer(ServicerBase):
             hidden, padding_mask = check_step_inputs(
                 session, self.span.hidden_size, message.position, decode_tensors(request)
             )
+            hypo_ids = check_hypo_ids(session, message.hypo_ids)
+            if hypo_ids is not None:
+                session.cache.reorder(hypo_ids)
             started = time.perf_counter()
             output = await self._compute(session, hidden, message.position, padding_mask)
             kind = "decode" if hidden.shape[1] == 1 else "prefill"

@@ -39,6 +39,18 @@ class Session:
         self.last_active = time.monotonic()
 
 
+def check_hypo_ids(session: Session, hypo_ids: list[int] | None) -> torch.Tensor | None:
+    """Beam search's reordering of the session's sequences, validated (None: no reordering)."""
+    if hypo_ids is None:
+        return None
+    if len(hypo_ids) != session.batch_size or not all(0 <= i < session.batch_size for i in hypo_ids):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"hypo_ids must hold {session.batch_size} sequence indices in [0, {session.batch_size})",
+        )
+    return torch.tensor(hypo_ids, dtype=torch.long)
+
+
 def check_step_inputs(
     session: Session, hidden_size: int, position: int, tensors: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -67,6 +67,8 @@ class Step(Message):
     type: str = "step"
     step_id: str = Field(min_length=1, max_length=64)
     position: int = Field(ge=0)
+    # beam search: before this step, sequence i of the session continues sequence hypo_ids[i]
+    hypo_ids: list[int] | None = Field(default=None, max_length=4096)
 
 
 class StepDone(Message):
@@ -111,8 +113,8 @@ class RemoteError(Exception):
 
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
     serialized = [serialize_torch_tensor(t) for t in tensors]
-    # an empty proof is left out, so servers that predate closed swarms accept the message
-    unused = {"swarm_proof"} if getattr(message, "swarm_proof", None) == "" else set()
+    # optional fields left empty are left out, so servers that predate them accept the message
+    unused = {name for name in ("swarm_proof", "hypo_ids") if getattr(message, name, 1) in ("", None)}
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))
     if request:
         return runtime_pb2.ExpertRequest(uid="", tensors=serialized, metadata=metadata)

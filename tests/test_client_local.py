@@ -110,3 +110,12 @@ def test_generate_command_runs_locally(llama_dir):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Once upon")
+
+
+def test_beam_search_equals_transformers(models):
+    reference, distributed = models
+    prompt = torch.tensor([[5, 17, 99, 200, 7]])
+    expected = reference.generate(prompt, max_new_tokens=10, num_beams=5, do_sample=False)
+    assert torch.equal(
+        distributed.generate(prompt, max_new_tokens=10, num_beams=5, do_sample=False), expected
+    )

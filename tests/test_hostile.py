@@ -195,6 +195,16 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         await expect_error("batch mismatch", [step(0, torch.randn(2, 1, HIDDEN))], "batch size 2 differs")
         await expect_error("three tensors", [step(0, good, good, good)], "1 or 2 tensors")
         await expect_error(
+            "hypo_ids out of range",
+            [raw({"type": "step", "step_id": "h", "position": 0, "hypo_ids": [3]}, [good])],
+            "hypo_ids must hold 1 sequence indices",
+        )
+        await expect_error(
+            "hypo_ids too many",
+            [raw({"type": "step", "step_id": "h", "position": 0, "hypo_ids": [0, 0]}, [good])],
+            "hypo_ids must hold",
+        )
+        await expect_error(
             "bad padding mask", [step(0, good, torch.ones(1, 7))], "padding mask must have shape"
         )
         await expect_error(

@@ -237,3 +237,11 @@ def test_a_script_without_shutdown_exits_cleanly(swarm, model_dir):
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip().startswith("[[5, 17, 99,")
     assert completed.stderr.strip() == "", completed.stderr[-3000:]
+
+
+def test_beam_search_through_the_swarm(client, reference):
+    """Five beams: the servers reorder their caches by the hypothesis indices sent with each step."""
+    model, tokenizer = reference
+    prompt = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    expected = model.generate(prompt, max_new_tokens=12, num_beams=5, do_sample=False)
+    assert torch.equal(client.generate(prompt, max_new_tokens=12, num_beams=5, do_sample=False), expected)

@@ -74,6 +74,14 @@ class SpanCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._step_start
 
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Beam search: sequence `i` of the batch continues what sequence `indices[i]` held (in place:
+        the preallocated tensors stay the ones the budget counted)."""
+        indices = indices.to(self.keys[0].device)
+        for tensors in (self.keys, self.values):
+            for tensor in tensors:
+                tensor.copy_(tensor.index_select(0, indices))
+
     # --- helpers for failover and tests ---------------------------------------------------------
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
