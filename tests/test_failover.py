@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from swarm.dht_keys import default_prefix
@@ -177,3 +177,44 @@ def test_sigterm_drains_open_sessions_and_refuses_new_ones(swarm, llama_dir, exp
         assert swarm.processes["leaving"].wait(timeout=30) == 0  # and it left as soon as the session closed
     finally:
         model.shutdown()
+
+
+def test_beam_search_survives_a_killed_server(swarm, llama_dir):
+    """Five beams; the first server of the chain is SIGKILLed mid-generation: its replacement replays
+    the kept inputs with their hypothesis indices, so its cache holds the same reordered beams."""
+    prefix = default_prefix(str(llama_dir))
+    for name, blocks in {"a": "0:3", "a2": "0:3", "b": "3:6"}.items():
+        swarm.start_server(name, llama_dir, blocks)
+    swarm.wait_online(prefix, NUM_BLOCKS, ["a", "a2", "b"])
+    names = {peer: info.public_name for peer, info in swarm.servers(prefix, NUM_BLOCKS).items()}
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    expected = reference.generate(PROMPT, max_new_tokens=16, num_beams=5, do_sample=False)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=FAST_FAILOVER
+    )
+    killed: list[str] = []
+
+    class KillFirstServerAtStep6(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 6:
+                peer = model._active_session.blocks.streams[0].hop.peer_id
+                killed.append(names[peer])
+                swarm.stop(names[peer], signal.SIGKILL)
+            return scores
+
+    try:
+        output = model.generate(
+            PROMPT,
+            max_new_tokens=16,
+            num_beams=5,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([KillFirstServerAtStep6()]),
+        )
+    finally:
+        model.shutdown()
+    assert killed and killed[0] in ("a", "a2")
+    assert torch.equal(output, expected)
