@@ -73,7 +73,7 @@ class RawStream:
 
         self.queue.put_nowait(request)
         try:
-            response = await asyncio.wait_for(anext(self.responses), timeout=20)
+            response = await asyncio.wait_for(anext(self.responses), timeout=60)  # slow CI hosts
         except StopAsyncIteration:
             return {"type": "closed"}, []
         return MSGPackSerializer.loads(response.metadata), decode_tensors(response)
@@ -276,13 +276,13 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         busy.close()
         covered.append("session lifetime")
 
-    async def open_a_thousand() -> list[RawStream]:
-        """One peer opens a thousand sessions and keeps them: it gets its per-peer share (64 sessions
-        by default), the rest are refused as over that share, not as a full server."""
-        streams = [RawStream(connection, peer_id) for _ in range(1000)]
+    async def open_many() -> list[RawStream]:
+        """One peer opens 200 sessions and keeps them: it gets its per-peer share (64 sessions by
+        default), the rest are refused as over that share, not as a full server."""
+        streams = [RawStream(connection, peer_id) for _ in range(200)]
         outcomes: list[str] = []
-        for batch in range(0, len(streams), 100):
-            chunk = streams[batch : batch + 100]
+        for batch in range(0, len(streams), 25):
+            chunk = streams[batch : batch + 25]
             await asyncio.gather(*(s.start() for s in chunk))
             replies = await asyncio.gather(*(s.ask(open_message()) for s in chunk))
             outcomes += [
@@ -297,7 +297,7 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         assert torch.equal(normal.generate(prompt, max_new_tokens=12, do_sample=False), expected)
         run_sync(scenario())
         assert torch.equal(normal.generate(prompt, max_new_tokens=12, do_sample=False), expected)
-        held = run_sync(open_a_thousand())
+        held = run_sync(open_many())
         # while that peer holds everything it could get, another client still has room
         honest = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
         try:
@@ -306,7 +306,7 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
             honest.shutdown()
             for stream in held:
                 stream.close()
-        covered.append("one peer holding a thousand sessions")
+        covered.append("one peer holding 200 sessions")
     finally:
         normal.shutdown()
     assert len(covered) >= 15, covered
