@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -21,7 +22,7 @@ import torch
 
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
 from client.routing import RouteHop, SessionShape, chain_problem
-from client.stream import ServerStream
+from client.stream import ServerStream, StepInput
 from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
 from swarm.wire import ErrorCode, RemoteError
 
@@ -202,10 +203,13 @@ class RemoteBlockSession:
     ) -> torch.Tensor:
         started = time.monotonic()
         device = hidden.device  # the client's modules may sit on a GPU; the wire and history are CPU
-        hidden = hidden.cpu()
-        padding_mask = padding_mask.cpu() if padding_mask is not None else None
-        reorder = [int(i) for i in hypo_ids] if hypo_ids is not None else None
-        output = run_sync(self._step(hidden, position, padding_mask, reorder)).to(device)
+        step = StepInput(
+            hidden.cpu(),
+            position,
+            padding_mask.cpu() if padding_mask is not None else None,
+            tuple(int(i) for i in hypo_ids) if hypo_ids is not None else None,
+        )
+        output = run_sync(self._step(step)).to(device)
         self.steps_done += 1
         if self.first_step_done_at is None:
             self.first_step_done_at = time.monotonic()
@@ -213,13 +217,8 @@ class RemoteBlockSession:
             self.later_step_seconds.append(time.monotonic() - started)
         return output
 
-    async def _step(
-        self,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
-        hypo_ids: list[int] | None = None,
-    ) -> torch.Tensor:
+    async def _step(self, step: StepInput) -> torch.Tensor:
+        """Through every hop in turn: each server's output is the next one's input."""
         timeout = self.connection.options.request_timeout
         failures = 0
         index = 0
@@ -227,11 +226,9 @@ class RemoteBlockSession:
             stream = self.streams[index]
             try:
                 if self.verify_plan.verify_now():
-                    output = await self._verified_step(
-                        index, hidden, position, padding_mask, timeout, hypo_ids
-                    )
+                    output = await self._verified_step(index, step, timeout)
                 else:
-                    output = await stream.step(hidden, position, padding_mask, timeout, hypo_ids)
+                    output = await stream.step(step, timeout)
             except RemoteError as error:
                 if error.code in FATAL_CODES:
                     raise  # replaying it elsewhere would fail the same way
@@ -244,33 +241,23 @@ class RemoteBlockSession:
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)
                 continue
-            hidden = output
+            step = dataclasses.replace(step, hidden=output)
             index += 1
-        return hidden
+        return step.hidden
 
     # --- replica verification ------------------------------------------------------------------------
-    async def _verified_step(
-        self,
-        index: int,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
-        timeout: float,
-        hypo_ids: list[int] | None = None,
-    ) -> torch.Tensor:
+    async def _verified_step(self, index: int, step: StepInput, timeout: float) -> torch.Tensor:
         """The step on the chain's server and, in parallel, on a replica holding the same blocks (its
         cache caught up from this hop's history); a disagreement goes to a third server."""
         stream = self.streams[index]
         history = list(stream.history)  # what the replicas must have seen before this step
         verifier = await self._replica(stream, self.verifiers.get((stream.hop.start, stream.hop.end)))
         if verifier is None:
-            return await stream.step(hidden, position, padding_mask, timeout, hypo_ids)
+            return await stream.step(step, timeout)
         self.verifiers[(stream.hop.start, stream.hop.end)] = verifier
-        checking = asyncio.ensure_future(
-            _replay_then_step(verifier, history, hidden, position, padding_mask, timeout, hypo_ids)
-        )
+        checking = asyncio.ensure_future(_replay_then_step(verifier, history, step, timeout))
         try:
-            output = await stream.step(hidden, position, padding_mask, timeout, hypo_ids)
+            output = await stream.step(step, timeout)
         except BaseException:
             checking.cancel()
             self._drop_verifier(verifier)  # cut off mid-step: its stream is of no use any more
@@ -284,7 +271,6 @@ class RemoteBlockSession:
         if agree(output, checked, tol):
             self.connection.verified_steps += 1
             return output
-        step = (hidden, position, padding_mask, hypo_ids)
         return await self._arbitrate(index, verifier, history, output, checked, step, tol)
 
     async def _arbitrate(
@@ -294,7 +280,7 @@ class RemoteBlockSession:
         history: list,
         output: torch.Tensor,
         checked: torch.Tensor,
-        step: tuple,
+        step: StepInput,
         tol: float,
     ) -> torch.Tensor:
         """Two replicas disagree: a third server holding the blocks decides; the outvoted one is banned
@@ -309,8 +295,7 @@ class RemoteBlockSession:
                 f"servers {primary} and {second} disagree on blocks {blocks} (relative difference "
                 f"{difference:.3g}, tolerance {tol:.3g}) and no third server holds them to decide"
             )
-        hidden, position, padding_mask, hypo_ids = step
-        third = await _replay_then_step(arbiter, history, hidden, position, padding_mask, timeout, hypo_ids)
+        third = await _replay_then_step(arbiter, history, step, timeout)
         tol = max(tol, self._tolerance(arbiter.hop.peer_id))
         verdict = decide({primary: output, second: checked, arbiter.hop.peer_id: third}, tol)
         if verdict.liar is None:
@@ -425,10 +410,10 @@ class RemoteBlockSession:
             try:
                 timeout = self.connection.options.request_timeout
                 for sent in failed.history:  # same steps, same shapes: the rebuilt caches are bit-identical
-                    hidden = sent.hidden  # (and beam search's reorderings, at the same steps)
+                    hop_input = sent  # (beam search's reorderings too, at the same steps)
                     for stream in replacement:
-                        hidden = await stream.step(
-                            hidden, sent.position, sent.padding_mask, timeout, sent.hypo_ids
+                        hop_input = dataclasses.replace(
+                            hop_input, hidden=await stream.step(hop_input, timeout)
                         )
             except Exception as error:
                 for stream in replacement:
@@ -496,13 +481,7 @@ def _plausible(reply) -> bool:
 
 
 async def _replay_then_step(
-    replica: ServerStream,
-    history: list,
-    hidden: torch.Tensor,
-    position: int,
-    padding_mask: torch.Tensor | None,
-    timeout: float,
-    hypo_ids: list[int] | None = None,
+    replica: ServerStream, history: list[StepInput], step: StepInput, timeout: float
 ) -> torch.Tensor:
     """Bring a replica's cache up to `position` with the inputs it has not seen (one prefill: close
     enough for verification's tolerance, and exact when it has seen every step; step by step when beam
@@ -510,8 +489,8 @@ async def _replay_then_step(
     missing = [sent for sent in history if sent.position >= replica.position]
     if any(sent.hypo_ids is not None for sent in missing):
         for sent in missing:
-            await replica.step(sent.hidden, sent.position, sent.padding_mask, timeout, sent.hypo_ids)
+            await replica.step(sent, timeout)
     elif missing:
         inputs = torch.cat([sent.hidden for sent in missing], dim=1)
-        await replica.step(inputs, replica.position, missing[-1].padding_mask, timeout)
-    return await replica.step(hidden, position, padding_mask, timeout, hypo_ids)
+        await replica.step(StepInput(inputs, replica.position, missing[-1].padding_mask), timeout)
+    return await replica.step(step, timeout)

@@ -32,12 +32,19 @@ class StreamFailure(Exception):
         self.peer, self.wrong_output = peer, wrong_output
 
 
-@dataclass
-class _SentStep:
-    position: int
-    hidden: torch.Tensor
-    padding_mask: torch.Tensor | None
-    hypo_ids: list[int] | None = None  # beam search's reordering before this step (replayed with it)
+@dataclass(frozen=True)
+class StepInput:
+    """One step as a server receives it. The client keeps the ones it sent each server (the
+    client-side cache) and replays them, reorderings included, to rebuild a server's cache elsewhere."""
+
+    hidden: torch.Tensor  # [batch, new tokens, hidden]
+    position: int  # absolute position of the first new token
+    padding_mask: torch.Tensor | None = None  # [batch, position + new], only once padding appears
+    hypo_ids: tuple[int, ...] | None = None  # beam search: sequence i first continues hypo_ids[i]
+
+    @property
+    def end(self) -> int:
+        return self.position + self.hidden.shape[1]
 
 
 @dataclass
@@ -47,7 +54,7 @@ class ServerStream:
     hop: RouteHop
     session_id: str
     shape: SessionShape
-    history: list[_SentStep] = field(default_factory=list)  # the client-side cache of this server's inputs
+    history: list[StepInput] = field(default_factory=list)  # the client-side cache of this server's inputs
     healthy: bool = False  # opened, and no step has failed since
     _queue: asyncio.Queue | None = None
     _responses: object = None
@@ -79,34 +86,26 @@ class ServerStream:
         await self._receive(connection.options.request_timeout, Opened)
         self.healthy = True
 
-    async def step(
-        self,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
-        timeout: float,
-        hypo_ids: list[int] | None = None,
-    ) -> torch.Tensor:
-        tensors = [hidden] if padding_mask is None else [hidden, padding_mask]
+    async def step(self, step: StepInput, timeout: float) -> torch.Tensor:
+        hidden, position = step.hidden, step.position
+        tensors = [hidden] if step.padding_mask is None else [hidden, step.padding_mask]
         step_id = f"{position}+{hidden.shape[1]}"
         if self._queue is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
+        hypo_ids = list(step.hypo_ids) if step.hypo_ids is not None else None
         self._queue.put_nowait(encode(Step(step_id=step_id, position=position, hypo_ids=hypo_ids), tensors))
         reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
         problem = output_problem(reply.step_id, step_id, outputs, hidden)
         if problem is not None:  # this server's fault: blamed here, never the next server it would reach
             self.healthy = False
             raise StreamFailure(self.hop.peer_id, f"the server answered {problem}", wrong_output=True)
-        self.history.append(_SentStep(position, hidden, padding_mask, hypo_ids))
+        self.history.append(step)
         return outputs[0]
 
     @property
     def position(self) -> int:
         """Positions this server has processed for the session (its cache length)."""
-        if not self.history:
-            return 0
-        last = self.history[-1]
-        return last.position + last.hidden.shape[1]
+        return self.history[-1].end if self.history else 0
 
     async def _receive(self, timeout: float, expected: type, with_tensors: bool = False):
         try:

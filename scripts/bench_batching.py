@@ -41,7 +41,7 @@ from benchmarks_md import write_section  # noqa: E402
 
 from client.connection import ClientOptions, SwarmConnection, run_sync  # noqa: E402
 from client.routing import RouteHop, SessionShape  # noqa: E402
-from client.stream import ServerStream  # noqa: E402
+from client.stream import ServerStream, StepInput  # noqa: E402
 from swarm.dht_keys import default_prefix  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
 
@@ -83,12 +83,12 @@ async def run_session(
     await stream.open(connection)
     try:
         started = time.perf_counter()
-        await stream.step(torch.randn(1, prompt, args.hidden, generator=generator), 0, None, 60.0)
+        await stream.step(StepInput(torch.randn(1, prompt, args.hidden, generator=generator), 0), 60.0)
         level.prefill.append(time.perf_counter() - started)
         for position in range(prompt, prompt + args.tokens):
             hidden = torch.randn(1, 1, args.hidden, generator=generator)
             started = time.perf_counter()
-            await stream.step(hidden, position, None, 60.0)
+            await stream.step(StepInput(hidden, position), 60.0)
             level.decode.append(time.perf_counter() - started)
     finally:
         await stream.close_and_wait(10.0)
