@@ -210,16 +210,19 @@ class SwarmConnection:
         """Avoid a failed server for a while, doubling the time at each repeated failure."""
         failures = self._bans.get(peer_id, (0, 0.0))[0] + 1
         duration = min(self.options.ban_base * 2 ** (failures - 1), self.options.ban_max)
-        self._bans[peer_id] = (failures, time.monotonic() + duration)
+        self._avoid(peer_id, duration, failures)
         self._rtts.pop(peer_id, None)
         return duration
 
     def ban_liar(self, peer_id: str) -> None:
-        """A server outvoted by two replicas: avoided for `liar_ban` seconds, and counted."""
+        """A server outvoted by two replicas (or sending what no honest server sends): avoided for
+        `liar_ban` seconds, and counted."""
         self.caught[peer_id] = self.caught.get(peer_id, 0) + 1
-        failures = self._bans.get(peer_id, (0, 0.0))[0] + 1
-        self._bans[peer_id] = (failures, time.monotonic() + self.options.liar_ban)
+        self._avoid(peer_id, self.options.liar_ban, self._bans.get(peer_id, (0, 0.0))[0] + 1)
         self._rtts.pop(peer_id, None)
+
+    def _avoid(self, peer_id: str, seconds: float, failures: int) -> None:
+        self._bans[peer_id] = (failures, time.monotonic() + seconds)
 
     def is_banned(self, peer_id: str) -> bool:
         ban = self._bans.get(peer_id)
@@ -231,8 +234,7 @@ class SwarmConnection:
         A refusal for our own per-peer share is no fault of the server's: it is not counted."""
         self.no_cache_room_refusals += 1
         if message.startswith(PEER_LIMIT_PREFIX):  # our own share there is used up: go elsewhere a while
-            failures = self._bans.get(peer_id, (0, 0.0))[0]
-            self._bans[peer_id] = (failures, time.monotonic() + self.options.ban_base)
+            self._avoid(peer_id, self.options.ban_base, self._bans.get(peer_id, (0, 0.0))[0])
             return False
         self._refusals[peer_id] = self._refusals.get(peer_id, 0) + 1
         if self._refusals[peer_id] < self.options.max_refusals:

@@ -19,7 +19,7 @@ from hivemind.dht import DHT
 
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
-from swarm.closed_swarm import PROOF_METADATA_KEY, SwarmSecret
+from swarm.closed_swarm import SwarmSecret
 from swarm.dht_records import fetch_scheduler_async
 
 logger = logging.getLogger(__name__)
@@ -85,9 +85,7 @@ class SchedulerLink:
         stub = await self._get_stub()
         if stub is None:
             return None
-        metadata = (
-            ((PROOF_METADATA_KEY, self.swarm_secret.timed_proof("scheduler")),) if self.swarm_secret else None
-        )
+        metadata = self.swarm_secret.scheduler_metadata() if self.swarm_secret else None
         try:
             reply = await getattr(stub, method)(
                 request, timeout=timeout or self.call_timeout, metadata=metadata

@@ -24,7 +24,7 @@ import grpc
 from hivemind.dht import DHT
 
 from scheduler.service.proto import scheduler_pb2, scheduler_pb2_grpc
-from swarm.closed_swarm import PROOF_METADATA_KEY, SwarmSecret
+from swarm.closed_swarm import SwarmSecret
 from swarm.dht_records import fetch_scheduler_async
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,7 @@ class SchedulerLink:
         address = await self._discover()
         if self._stub is None:
             return None
-        metadata = (
-            ((PROOF_METADATA_KEY, self.swarm_secret.timed_proof("scheduler")),) if self.swarm_secret else None
-        )
+        metadata = self.swarm_secret.scheduler_metadata() if self.swarm_secret else None
         try:
             return await self._stub.GetAssignment(
                 scheduler_pb2.AssignmentRequest(peer_id=peer_id), timeout=self.timeout, metadata=metadata

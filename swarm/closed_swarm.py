@@ -72,6 +72,10 @@ class SwarmSecret:
             return False
         return age <= MAX_CLOCK_DIFFERENCE and hmac.compare_digest(mac, self._mac(purpose, stamp))
 
+    def scheduler_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The gRPC metadata that proves the secret to the scheduler (`scheduler.service.auth`)."""
+        return ((PROOF_METADATA_KEY, self.timed_proof("scheduler")),)
+
     def authorizer(self) -> SecretAuthorizer:
         return SecretAuthorizer(self)
 
