@@ -18,7 +18,7 @@ from swarm.local_swarm import LocalSwarm
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200]])
-HONEST_DELAY = ("--compute-delay", "0.004")  # honest servers announce themselves slower than the liars
+HONEST_DELAY = ("--compute-delay", "0.02")  # honest servers announce themselves much slower than the liars
 
 
 @pytest.fixture(scope="module")
