@@ -21,9 +21,12 @@ class BlockSession(Protocol):
         position: int,
         padding_mask: torch.Tensor | None,
         hypo_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run `hidden` (`[batch, new, hidden]`) at absolute `position`; returns the last block's output.
-        `hypo_ids` (beam search): first, sequence i continues what sequence hypo_ids[i] held."""
+        `hypo_ids` (beam search): first, sequence i continues what sequence hypo_ids[i] held.
+        `prompts` (deep prompt tuning, `[blocks, batch or 1, prefix, hidden]`): added to each block's
+        input at positions below `prefix`."""
         ...
 
     def close(self) -> None: ...
@@ -31,6 +34,15 @@ class BlockSession(Protocol):
 
 class BlockBackend(Protocol):
     def open_session(self, batch_size: int, max_length: int) -> BlockSession: ...
+
+    def forward_sequence(
+        self,
+        hidden: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every block on whole sequences, no cache, differentiable in `hidden` and `prompts`."""
+        ...
 
 
 class LocalSpans:
@@ -45,6 +57,17 @@ class LocalSpans:
     def open_session(self, batch_size: int, max_length: int) -> _LocalSession:
         return _LocalSession([span.new_cache(batch_size, max_length) for span in self.spans], self.spans)
 
+    def forward_sequence(
+        self,
+        hidden: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for span in self.spans:
+            span_prompts = prompts[span.start : span.end] if prompts is not None else None
+            hidden = span.forward_sequence(hidden, span.start, span.end, padding_mask, span_prompts)
+        return hidden
+
 
 class _LocalSession:
     def __init__(self, caches: list, spans: list):
@@ -56,11 +79,13 @@ class _LocalSession:
         position: int,
         padding_mask: torch.Tensor | None,
         hypo_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         for span, cache in zip(self.spans, self.caches, strict=True):
             if hypo_ids is not None:
                 cache.reorder(hypo_ids)
-            hidden = span(hidden, cache, position, padding_mask)
+            span_prompts = prompts[span.start : span.end] if prompts is not None else None
+            hidden = span(hidden, cache, position, padding_mask, span_prompts)
         return hidden
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from swarm.dht_records import fetch_servers_async
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.server_info import ServerInfo, ServerState
-from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, encode
+from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class SwarmConnection:
         self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
         self.caught: dict[str, int] = {}  # peer -> steps where replicas outvoted it (wrong outputs)
         self.verified_steps = 0  # steps a replica confirmed
+        self._reports: set[asyncio.Task] = set()  # reports of wrong outputs on their way
         options = self.options
         self.scheduler = (
             SchedulerLink(
@@ -214,12 +215,49 @@ class SwarmConnection:
         self._rtts.pop(peer_id, None)
         return duration
 
-    def ban_liar(self, peer_id: str) -> None:
-        """A server outvoted by two replicas (or sending what no honest server sends): avoided for
-        `liar_ban` seconds, and counted."""
+    def ban_liar(
+        self, peer_id: str, blocks: tuple[int, int], reason: str, relative_difference: float = 0.0
+    ) -> None:
+        """A server outvoted by two replicas (`reason` "outvoted") or sending what no honest server
+        sends ("malformed"): avoided for `liar_ban` seconds, counted, and told (in the background), so
+        that an honest operator whose GPU or quantization went bad sees it in the server's metrics."""
         self.caught[peer_id] = self.caught.get(peer_id, 0) + 1
         self._avoid(peer_id, self.options.liar_ban, self._bans.get(peer_id, (0, 0.0))[0] + 1)
         self._rtts.pop(peer_id, None)
+        report = Report(
+            start=blocks[0],
+            end=blocks[1],
+            reason=reason,
+            relative_difference=min(relative_difference, 1e30) if relative_difference >= 0 else 1e30,
+            swarm_proof=self.swarm_proof(peer_id),
+        )
+        task = asyncio.get_running_loop().create_task(self._report(peer_id, report))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, peer_id: str, report: Report) -> None:
+        try:
+            await self.stub(peer_id).rpc_report(encode(report), timeout=self.options.ping_timeout)
+        except Exception as error:  # a liar need not listen; nothing depends on this
+            logger.debug("report to %s not delivered: %s", peer_id[-8:], error)
+
+    def blame(self, peer_id: str, error: BaseException) -> None:
+        """A server's request failed: a wrong output bans it for long (`ban_liar`), anything else for
+        a while (`ban`)."""
+        if not peer_id:
+            return
+        blocks = getattr(error, "blocks", None)
+        if getattr(error, "wrong_output", False) and blocks is not None:
+            self.ban_liar(peer_id, blocks, "malformed")
+            logger.warning("server %s %s: banned for %.0f s", peer_id[-8:], error, self.options.liar_ban)
+        else:
+            duration = self.ban(peer_id)
+            logger.warning(
+                "server %s failed (%s); avoiding it for %.0f s",
+                peer_id[-8:],
+                str(error) or type(error).__name__,
+                duration,
+            )
 
     def _avoid(self, peer_id: str, seconds: float, failures: int) -> None:
         self._bans[peer_id] = (failures, time.monotonic() + seconds)

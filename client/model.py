@@ -19,7 +19,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client.backend import BlockBackend
 from client.connection import ClientOptions, SwarmConnection
+from client.prompt_tuning import PromptTuning
 from client.remote import RemoteBlocks
+from client.sequential import RemoteSequential
 from client.session import InferenceSession
 from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.model_limits import ModelLimits
@@ -32,11 +34,21 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     _is_stateful = True  # the attention caches live in the backend's session, not in generate()
     main_input_name = "input_ids"
 
-    def __init__(self, client_parts: ClientParts, backend: BlockBackend):
+    def __init__(
+        self,
+        client_parts: ClientParts,
+        backend: BlockBackend,
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
+    ):
         super().__init__(client_parts.config)
         self.client_parts = client_parts
         self.backend = backend
         self._local = threading.local()  # each thread may drive its own session through one model
+        # PETALS' block-level API (its `model.transformer.h`): the swarm's blocks as a sliceable module
+        connection = getattr(backend, "connection", None)
+        self.blocks = RemoteSequential(connection) if connection is not None else None
+        self.prompts = PromptTuning.create(client_parts, tuning_mode, pre_seq_len)
 
     @classmethod
     def from_local_parts(
@@ -45,9 +57,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         backend: BlockBackend,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
     ) -> DistributedModelForCausalLM:
-        """`device` holds the embeddings, final norm and LM head (pass `input_ids` there too)."""
-        model = cls(load_client_parts(model_dir, dtype=dtype, device=device), backend)
+        """`device` holds the embeddings, final norm and LM head (pass `input_ids` there too).
+        `tuning_mode` "ptune" / "deep_ptune" adds `pre_seq_len` trainable prompt positions."""
+        parts = load_client_parts(model_dir, dtype=dtype, device=device)
+        model = cls(parts, backend, tuning_mode, pre_seq_len)
         with contextlib.suppress(OSError):  # a checkpoint without generation_config.json is fine
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         return model.eval()
@@ -61,13 +77,23 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         dtype: str | torch.dtype = "float32",
         options: ClientOptions | None = None,
         device: str | torch.device = "cpu",
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
     ) -> DistributedModelForCausalLM:
-        """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`."""
+        """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`.
+        `tuning_mode` ("ptune", "deep_ptune") and `pre_seq_len`: trainable prompts (PETALS' options)."""
         config = load_config(model_dir)
         prefix = validate_prefix(dht_prefix) if dht_prefix else default_prefix(str(model_dir))
         connection = SwarmConnection(list(initial_peers), prefix, ModelLimits.from_config(config), options)
         try:
-            return cls.from_local_parts(model_dir, RemoteBlocks(connection), dtype=dtype, device=device)
+            return cls.from_local_parts(
+                model_dir,
+                RemoteBlocks(connection),
+                dtype=dtype,
+                device=device,
+                tuning_mode=tuning_mode,
+                pre_seq_len=pre_seq_len,
+            )
         except BaseException:
             connection.shutdown()
             raise
@@ -118,6 +144,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             input_ids = torch.empty(embeds.shape[0], 0, dtype=torch.long, device=embeds.device)
             if session is None and self._active_session is None:
                 length = embeds.shape[1] + (kwargs.get("max_new_tokens") or self.generation_config.max_length)
+                length += self.prompts.length if self.prompts is not None else 0
                 with self.inference_session(max_length=length, batch_size=embeds.shape[0]):
                     return super().generate(**kwargs)
             with self._use_session(session or self._active_session):
@@ -137,6 +164,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             max_length = kwargs.get("max_length") or self.generation_config.max_length
             if max_new is not None:
                 max_length = input_ids.shape[1] + max_new
+            max_length += self.prompts.length if self.prompts is not None else 0  # the trained prefix
             beams = kwargs.get("num_beams") or self.generation_config.num_beams or 1
             with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0] * beams) as own:
                 with self._use_session(own):
@@ -170,18 +198,56 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits for the tokens of `input_ids` that the session has not processed yet, or for a prompt
-        given as `inputs_embeds` (token embeddings, as `get_input_embeddings()` makes them)."""
+        """Inside an inference session (generate()): logits for the tokens the session has not processed
+        yet, or for a prompt given as `inputs_embeds`. Outside one: whole sequences through the blocks'
+        forward RPC, differentiable (training), with the causal LM loss when `labels` are given."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward() takes exactly one of input_ids and inputs_embeds")
-        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         session = self._active_session
         if session is None:
-            with self.inference_session(max_length=length, batch_size=batch) as session:
-                return self._forward_in(session, input_ids, attention_mask, inputs_embeds)
+            return self._forward_sequence(input_ids, attention_mask, inputs_embeds, labels)
         return self._forward_in(session, input_ids, attention_mask, inputs_embeds)
+
+    def _forward_sequence(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        labels: torch.Tensor | None,
+    ) -> CausalLMOutputWithPast:
+        parts = self.client_parts
+        embeds = inputs_embeds if inputs_embeds is not None else parts.token_embedding(input_ids)
+        batch = embeds.shape[0]
+        prefix = self.prompts.prefix(batch) if self.prompts is not None else None
+        if prefix is not None:
+            embeds = torch.cat([prefix.to(embeds), embeds], dim=1)
+        hidden = parts.from_embeddings(embeds)
+        padding_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            padding_mask = self._with_prompt_positions(attention_mask).long()
+        deep = self.prompts.deep() if self.prompts is not None else None
+        output = self.backend.forward_sequence(hidden, padding_mask, deep)
+        if prefix is not None:
+            output = output[:, prefix.shape[1] :]
+        logits = parts.logits(output).float()
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
+                labels[:, 1:].reshape(-1).to(logits.device),
+                ignore_index=-100,
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _with_prompt_positions(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The mask with the trained prompt's positions (always real) in front."""
+        if self.prompts is None:
+            return attention_mask
+        ones = torch.ones(attention_mask.shape[0], self.prompts.length, dtype=attention_mask.dtype)
+        return torch.cat([ones.to(attention_mask.device), attention_mask], dim=1)
 
     def _forward_in(
         self,
@@ -190,6 +256,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutputWithPast:
+        if self.prompts is not None:
+            if attention_mask is not None:
+                attention_mask = self._with_prompt_positions(attention_mask)
+            if session.position == 0:  # the trained prompt opens every session, then the input follows
+                prefix = self.prompts.prefix(session.batch_size)
+                session.step_embeddings(self.client_parts.from_embeddings(prefix), None, self.prompts.deep())
         if inputs_embeds is not None:
             hidden = session.step_embeddings(self.client_parts.from_embeddings(inputs_embeds), attention_mask)
         else:

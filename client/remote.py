@@ -22,6 +22,7 @@ import torch
 
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
 from client.routing import RouteHop, SessionShape, chain_problem
+from client.sequence_rpc import SequenceFunction
 from client.stream import ServerStream, StepInput
 from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
 from swarm.wire import ErrorCode, RemoteError
@@ -50,8 +51,16 @@ class RemoteBlockSession:
     close. Without one (or when it fails), the client routes locally. Failover is always local.
     """
 
-    def __init__(self, connection: SwarmConnection, batch_size: int, max_length: int):
+    def __init__(
+        self,
+        connection: SwarmConnection,
+        batch_size: int,
+        max_length: int,
+        start: int = 0,
+        end: int | None = None,
+    ):
         self.connection = connection
+        self.start, self.end = start, connection.num_blocks if end is None else end  # the blocks it runs
         self.shape = SessionShape(
             batch_size=batch_size,
             max_length=max_length,
@@ -68,7 +77,7 @@ class RemoteBlockSession:
         self.verifiers: dict[tuple[int, int], ServerStream] = {}  # a replica per hop's blocks, once needed
         self.steps_done = 0
         self.caught_at_step: int | None = None  # the first step at which a replica outvoted a server
-        self.streams: list[ServerStream] = run_sync(self._open_chain(0, connection.num_blocks))
+        self.streams: list[ServerStream] = run_sync(self._open_chain(self.start, self.end))
 
     async def _open_chain(self, start: int, end: int) -> list[ServerStream]:
         """Route blocks `[start, end)` and open a stream on every server of the chain."""
@@ -200,7 +209,9 @@ class RemoteBlockSession:
         position: int,
         padding_mask: torch.Tensor | None,
         hypo_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`prompts`: deep prompts for this session's blocks (`[blocks, batch or 1, prefix, hidden]`)."""
         started = time.monotonic()
         device = hidden.device  # the client's modules may sit on a GPU; the wire and history are CPU
         step = StepInput(
@@ -208,6 +219,8 @@ class RemoteBlockSession:
             position,
             padding_mask.cpu() if padding_mask is not None else None,
             tuple(int(i) for i in hypo_ids) if hypo_ids is not None else None,
+            prompts.detach().cpu() if prompts is not None else None,
+            self.start,
         )
         output = run_sync(self._step(step)).to(device)
         self.steps_done += 1
@@ -303,7 +316,12 @@ class RemoteBlockSession:
             raise SwarmUnavailable(
                 f"servers {primary}, {second} and {arbiter.hop.peer_id} all disagree on blocks {blocks}"
             )
-        self.connection.ban_liar(verdict.liar)
+        self.connection.ban_liar(
+            verdict.liar,
+            (stream.hop.start, stream.hop.end),
+            "outvoted",
+            difference if verdict.liar != arbiter.hop.peer_id else relative_difference(third, output),
+        )
         if self.caught_at_step is None:
             self.caught_at_step = self.steps_done + 1
         logger.warning(
@@ -387,19 +405,7 @@ class RemoteBlockSession:
         return failures
 
     def _blame(self, peer_id: str, error: BaseException) -> None:
-        if peer_id and getattr(error, "wrong_output", False):
-            self.connection.ban_liar(peer_id)
-            logger.warning(
-                "server %s %s: banned for %.0f s", peer_id[-8:], error, self.connection.options.liar_ban
-            )
-        elif peer_id:
-            duration = self.connection.ban(peer_id)
-            logger.warning(
-                "server %s failed (%s); avoiding it for %.0f s",
-                peer_id[-8:],
-                str(error) or type(error).__name__,
-                duration,
-            )
+        self.connection.blame(peer_id, error)
 
     async def _replace(self, failed: ServerStream) -> list[ServerStream]:
         """New servers for exactly the failed server's blocks, caches rebuilt by replaying its inputs."""
@@ -466,6 +472,17 @@ class RemoteBlocks:
     def open_session(self, batch_size: int, max_length: int) -> RemoteBlockSession:
         return RemoteBlockSession(self.connection, batch_size, max_length)
 
+    def forward_sequence(
+        self,
+        hidden: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every block on whole sequences, differentiable (training through the swarm)."""
+        return SequenceFunction.apply(
+            hidden, prompts, padding_mask, self.connection, 0, self.connection.num_blocks
+        )
+
 
 def _failed_peer(streams: list[ServerStream]) -> str:
     """The first stream that did not finish opening or replaying is the one to blame."""
@@ -487,7 +504,7 @@ async def _replay_then_step(
     enough for verification's tolerance, and exact when it has seen every step; step by step when beam
     search reordered the sequences in between), then run the step."""
     missing = [sent for sent in history if sent.position >= replica.position]
-    if any(sent.hypo_ids is not None for sent in missing):
+    if any(sent.hypo_ids is not None or sent.prompts is not None for sent in missing):
         for sent in missing:
             await replica.step(sent, timeout)
     elif missing:

@@ -48,7 +48,12 @@ class InferenceSession:
             )
         return input_ids[:, known:]
 
-    def step_embeddings(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def step_embeddings(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run a prompt given as embeddings (the first block's input) through every block: only at the
         start of a session, before any token ids (the positions it takes have no ids to check)."""
         if self.token_ids.shape[1]:
@@ -61,7 +66,7 @@ class InferenceSession:
         num_new = hidden.shape[1]
         self._check_room(num_new)
         padding_mask = self._padding_mask(attention_mask, num_new)
-        output = self.blocks.step(hidden, self.position, padding_mask)
+        output = self.blocks.step(hidden, self.position, padding_mask, prompts=prompts)
         self.prefix_length += num_new
         self.padding_mask = padding_mask
         return output

@@ -27,9 +27,11 @@ class StreamFailure(Exception):
     """The connection to a server broke, timed out or carried garbage. `wrong_output`: the server
     answered, but with something no honest server sends (NaN, a wrong shape): its fault for sure."""
 
-    def __init__(self, peer: str, cause: object, wrong_output: bool = False):
+    def __init__(
+        self, peer: str, cause: object, wrong_output: bool = False, blocks: tuple[int, int] | None = None
+    ):
         super().__init__(f"{peer[-8:]}: {cause or type(cause).__name__}")
-        self.peer, self.wrong_output = peer, wrong_output
+        self.peer, self.wrong_output, self.blocks = peer, wrong_output, blocks
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,16 @@ class StepInput:
     position: int  # absolute position of the first new token
     padding_mask: torch.Tensor | None = None  # [batch, position + new], only once padding appears
     hypo_ids: tuple[int, ...] | None = None  # beam search: sequence i first continues hypo_ids[i]
+    # deep prompt tuning: a prompt per block `[blocks, batch or 1, prefix, hidden]` for absolute blocks
+    # from `prompts_start`; each server gets its blocks' slice while the step reaches below `prefix`
+    prompts: torch.Tensor | None = None
+    prompts_start: int = 0
+
+    def prompts_for(self, start: int, end: int) -> torch.Tensor | None:
+        """The prompts of absolute blocks `[start, end)` if this step needs them, else None."""
+        if self.prompts is None or self.position >= self.prompts.shape[2]:
+            return None
+        return self.prompts[start - self.prompts_start : end - self.prompts_start]
 
     @property
     def end(self) -> int:
@@ -93,12 +105,21 @@ class ServerStream:
         if self._queue is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
         hypo_ids = list(step.hypo_ids) if step.hypo_ids is not None else None
-        self._queue.put_nowait(encode(Step(step_id=step_id, position=position, hypo_ids=hypo_ids), tensors))
+        prompts = step.prompts_for(self.hop.start, self.hop.end)
+        if prompts is not None:
+            tensors.append(prompts)
+        message = Step(step_id=step_id, position=position, hypo_ids=hypo_ids, prompts=prompts is not None)
+        self._queue.put_nowait(encode(message, tensors))
         reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
         problem = output_problem(reply.step_id, step_id, outputs, hidden)
         if problem is not None:  # this server's fault: blamed here, never the next server it would reach
             self.healthy = False
-            raise StreamFailure(self.hop.peer_id, f"the server answered {problem}", wrong_output=True)
+            raise StreamFailure(
+                self.hop.peer_id,
+                f"the server answered {problem}",
+                wrong_output=True,
+                blocks=(self.hop.start, self.hop.end),
+            )
         self.history.append(step)
         return outputs[0]
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator  # noqa: UP035  (hivemind detects streaming RPCs by typing's alias)
 
 import torch
@@ -27,10 +28,14 @@ from server.engine import BatchingEngine
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
 from server.session import Session, check_hypo_ids, check_step_inputs
+from server.training import parse_sequence_call, run_backward, run_forward
 from swarm.closed_swarm import SwarmSecret
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
     PEER_LIMIT_PREFIX,
+    Ack,
+    Backward,
+    Computed,
     Error,
     ErrorCode,
     Forward,
@@ -38,6 +43,7 @@ from swarm.wire import (
     Open,
     Opened,
     ProtocolError,
+    Report,
     Step,
     StepDone,
     decode_tensors,
@@ -46,6 +52,10 @@ from swarm.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+REPORT_WINDOW = 10.0  # seconds: one peer's reports of wrong outputs count at most once per window
+MAX_REPORTERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,7 @@ class BlockServicer(ServicerBase):
         self.accepting = True
         self.limits = limits or PeerLimits()
         self.swarm_secret, self.local_peer_id = swarm_secret, local_peer_id
+        self._reported_at: dict[str, float] = {}  # peer -> when its last counted report came
         # one compute thread: steps of different sessions run one at a time, like one accelerator;
         # with batching on (batch_wait_ms > 0) the engine's thread runs concurrent sessions' decode
         # steps as one batched forward (server/engine.py), otherwise each step runs alone, as before
@@ -119,44 +130,99 @@ class BlockServicer(ServicerBase):
                 return self._error(error.code, str(error))
         return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(self.get_info()))
 
-    # --- stateless forward ----------------------------------------------------------------------
+    # --- reports of wrong outputs ---------------------------------------------------------------
+    async def rpc_report(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """A client says this server's output was wrong (outvoted by replicas, or malformed): counted
+        and logged for the operator, nothing more (any client may send it; one per peer per window)."""
+        try:
+            report = parse(request.metadata, Report)
+            self._check_proof(report.swarm_proof, context)
+            self._check_blocks(report.start, report.end)
+        except ProtocolError as error:
+            return self._error(error.code, str(error))
+        peer, now = str(context.remote_id), time.monotonic()
+        if now - self._reported_at.get(peer, -REPORT_WINDOW) >= REPORT_WINDOW:
+            if len(self._reported_at) >= MAX_REPORTERS:  # forget the old windows, never grow unbounded
+                self._reported_at = {p: t for p, t in self._reported_at.items() if now - t < REPORT_WINDOW}
+            self._reported_at[peer] = now
+            self.metrics.wrong_output_reports.labels(reason=report.reason).inc()
+            detail = (
+                f"{report.relative_difference:.3g} relative difference from two agreeing replicas"
+                if report.reason == "outvoted"
+                else "NaN, infinity or a wrong shape"
+            )
+            logger.warning(
+                "client %s reports this server's output for blocks %d:%d as wrong (%s): check the device, "
+                "dtype and quantization",
+                peer[-8:],
+                report.start,
+                report.end,
+                detail,
+            )
+        return self._reply(Ack(), [])
+
+    # --- training: forward and backward of whole sequences, nothing kept -----------------------------
     async def rpc_forward(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        """Run blocks [start, end) on a whole sequence without keeping any cache."""
-        owner = f"forward:{id(request)}"
+        """Run blocks [start, end) on whole sequences (no cache): inference without a session, and the
+        forward pass of training."""
+        return await self._sequence_call(request, context, backward=False)
+
+    async def rpc_backward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """Gradients of blocks [start, end) with respect to their inputs (and deep prompts), the
+        forward recomputed: nothing of a client's is kept between calls."""
+        return await self._sequence_call(request, context, backward=True)
+
+    async def _sequence_call(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext, backward: bool
+    ) -> runtime_pb2.ExpertResponse:
+        kind = "backward" if backward else "forward"
+        owner = f"{kind}:{id(request)}"
         self.metrics.received.inc(request.ByteSize())
         try:
-            size, limit = request.ByteSize(), self._message_limit(self.max_batch_size, self.max_length)
+            if not self.accepting:
+                raise ProtocolError(ErrorCode.NOT_SERVING, "this server is shutting down")
+            size, limit = request.ByteSize(), 3 * self._message_limit(self.max_batch_size, self.max_length)
             if size > limit:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST, f"message of {size:,} bytes exceeds the limit of {limit:,}"
                 )
-            message = parse(request.metadata, Forward)
+            message = parse(request.metadata, Backward if backward else Forward)
             self._check_proof(message.swarm_proof, context)
             self._check_blocks(message.start, message.end)
-            tensors = decode_tensors(request)
-            hidden = tensors[0] if tensors else None
-            if hidden is None or hidden.ndim != 3:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "forward needs one [batch, tokens, hidden] tensor")
-            batch, tokens = hidden.shape[:2]
-            self._check_sizes(batch, tokens)
-            self.budget.reserve(owner, self.span.cache_bytes(tokens, batch) * (message.end - message.start))
-            cache = self.span.new_cache(batch, tokens, message.start, message.end)
-            session = Session(
-                "forward", str(context.remote_id), message.start, message.end, batch, tokens, cache, 0
+            call = parse_sequence_call(
+                decode_tensors(request),
+                message.start,
+                message.end,
+                backward=backward,
+                with_prompts=message.prompts,
+                hidden_size=self.span.hidden_size,
+                max_batch_size=self.max_batch_size,
+                max_length=self.max_length,
             )
-            hidden, padding_mask = check_step_inputs(session, self.span.hidden_size, 0, tensors)
-            output = await self._compute(session, hidden, 0, padding_mask)
-            return self._reply(StepDone(step_id="forward", position=0), [output])
+            # activations: one block's at a time without autograd, every block's for a backward
+            blocks = call.end - call.start if backward else 1
+            needed = self.span.training_bytes(call.batch_size, call.num_tokens, blocks)
+            self._check_peer_share(str(context.remote_id), needed)
+            self.budget.reserve(owner, needed)
+            started = time.perf_counter()
+            compute = partial(run_backward if backward else run_forward, self.span, call)
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, compute)
+            self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
+            return self._reply(Computed(), outputs if backward else [outputs])
         except ProtocolError as error:
             return self._error(error.code, str(error))
         except NoCacheRoom as error:
             return self._error(ErrorCode.NO_CACHE_ROOM, str(error))
         except Exception as error:
-            logger.exception("forward failed")
+            logger.exception("%s failed", kind)
             return self._error(
-                ErrorCode.INTERNAL, f"forward failed on the server: {type(error).__name__}: {error}"
+                ErrorCode.INTERNAL, f"{kind} failed on the server: {type(error).__name__}: {error}"
             )
         finally:
             self.budget.release(owner)
@@ -303,14 +369,14 @@ class BlockServicer(ServicerBase):
             replay = session.replayed_output(message.step_id, message.position)
             if replay is not None:
                 return self._reply(StepDone(step_id=message.step_id, position=message.position), [replay])
-            hidden, padding_mask = check_step_inputs(
-                session, self.span.hidden_size, message.position, decode_tensors(request)
+            hidden, padding_mask, prompts = check_step_inputs(
+                session, self.span.hidden_size, message.position, decode_tensors(request), message.prompts
             )
             hypo_ids = check_hypo_ids(session, message.hypo_ids)
             if hypo_ids is not None:
                 session.cache.reorder(hypo_ids)
             started = time.perf_counter()
-            output = await self._compute(session, hidden, message.position, padding_mask)
+            output = await self._compute(session, hidden, message.position, padding_mask, prompts)
             kind = "decode" if hidden.shape[1] == 1 else "prefill"
             self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
             session.record(message.step_id, message.position, output)
@@ -324,15 +390,20 @@ class BlockServicer(ServicerBase):
             )
 
     async def _compute(
-        self, session: Session, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
+        self,
+        session: Session,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.engine is not None:
+        if self.engine is not None and prompts is None:  # prompted steps (a prefix's prefill) run alone
             output = await self.engine.run(self.span, session.cache, hidden, position, padding_mask)
         else:
             thread_delay = self.compute_delay - self.overlap_delay
 
             def run() -> torch.Tensor:
-                output = self.span(hidden, session.cache, position, padding_mask)
+                output = self.span(hidden, session.cache, position, padding_mask, prompts)
                 if thread_delay:
                     time.sleep(thread_delay * session.cache.num_blocks)
                 return output.to(hidden.device, hidden.dtype)  # back to the wire's CPU tensors

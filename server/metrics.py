@@ -41,6 +41,12 @@ class ServerMetrics:
         )
         self.received = Counter("swarm_server_bytes_received", "Request bytes received", registry=r)
         self.sent = Counter("swarm_server_bytes_sent", "Response bytes sent", registry=r)
+        self.wrong_output_reports = Counter(
+            "swarm_server_wrong_output_reports",
+            "Clients' reports that this server's output was wrong (outvoted by replicas, or malformed)",
+            ["reason"],
+            registry=r,
+        )
         self.span_changes = Counter(
             "swarm_server_span_changes", "Times the server moved to a new span", registry=r
         )

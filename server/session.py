@@ -52,29 +52,26 @@ def check_hypo_ids(session: Session, hypo_ids: list[int] | None) -> torch.Tensor
 
 
 def check_step_inputs(
-    session: Session, hidden_size: int, position: int, tensors: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Validate a step's tensors against the session; returns (hidden, padding_mask or None)."""
+    session: Session,
+    hidden_size: int,
+    position: int,
+    tensors: list[torch.Tensor],
+    with_prompts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Validate a step's tensors against the session; returns (hidden, padding_mask, prompts), the
+    last two None when absent."""
+    prompts = None
+    if with_prompts:
+        if not tensors:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a step with prompts carries them as its last tensor")
+        *tensors, prompts = tensors
     if not 1 <= len(tensors) <= 2:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"a step carries 1 or 2 tensors, got {len(tensors)}")
-    hidden = tensors[0]
-    if hidden.dtype not in FLOAT_DTYPES:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"hidden states must be float32/bfloat16/float16, got {hidden.dtype}"
-        )
-    if hidden.ndim != 3:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST,
-            f"hidden states must be [batch, tokens, hidden], got shape {tuple(hidden.shape)}",
-        )
-    batch, num_new, width = hidden.shape
+    hidden = check_hidden(tensors[0], hidden_size, "hidden states")
+    batch, num_new, _width = hidden.shape
     if batch != session.batch_size:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"batch size {batch} differs from the session's {session.batch_size}"
-        )
-    if width != hidden_size:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"hidden size {width} differs from the model's {hidden_size}"
         )
     if num_new == 0:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a step must carry at least one token")
@@ -88,17 +85,61 @@ def check_step_inputs(
             ErrorCode.BAD_REQUEST,
             f"positions up to {position + num_new} exceed the session's max_length {session.max_length}",
         )
+    padding_mask = check_padding_mask(tensors[1], batch, position + num_new) if len(tensors) == 2 else None
+    if prompts is not None:
+        prompts = check_prompts(prompts, session.end - session.start, batch, hidden_size, session.max_length)
+    return hidden, padding_mask, prompts
+
+
+def check_hidden(hidden: torch.Tensor, hidden_size: int, what: str) -> torch.Tensor:
+    """A finite float `[batch, tokens, hidden_size]` tensor."""
+    if hidden.dtype not in FLOAT_DTYPES:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{what} must be float32/bfloat16/float16, got {hidden.dtype}"
+        )
+    if hidden.ndim != 3:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{what} must be [batch, tokens, hidden], got shape {tuple(hidden.shape)}"
+        )
+    if hidden.shape[2] != hidden_size:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"hidden size {hidden.shape[2]} differs from the model's {hidden_size}"
+        )
     if not bool(torch.isfinite(hidden).all()):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "hidden states contain NaN or infinity")
-    padding_mask = None
-    if len(tensors) == 2:
-        padding_mask = tensors[1]
-        if tuple(padding_mask.shape) != (batch, position + num_new):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"padding mask must have shape {(batch, position + num_new)}, "
-                f"got {tuple(padding_mask.shape)}",
-            )
-        if not bool(((padding_mask == 0) | (padding_mask == 1)).all()):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "padding mask values must be 0 or 1")
-    return hidden, padding_mask
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} contain NaN or infinity")
+    return hidden
+
+
+def check_padding_mask(padding_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    if tuple(padding_mask.shape) != (batch, length):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"padding mask must have shape {(batch, length)}, got {tuple(padding_mask.shape)}",
+        )
+    if not bool(((padding_mask == 0) | (padding_mask == 1)).all()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "padding mask values must be 0 or 1")
+    return padding_mask
+
+
+def check_prompts(
+    prompts: torch.Tensor, num_blocks: int, batch: int, hidden_size: int, max_length: int
+) -> torch.Tensor:
+    """Deep prompts: `[num_blocks, batch or 1, prefix, hidden_size]`, finite, prefix <= max_length."""
+    if prompts.dtype not in FLOAT_DTYPES or prompts.ndim != 4:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"prompts must be a float [blocks, batch, prefix, hidden] tensor, got {prompts.dtype} "
+            f"{tuple(prompts.shape)}",
+        )
+    blocks, prompt_batch, prefix, width = prompts.shape
+    if blocks != num_blocks or prompt_batch not in (1, batch) or width != hidden_size:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"prompts of shape {tuple(prompts.shape)} do not fit {num_blocks} blocks, batch {batch} and "
+            f"hidden size {hidden_size}",
+        )
+    if not 1 <= prefix <= max_length:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"a prompt of {prefix} positions exceeds {max_length}")
+    if not bool(torch.isfinite(prompts).all()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "prompts contain NaN or infinity")
+    return prompts

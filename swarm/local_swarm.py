@@ -8,10 +8,12 @@ without touching anything else on the machine.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from hivemind.dht import DHT
@@ -137,6 +139,16 @@ class LocalSwarm:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
 
+    def metrics(self, name: str, timeout: float = 30.0) -> str:
+        """The Prometheus text of server `name` (started with `--metrics-port 0`: the port is logged)."""
+        deadline = time.monotonic() + timeout
+        while not (match := re.search(r"metrics at http://([\d.]+):(\d+)/metrics", self.log(name))):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} logged no metrics endpoint: {self.log(name)[-2000:]}")
+            time.sleep(0.2)
+        with urllib.request.urlopen(f"http://{match.group(1)}:{match.group(2)}/metrics", timeout=10) as reply:
+            return reply.read().decode()
+
     def log_tails(self, max_chars: int = 3000) -> str:
         """The end of every process's log: what a failed benchmark prints before its logs go away."""
         return "\n".join(f"--- {name}.log ---\n{self.log(name)[-max_chars:]}" for name in self.processes)
@@ -246,3 +258,10 @@ def child_pids() -> set[int]:
             found.add(child)
             frontier.append(child)
     return found
+
+
+def prometheus_sample(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in Prometheus' text format (0 if absent)."""
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" ([0-9.e+-]+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0

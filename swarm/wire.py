@@ -15,6 +15,7 @@ overwrites the cache: the same step id at the same position is answered from the
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -69,6 +70,9 @@ class Step(Message):
     position: int = Field(ge=0)
     # beam search: before this step, sequence i of the session continues sequence hypo_ids[i]
     hypo_ids: list[int] | None = Field(default=None, max_length=4096)
+    # deep prompt tuning: the last tensor holds a prompt per block of the session, added to the
+    # block's input at positions below its length
+    prompts: bool = False
 
 
 class StepDone(Message):
@@ -78,10 +82,52 @@ class StepDone(Message):
 
 
 class Forward(Message):
+    """Blocks `[start, end)` on whole sequences, nothing kept. Tensors: hidden states `[batch, tokens,
+    hidden]`, then a padding mask `[batch, tokens]` if the batch is padded, then the deep prompts
+    `[end - start, batch or 1, prefix, hidden]` if `prompts`."""
+
     type: str = "forward"
     start: int = Field(ge=0)
     end: int = Field(gt=0)
+    prompts: bool = False
     swarm_proof: str = Field(default="", max_length=128)
+
+
+class Backward(Message):
+    """Gradients of a `Forward` (recomputed, nothing kept between calls). Tensors: hidden states, the
+    gradient of the output (same shape), then the optional padding mask and prompts as in `Forward`.
+    The reply holds the gradient of the hidden states, then of the prompts if `prompts`."""
+
+    type: str = "backward"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    prompts: bool = False
+    swarm_proof: str = Field(default="", max_length=128)
+
+
+class Computed(Message):
+    """The reply to `Forward` and `Backward`."""
+
+    type: str = "computed"
+
+
+class Report(Message):
+    """A client's notice to a server that its output for blocks `[start, end)` was wrong: outvoted by
+    two replicas, or malformed (NaN, a wrong shape). Only counted and logged, so the operator of an
+    honest server with a failing GPU or a bad quantization finds out; it changes nothing else, since
+    any client may send it."""
+
+    type: str = "report"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    reason: Literal["outvoted", "malformed"]
+    # from the majority's output (outvoted); 0 when malformed
+    relative_difference: float = Field(default=0.0, ge=0.0, le=1e30, allow_inf_nan=False)
+    swarm_proof: str = Field(default="", max_length=128)
+
+
+class Ack(Message):
+    type: str = "ack"
 
 
 class InfoRequest(Message):
@@ -114,7 +160,11 @@ class RemoteError(Exception):
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
     serialized = [serialize_torch_tensor(t) for t in tensors]
     # optional fields left empty are left out, so servers that predate them accept the message
-    unused = {name for name in ("swarm_proof", "hypo_ids") if getattr(message, name, 1) in ("", None)}
+    unused = {
+        name
+        for name in ("swarm_proof", "hypo_ids", "prompts")
+        if getattr(message, name, 1) in ("", None) or getattr(message, name, 1) is False
+    }
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))
     if request:
         return runtime_pb2.ExpertRequest(uid="", tensors=serialized, metadata=metadata)

@@ -19,7 +19,7 @@ from client import AutoDistributedModelForCausalLM, ClientOptions
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
+from swarm.local_swarm import LocalSwarm, prometheus_sample
 from tests.conftest import NUM_BLOCKS
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -31,11 +31,7 @@ def fetch(url: str) -> str:
         return response.read().decode()
 
 
-def metric(text: str, name: str, labels: str = "") -> float:
-    """The value of one Prometheus sample (0 if absent)."""
-    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" ([0-9.e+-]+)$"
-    match = re.search(pattern, text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+metric = prometheus_sample
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +105,8 @@ def test_browser_shows_every_server_span_on_the_coverage_map(swarm, page):
 
 def test_metrics_move_after_a_generation(swarm, llama_dir):
     local_swarm, scheduler_url, _ = swarm
-    server_urls = [
-        f"http://127.0.0.1:{port}/metrics" for port in (_metrics_port(local_swarm, name) for name in SERVERS)
-    ]
     before_scheduler = fetch(scheduler_url + "metrics")
-    before_servers = [fetch(url) for url in server_urls]
+    before_servers = [local_swarm.metrics(name) for name in SERVERS]
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     client = AutoDistributedModelForCausalLM.from_pretrained(
         llama_dir,
@@ -139,7 +132,7 @@ def test_metrics_move_after_a_generation(swarm, llama_dir):
     assert metric(after_scheduler, "swarm_routes_total", 'outcome="admitted"') >= 1
     deadline = time.monotonic() + 10
     while True:  # the session closes on the servers just after the client returns
-        after_servers = [fetch(url) for url in server_urls]
+        after_servers = [local_swarm.metrics(name) for name in SERVERS]
         if all(metric(text, "swarm_server_sessions_opened_total") >= 1 for text in after_servers):
             break
         assert time.monotonic() < deadline
@@ -155,14 +148,3 @@ def test_metrics_move_after_a_generation(swarm, llama_dir):
             before, "swarm_server_bytes_received_total"
         )
         assert metric(after, "swarm_server_cache_slots_free") > 0
-
-
-def _metrics_port(swarm: LocalSwarm, name: str) -> int:
-    """The port a server logged for its metrics endpoint (`--metrics-port 0` picks a free one)."""
-    deadline = time.monotonic() + 30
-    while True:
-        match = re.search(r"metrics at http://[\d.]+:(\d+)/metrics", swarm.log(name))
-        if match:
-            return int(match.group(1))
-        assert time.monotonic() < deadline, swarm.log(name)[-2000:]
-        time.sleep(0.2)

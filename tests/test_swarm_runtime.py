@@ -12,12 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
+from client.backend import LocalSpans
 from client.connection import run_sync
 from client.remote import RemoteBlockSession
 from client.routing import RouteHop, SessionShape
 from client.stream import ServerStream
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import CHILD_ENV, LocalSwarm, child_pids
+from swarm.models.span import load_span
 from swarm.wire import ErrorCode, RemoteError
 from tests.conftest import NUM_BLOCKS
 
@@ -245,3 +247,94 @@ def test_beam_search_through_the_swarm(client, reference):
     prompt = tokenizer("The quick brown fox", return_tensors="pt").input_ids
     expected = model.generate(prompt, max_new_tokens=12, num_beams=5, do_sample=False)
     assert torch.equal(client.generate(prompt, max_new_tokens=12, num_beams=5, do_sample=False), expected)
+
+
+# --- training through the swarm and the block-level API (issue 19) -----------------------------------
+@pytest.fixture(scope="module")
+def local_blocks(model_dir):
+    """The same blocks in this process: the reference for outputs and gradients."""
+    return load_span(model_dir, 0, NUM_BLOCKS)[0]
+
+
+def test_block_level_forward_slices_and_steps_match_local_blocks(client, local_blocks):
+    """`model.blocks` (PETALS' `model.transformer.h`): whole, sliced and single blocks give the local
+    blocks' output within 1e-4; a session's single, multi-token and empty steps give the forward's."""
+    hidden = torch.randn(2, 7, local_blocks.hidden_size)
+    assert len(client.blocks) == NUM_BLOCKS
+    for blocks, (first, last) in (
+        (client.blocks, (0, NUM_BLOCKS)),
+        (client.blocks[2:5], (2, 5)),
+        (client.blocks[-1], (NUM_BLOCKS - 1, NUM_BLOCKS)),
+    ):
+        expected = local_blocks.forward_sequence(hidden, first, last)
+        assert torch.allclose(blocks(hidden), expected, atol=1e-4), (first, last)
+    middle = client.blocks[1:4]
+    with middle.inference_session(max_length=10, batch_size=2) as session:
+        outputs = [
+            session.step(hidden[:, :1]),
+            session.step(hidden[:, 1:4]),
+            session.step(hidden[:, 4:4]),
+            session.step(hidden[:, 4:]),
+        ]
+    assert outputs[2].shape == (2, 0, local_blocks.hidden_size)
+    assert torch.allclose(torch.cat(outputs, dim=1), middle(hidden), atol=1e-3)
+
+
+def test_gradients_through_the_swarm_match_local_autograd(client, local_blocks):
+    """`backward()` through two servers' backward RPCs: gradients with respect to the inputs and to
+    deep prompts equal local autograd within 1e-4 (float32), and a padded batch too."""
+    hidden = torch.randn(2, 6, local_blocks.hidden_size)
+    prompts = 0.1 * torch.randn(NUM_BLOCKS, 1, 3, local_blocks.hidden_size)
+    weights = torch.randn(2, 6, local_blocks.hidden_size)
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    for mask in (None, padding):
+        grads = []
+        for run in (client.blocks, _local_run(local_blocks)):
+            leaf_hidden, leaf_prompts = hidden.clone().requires_grad_(), prompts.clone().requires_grad_()
+            output = run(leaf_hidden, leaf_prompts, mask)
+            (output * weights).sum().backward()
+            grads.append((output.detach(), leaf_hidden.grad, leaf_prompts.grad))
+        (remote_out, remote_hidden, remote_prompts), (local_out, local_hidden, local_prompts) = grads
+        assert torch.allclose(remote_out, local_out, atol=1e-4)
+        assert torch.allclose(remote_hidden, local_hidden, atol=1e-4)
+        assert torch.allclose(remote_prompts, local_prompts, atol=1e-4)
+        assert remote_prompts.abs().sum() > 0
+
+
+def test_prompt_tuned_model_trains_and_generates_like_the_local_one(swarm, model_dir):
+    """`tuning_mode="deep_ptune"`: the loss and its gradients for the trainable prompts equal the same
+    model run on local blocks, and generate() (with the prompts on the servers) gives the same tokens."""
+    remote = AutoDistributedModelForCausalLM.from_pretrained(
+        model_dir, swarm.initial_peers, tuning_mode="deep_ptune", pre_seq_len=3
+    )
+    try:
+        local = AutoDistributedModelForCausalLM.from_local_parts(
+            model_dir,
+            LocalSpans([load_span(model_dir, 0, NUM_BLOCKS)[0]]),
+            tuning_mode="deep_ptune",
+            pre_seq_len=3,
+        )
+        torch.nn.init.normal_(remote.prompts.intermediate_prompt_embeddings.weight, std=0.1)
+        local.prompts.load_state_dict(remote.prompts.state_dict())
+        ids = torch.tensor([[5, 17, 99, 200, 31, 7], [8, 9, 10, 11, 12, 13]])
+        losses = []
+        for model in (remote, local):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) < 1e-4
+        for name, parameter in remote.prompts.named_parameters():
+            reference = local.prompts.get_parameter(name).grad
+            assert torch.allclose(parameter.grad, reference, atol=1e-4), name
+        prompt = ids[:1, :4]
+        expected = local.generate(prompt, max_new_tokens=6, do_sample=False)
+        assert torch.equal(remote.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+    finally:
+        remote.shutdown()
+
+
+def _local_run(span):
+    def run(hidden, prompts, padding_mask):
+        return span.forward_sequence(hidden, 0, NUM_BLOCKS, padding_mask, prompts)
+
+    return run

@@ -7,6 +7,8 @@ their blocks, so routing picks them first.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,10 +16,11 @@ from transformers import AutoModelForCausalLM
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import SwarmUnavailable
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
+from swarm.local_swarm import LocalSwarm, prometheus_sample
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200]])
+REPORTS = "swarm_server_wrong_output_reports_total"
 HONEST_DELAY = ("--compute-delay", "0.02")  # honest servers announce themselves much slower than the liars
 
 
@@ -26,8 +29,9 @@ def lying_swarm(llama_dir, tmp_path_factory):
     swarm = LocalSwarm(tmp_path_factory.mktemp("verify"))
     try:
         swarm.start_dht()
-        swarm.start_server("liar", llama_dir, "0:3", module=("tests.lying_server", "noise"))
-        swarm.start_server("nan", llama_dir, "3:6", module=("tests.lying_server", "nan"))
+        metrics = ("--metrics-port", "0")
+        swarm.start_server("liar", llama_dir, "0:3", "1GB", *metrics, module=("tests.lying_server", "noise"))
+        swarm.start_server("nan", llama_dir, "3:6", "1GB", *metrics, module=("tests.lying_server", "nan"))
         for name, blocks in (("h1", "0:3"), ("h2", "0:3"), ("b1", "3:6"), ("b2", "3:6")):
             swarm.start_server(name, llama_dir, blocks, "1GB", *HONEST_DELAY)
         names = ["liar", "nan", "h1", "h2", "b1", "b2"]
@@ -65,6 +69,13 @@ def test_verifying_every_step_gives_exact_outputs_and_bans_the_liars(lying_swarm
         assert connection.verified_steps > 0
     finally:
         client.shutdown()
+    # each liar's operator sees the clients' reports in its metrics (sent in the background)
+    for name, reason in (("liar", "outvoted"), ("nan", "malformed")):
+        deadline = time.monotonic() + 15
+        while prometheus_sample(swarm.metrics(name), REPORTS, f'reason="{reason}"') < 1:
+            assert time.monotonic() < deadline, swarm.log(name)[-2000:]
+            time.sleep(0.2)
+        assert "reports this server's output for blocks" in swarm.log(name)
 
 
 def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir):

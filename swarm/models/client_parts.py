@@ -31,7 +31,8 @@ class ClientParts(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    @torch.inference_mode()
+    # no inference_mode here: training differentiates through the norm and LM head (whose weights are
+    # frozen), and generate() already runs under inference mode
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids.to(self.lm_head.weight.device))
 
@@ -40,7 +41,6 @@ class ClientParts(nn.Module):
         """The embedding table alone (BLOOM normalizes its output before the first block)."""
         return self.embed[0] if isinstance(self.embed, nn.Sequential) else self.embed
 
-    @torch.inference_mode()
     def from_embeddings(self, embeddings: torch.Tensor) -> torch.Tensor:
         """The first block's input for token embeddings (`inputs_embeds`): what follows the table."""
         hidden = embeddings.to(device=self.lm_head.weight.device, dtype=self.dtype)
@@ -49,7 +49,6 @@ class ClientParts(nn.Module):
                 hidden = module(hidden)
         return hidden
 
-    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(device=self.lm_head.weight.device, dtype=self.dtype)
         return self.lm_head(self.norm(hidden))
@@ -73,4 +72,6 @@ def load_client_parts(
     if tied:
         tensors["lm_head.weight"] = tensors[family.embedding_weight]
     materialize(modules, tensors, dtype, device, what="the client-side modules")
-    return ClientParts(family, config, modules).eval()
+    parts = ClientParts(family, config, modules).eval()
+    parts.requires_grad_(False)  # frozen, like the servers' blocks: training tunes prompts (or adapters)
+    return parts

@@ -131,6 +131,17 @@ class TransformerSpan(nn.Module):
             raise SpanError(f"blocks [{first}, {last}) are not inside this span [{self.start}, {self.end})")
         return first, last
 
+    def training_bytes(self, batch_size: int, num_tokens: int, num_blocks: int) -> int:
+        """Activation memory of a forward kept for backward over `num_blocks` blocks: s*b*h*(34 +
+        5*a*s/h) bytes per block at 16-bit (Korthikanti et al., 2022, "Reducing Activation Recomputation
+        in Large Transformer Models", eq. 1), scaled to this span's dtype."""
+        per_block = batch_size * num_tokens * (34 * self.hidden_size + 5 * self.num_heads * num_tokens)
+        return num_blocks * per_block * dtype_bytes(self.dtype) // 2
+
+    @property
+    def num_heads(self) -> int:
+        return self.family.num_heads(self.config)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -138,17 +149,44 @@ class TransformerSpan(nn.Module):
         cache: SpanCache,
         position: int,
         padding_mask: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the cache's blocks on `hidden` (`[batch, new, hidden]`) placed at absolute `position`."""
+        """Run the cache's blocks on `hidden` (`[batch, new, hidden]`) placed at absolute `position`.
+        `prompts` (deep prompt tuning, `[cache's blocks, batch or 1, prefix, hidden]`): block i's
+        input at positions below `prefix` gets `prompts[i]` added."""
         num_new = hidden.shape[1]
         cache.begin_step(position, num_new)
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         if padding_mask is not None:
             padding_mask = padding_mask.to(self.device)
         inputs = self.family.step_inputs(self.config, self.helpers, hidden, position, padding_mask)
-        for local in range(cache.block_offset, cache.block_offset + cache.num_blocks):
+        for index, local in enumerate(range(cache.block_offset, cache.block_offset + cache.num_blocks)):
+            if prompts is not None:
+                hidden = add_prompt(hidden, prompts[index].to(hidden), position)
             hidden = self.family.run_block(self.blocks[local], hidden, cache, inputs)
         cache.end_step()
+        return hidden
+
+    def forward_sequence(
+        self,
+        hidden: torch.Tensor,
+        first: int,
+        last: int,
+        padding_mask: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Blocks `[first, last)` (absolute) on whole sequences `[batch, tokens, hidden]`, without a
+        cache and in the caller's autograd mode: the forward and backward RPCs of training. The blocks'
+        weights are frozen, so a graph built here reaches only `hidden` and `prompts`."""
+        first, last = self._check_range(first, last)
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        if padding_mask is not None:
+            padding_mask = padding_mask.to(self.device)
+        inputs = self.family.step_inputs(self.config, self.helpers, hidden, 0, padding_mask)
+        for index, local in enumerate(range(first - self.start, last - self.start)):
+            if prompts is not None:
+                hidden = add_prompt(hidden, prompts[index].to(hidden), 0)
+            hidden = self.family.run_block(self.blocks[local], hidden, None, inputs)
         return hidden
 
     @torch.inference_mode()
@@ -198,6 +236,16 @@ class TransformerSpan(nn.Module):
         return list(hidden.split([cache.batch_size for cache in caches]))
 
 
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, position: int) -> torch.Tensor:
+    """`hidden` (tokens at absolute positions `position...`) with `prompt` (`[batch or 1, prefix,
+    hidden]`) added where positions fall below `prefix`; a new tensor, so autograd sees the sum."""
+    overlap = min(prompt.shape[1] - position, hidden.shape[1])
+    if overlap <= 0:
+        return hidden
+    prompted = hidden[:, :overlap] + prompt[:, position : position + overlap]
+    return torch.cat([prompted, hidden[:, overlap:]], dim=1)
+
+
 def validate_span(start: int, end: int, num_blocks: int) -> None:
     if not (0 <= start < end <= num_blocks):
         raise SpanError(
@@ -229,6 +277,7 @@ def load_span(
     blocks = nn.ModuleList(loaded[index] for index in range(start, end))
     helpers = family.make_span_helpers(config, device)
     span = TransformerSpan(family, config, start, end, blocks, helpers, dtype, device, quant).eval()
+    span.requires_grad_(False)  # served weights are frozen: training RPCs differentiate inputs only
     return span, opened_files
 
 
@@ -346,4 +395,5 @@ def rebuild_span(
     span = TransformerSpan(
         family, config, start, end, blocks, old_span.helpers, old_span.dtype, old_span.device, old_span.quant
     ).eval()
+    span.requires_grad_(False)
     return span, sorted(kept), missing
