@@ -20,8 +20,8 @@ def main() -> None:
         raise SystemExit(f"unknown mode {mode!r}: noise or nan")
     honest_compute = handler.BlockServicer._compute
 
-    async def lying_compute(self, session, hidden, position, padding_mask):
-        output = await honest_compute(self, session, hidden, position, padding_mask)
+    async def lying_compute(self, session, hidden, *args, **kwargs):
+        output = await honest_compute(self, session, hidden, *args, **kwargs)
         if mode == "nan":
             return torch.full_like(output, float("nan"))
         noise = torch.randn_like(output)

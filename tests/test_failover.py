@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm
+from swarm.models.span import load_span
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
@@ -218,3 +219,32 @@ def test_beam_search_survives_a_killed_server(swarm, llama_dir):
         model.shutdown()
     assert killed and killed[0] in ("a", "a2")
     assert torch.equal(output, expected)
+
+
+def test_training_survives_a_server_killed_between_forward_and_backward(swarm, llama_dir):
+    """The server that ran blocks 0:3 in the forward is SIGKILLed before the backward: its blocks are
+    recomputed on the replica from the kept input and the gradients still equal local autograd."""
+    prefix = default_prefix(str(llama_dir))
+    for name, blocks in {"a": "0:3", "a2": "0:3", "b": "3:6"}.items():
+        swarm.start_server(name, llama_dir, blocks)
+    swarm.wait_online(prefix, NUM_BLOCKS, ["a", "a2", "b"])
+    names = {peer: info.public_name for peer, info in swarm.servers(prefix, NUM_BLOCKS).items()}
+    local = load_span(llama_dir, 0, NUM_BLOCKS)[0]
+    hidden = torch.randn(2, 5, local.hidden_size)
+    prompts = 0.1 * torch.randn(NUM_BLOCKS, 1, 2, local.hidden_size)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=FAST_FAILOVER
+    )
+    try:
+        leaves = hidden.clone().requires_grad_(), prompts.clone().requires_grad_()
+        output = model.blocks(*leaves)
+        first = output.grad_fn.hops[0].hop  # the autograd node keeps each hop's input
+        assert (first.start, first.end) == (0, 3)
+        swarm.stop(names[first.peer_id], signal.SIGKILL)
+        output.sum().backward()
+    finally:
+        model.shutdown()
+    expected_leaves = hidden.clone().requires_grad_(), prompts.clone().requires_grad_()
+    local.forward_sequence(expected_leaves[0], 0, NUM_BLOCKS, None, expected_leaves[1]).sum().backward()
+    for leaf, expected in zip(leaves, expected_leaves, strict=True):
+        assert torch.allclose(leaf.grad, expected.grad, atol=1e-4)

@@ -23,7 +23,18 @@ from client.connection import SwarmConnection, run_sync
 from server.handler import BlockServicer
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm
-from swarm.wire import PEER_LIMIT_PREFIX, Forward, Step, encode
+from swarm.wire import (
+    PEER_LIMIT_PREFIX,
+    Backward,
+    Computed,
+    Error,
+    Forward,
+    Report,
+    Step,
+    decode_tensors,
+    encode,
+    parse,
+)
 from tests.conftest import NUM_BLOCKS
 
 HIDDEN = 64
@@ -162,6 +173,11 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         finally:
             writer.close()
 
+    async def training_rpc(message, tensors):
+        stub = connection.stub(peer_id)
+        rpc = stub.rpc_backward if isinstance(message, Backward) else stub.rpc_forward
+        return await rpc(encode(message, tensors), timeout=20)
+
     async def scenario() -> None:
         await expect_error("wrong hidden size", [step(0, torch.randn(1, 1, 32))], "hidden size 32 differs")
         await expect_error(
@@ -242,12 +258,59 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         owner.close()  # disconnect mid-session: the server frees it
         covered.append("disconnect mid-stream")
 
-        # a bad unary forward
-        reply = await connection.stub(peer_id).rpc_forward(
-            encode(Forward(start=0, end=NUM_BLOCKS), [torch.randn(3, HIDDEN)]), timeout=20
+        # training RPCs: every malformed forward or backward gets a clear error (the server holds
+        # nothing between calls, so there is nothing to leak), and a well-formed pair works
+        hidden, grads = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HIDDEN)
+        prompts = torch.randn(NUM_BLOCKS, 1, 2, HIDDEN)
+        nan = torch.full((2, 5, HIDDEN), float("nan"))
+        forward, backward = Forward(start=0, end=NUM_BLOCKS), Backward(start=0, end=NUM_BLOCKS)
+        prompted = Backward(start=0, end=NUM_BLOCKS, prompts=True)
+        for name, message, tensors, match in (
+            ("forward of a 2-D tensor", forward, [torch.randn(3, HIDDEN)], "must be [batch, tokens, hidden]"),
+            ("forward of NaN", forward, [nan], "NaN or infinity"),
+            ("forward of integers", forward, [hidden.long()], "must be float32"),
+            ("forward of too many tokens", forward, [torch.randn(1, 65, HIDDEN)], "tokens are outside 1..64"),
+            (
+                "forward of too many sequences",
+                forward,
+                [torch.randn(5, 1, HIDDEN)],
+                "batch size 5 is outside",
+            ),
+            (
+                "forward outside the span",
+                Forward(start=0, end=NUM_BLOCKS + 1),
+                [hidden],
+                "not inside this server",
+            ),
+            ("backward without gradients", backward, [hidden], "carries 2 or 3 tensors"),
+            ("backward of mismatched gradients", backward, [hidden, grads[:, :3]], "do not match"),
+            ("backward of NaN gradients", backward, [hidden, nan], "output gradients contain NaN"),
+            ("prompts for the wrong blocks", prompted, [hidden, grads, prompts[:2]], "do not fit"),
+            ("prompts of NaN", prompted, [hidden, grads, prompts * float("nan")], "prompts contain NaN"),
+            (
+                "prompts longer than the input",
+                prompted,
+                [hidden, grads, prompts.repeat(1, 1, 4, 1)],
+                "a prompt of",
+            ),
+            (
+                "a padding mask of the wrong shape",
+                backward,
+                [hidden, grads, torch.ones(2, 4)],
+                "padding mask",
+            ),
+        ):
+            reply = parse((await training_rpc(message, tensors)).metadata, Computed, Error)
+            assert isinstance(reply, Error) and match in reply.message, (name, reply)
+            covered.append(name)
+        reply = await training_rpc(prompted, [hidden, grads, prompts])
+        assert parse(reply.metadata, Computed, Error).type == "computed"
+        assert [tuple(t.shape) for t in decode_tensors(reply)] == [tuple(hidden.shape), tuple(prompts.shape)]
+        report = await connection.stub(peer_id).rpc_report(
+            encode(Report(start=0, end=NUM_BLOCKS + 5, reason="outvoted")), timeout=20
         )
-        assert b"forward needs one" in reply.metadata
-        covered.append("bad forward")
+        assert b"not inside this server" in report.metadata
+        covered.append("a report about blocks the server does not hold")
 
         # an idle session is reclaimed
         idle = RawStream(connection, peer_id)
@@ -309,7 +372,7 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
         covered.append("one peer holding 200 sessions")
     finally:
         normal.shutdown()
-    assert len(covered) >= 15, covered
+    assert len(covered) >= 30, covered
     assert swarm.processes["target"].poll() is None, "the server died"
     deadline = time.monotonic() + 30
     swarm.wait_for(
