@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,3 +339,18 @@ def _local_run(span):
         return span.forward_sequence(hidden, 0, NUM_BLOCKS, padding_mask, prompts)
 
     return run
+
+
+def test_the_prompt_tuning_example_lowers_the_loss(swarm, model_dir):
+    """docs/fine-tuning.md's example, a few steps against this swarm: it exits 0 only if the loss fell."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "prompt_tuning.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--model-dir", str(model_dir), "--steps", "6"]
+        + ["--initial-peers", *swarm.initial_peers],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CHILD_ENV,
+    )
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
+    assert "loss fell from" in completed.stdout
