@@ -26,6 +26,7 @@ from server.step_scheduler import (
     decide,
 )
 from swarm.models import load_client_parts, load_span
+from swarm.models.cache import BatchedStepCache
 from tests.conftest import NUM_BLOCKS
 
 NEW_TOKENS = 12
@@ -119,6 +120,67 @@ def test_sixteen_concurrent_sessions_match_sequential_runs(span_and_client):
     assert stats.max_batch >= 5, stats.summary()
     assert stats.decode_iterations * 3 <= stats.decode_steps, stats.summary()
     assert stats.fallbacks == 0
+
+
+def test_batched_decode_reads_caches_in_place_and_matches_replayed_caches(span_and_client, monkeypatch):
+    """Issue 20: a batched decode step hands attention views of each session's own cache (same
+    storage, nothing gathered), for mixed lengths and a padded session; a session whose cache was
+    rebuilt by a failover replay (its history as one prefill into a fresh cache) decodes in the batch
+    exactly as the original does alone."""
+    span, _client = span_and_client
+    generator = torch.Generator().manual_seed(3)
+    lengths, batches = [3, 9, 1, 14], [1, 1, 2, 1]
+    prompts = [
+        torch.randn(b, n, span.hidden_size, generator=generator)
+        for n, b in zip(lengths, batches, strict=True)
+    ]
+    padding = torch.ones(2, lengths[2] + 1)
+    padding[1, 0] = 0  # session 2's second row is padding at its first position
+    caches, replayed = [], []
+    for index, prompt in enumerate(prompts):
+        mask = padding[:, : lengths[index]] if index == 2 else None
+        cache = span.new_cache(prompt.shape[0], 32)
+        for position in range(prompt.shape[1]):  # step by step, as decoding wrote it
+            span(
+                prompt[:, position : position + 1],
+                cache,
+                position,
+                None if mask is None else mask[:, : position + 1],
+            )
+        caches.append(cache)
+        rebuilt = span.new_cache(prompt.shape[0], 32)
+        span(prompt, rebuilt, 0, mask)  # the replacement server's replay: one prefill
+        replayed.append(rebuilt)
+    new_tokens = [torch.randn(b, 1, span.hidden_size, generator=generator) for b in batches]
+    masks = [padding if index == 2 else None for index in range(len(prompts))]
+
+    storages: list[tuple[int, int]] = []
+    original_update = BatchedStepCache.update
+
+    def watching_update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        keys, values = original_update(self, key_states, value_states, layer_idx, cache_kwargs)
+        for view, cache in zip(keys.sessions, self.caches, strict=True):
+            layer = layer_idx - self.block_offset
+            storages.append((view.keys.data_ptr(), cache.keys[layer].data_ptr()))
+            storages.append((view.values.data_ptr(), cache.values[layer].data_ptr()))
+        return keys, values
+
+    monkeypatch.setattr(BatchedStepCache, "update", watching_update)
+    batched = span.forward_batch(
+        [
+            (token, cache, lengths[i], masks[i])
+            for i, (token, cache) in enumerate(zip(new_tokens, replayed, strict=True))
+        ]
+    )
+    assert storages and all(view == cache for view, cache in storages)  # views, not copies
+    for index, (token, cache) in enumerate(zip(new_tokens, caches, strict=True)):
+        alone = span(token, cache, lengths[index], masks[index])
+        worst = (
+            (batched[index] - alone)[masks[index][:, -1:].bool() if masks[index] is not None else ...]
+            .abs()
+            .max()
+        )
+        assert worst.item() <= 1e-5, (index, worst.item())
 
 
 def test_a_failing_step_does_not_poison_its_batch(span_and_client):

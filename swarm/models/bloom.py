@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 from transformers.models.bloom.modeling_bloom import BloomBlock, build_alibi_tensor
 
 from swarm.models.family import ModelFamily, StepInputs, attention_bias, register_family
+from swarm.models.inplace_attention import use_inplace_bloom_attention
 
 
 class BloomFamily(ModelFamily):
@@ -22,7 +23,9 @@ class BloomFamily(ModelFamily):
     blocks_attribute = "h."
 
     def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
-        return BloomBlock(config, layer_idx=local_index)
+        block = BloomBlock(config, layer_idx=local_index)
+        use_inplace_bloom_attention(block.self_attention)  # batched decode reads caches in place
+        return block
 
     def step_inputs(
         self,

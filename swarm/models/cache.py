@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from swarm.models.inplace_attention import SessionKeyValues, SessionView
+
 
 class SpanCache:
     """Keys and values of one session for every block of a span: `[batch, kv_heads, max_length, head_dim]`."""
@@ -93,17 +95,23 @@ class BatchedStepCache:
     """Several sessions' `SpanCache`s seen as one batch, for one decode step run as a single forward.
 
     Each member contributes its own rows (its session's batch) and writes its new keys and values
-    into its *own* cache at its *own* position; attention then reads a gathered, padded copy of every
-    member's prefix, `[rows, kv_heads, total, head_dim]`. Prefixes are right-aligned (padding first,
-    like left-padded `transformers` batches), so the usual padding-mask rules give every row the
-    position ids and ALiBi offsets it would have alone; padded keys are masked out by the caller.
+    into its *own* cache at its *own* position. Attention reads them there, in place: `update`
+    returns `SessionKeyValues` (per session: its rows and views of its cache up to its position;
+    `swarm.models.inplace_attention`), and the attention of each family runs once per session on
+    those views. Nothing is copied but the new token's key and value. The batch's masks and ALiBi
+    columns are right-aligned to `total` (padding first, like left-padded `transformers` batches):
+    a session's keys are their last `position + 1` columns, which is what its views line up with.
 
     All members must serve the same span-local block range (`block_offset`, `num_blocks`): the view
     maps a block's `layer_idx` to a cache layer exactly as `SpanCache.update` does. Each member
     must have had `begin_step(position, 1)` called; the caller calls `end_step()` afterwards.
     """
 
-    def __init__(self, caches: list[SpanCache], positions: list[int], total: int):
+    batched_view = True  # what BLOOM's attention override looks for
+
+    def __init__(
+        self, caches: list[SpanCache], positions: list[int], total: int, masked: list[bool] | None = None
+    ):
         if not caches or len(caches) != len(positions):
             raise ValueError("a batched step needs one position per cache, and at least one cache")
         first = caches[0]
@@ -112,6 +120,7 @@ class BatchedStepCache:
         if any(position + 1 > total for position in positions):
             raise ValueError("the batched view is shorter than a member's prefix")
         self.caches, self.positions, self.total = caches, positions, total
+        self.masked = masked if masked is not None else [False] * len(caches)
         self.block_offset, self.num_blocks = first.block_offset, first.num_blocks
         bounds, row = [], 0
         for cache in caches:
@@ -119,34 +128,30 @@ class BatchedStepCache:
             row += cache.batch_size
         self.row_bounds: list[tuple[int, int]] = bounds
         self.num_rows = row
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
 
     # --- the transformers cache protocol -------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[SessionKeyValues, SessionKeyValues]:
         layer = layer_idx - self.block_offset
-        if self._keys is None:
-            # one pair of buffers serves every block of the step: each block overwrites the same
-            # (non-padding) places, and attention is done with a block's keys before the next
-            # block's update. Zeroed once: padded keys are masked out but must stay finite.
-            rows, heads, _new, head_dim = key_states.shape
-            shape = (rows, heads, self.total, head_dim)
-            self._keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-            self._values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
-        keys, values = self._keys, self._values
-        keys[:, :, -1:] = key_states  # right-aligned: every row's new token is the last column
-        values[:, :, -1:] = value_states
-        for cache, position, (first, last) in zip(self.caches, self.positions, self.row_bounds, strict=True):
-            cache_keys, cache_values = cache.keys[layer], cache.values[layer]
-            cache_keys[:, :, position : position + 1] = key_states[first:last]
-            cache_values[:, :, position : position + 1] = value_states[first:last]
-            if position:
-                start = self.total - 1 - position
-                keys[first:last, :, start:-1] = cache_keys[:, :, :position]
-                values[first:last, :, start:-1] = cache_values[:, :, :position]
-        return keys, values
+        sessions = []
+        for cache, position, (first, last), masked in zip(
+            self.caches, self.positions, self.row_bounds, self.masked, strict=True
+        ):
+            keys, values = cache.keys[layer], cache.values[layer]
+            keys[:, :, position : position + 1] = key_states[first:last]
+            values[:, :, position : position + 1] = value_states[first:last]
+            sessions.append(
+                SessionView(
+                    rows=slice(first, last),
+                    keys=keys[:, :, : position + 1],
+                    values=values[:, :, : position + 1],
+                    first_column=self.total - 1 - position,
+                    masked=masked,
+                )
+            )
+        views = SessionKeyValues(tuple(sessions))
+        return views, views
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.total - 1

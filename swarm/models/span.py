@@ -25,12 +25,15 @@ from swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from swarm.models.cache import BatchedStepCache, SpanCache
 from swarm.models.checkpoint import CheckpointReader, load_config
 from swarm.models.family import ModelFamily, family_for
+from swarm.models.inplace_attention import ATTENTION_NAME as INPLACE_ATTENTION
 from swarm.quantization import check_quant_device, quantize_block
 
 # one session's single-token step, as `TransformerSpan.forward` takes it: (hidden, cache, position, mask)
 BatchedStep = tuple[torch.Tensor, SpanCache, int, torch.Tensor | None]
 
-ATTENTION_IMPLEMENTATION = "sdpa"  # what transformers picks for these models on load, so results match it
+# transformers' own SDPA attention (what it picks for these models on load, so results match it), with
+# batched decode steps reading every session's cache in place (swarm.models.inplace_attention)
+ATTENTION_IMPLEMENTATION = INPLACE_ATTENTION
 
 
 def prepare_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -197,11 +200,13 @@ class TransformerSpan(nn.Module):
         the arguments `forward` takes; the caches may hold different lengths and positions but must
         cover the same blocks. A busy server would otherwise do one tiny matrix product per session
         per block; here every block's weights are read once per batch. Every session keeps its own
-        cache: `BatchedStepCache` writes each row's new keys/values at its own position and hands
-        attention a padded copy of all prefixes, right-aligned so that masking the padding (the
-        family's usual padding-mask path, queried at the common last position) reproduces each
-        session's own positions, rotary angles and ALiBi offsets. Returns one output per step,
-        equal to what `forward` returns for it (up to float summation order).
+        cache: `BatchedStepCache` writes each row's new keys/values at its own position, and attention
+        reads each session's cache in place (`swarm.models.inplace_attention`: no per-session copies).
+        Per-step inputs are computed for the batch right-aligned to the longest prefix, so that the
+        family's usual padding-mask path (queried at the common last position) gives each session its
+        own positions, rotary angles and ALiBi offsets, and each session's attention takes its last
+        `position + 1` columns. Returns one output per step, equal to what `forward` returns for it
+        (up to float summation order in the batched matrix products).
         """
         if not steps:
             return []
@@ -214,7 +219,7 @@ class TransformerSpan(nn.Module):
         for cache, position in zip(caches, positions, strict=True):
             cache.begin_step(position, 1)  # validates each position against its own cache
         total = max(positions) + 1
-        view = BatchedStepCache(caches, positions, total)
+        view = BatchedStepCache(caches, positions, total, [mask is not None for *_, mask in steps])
         # keys of row r are the last `position + 1` columns (1 = a real key, 0 = padding)
         first_key = [
             total - 1 - position
