@@ -1,0 +1,141 @@
+"""`swarm-api`: serve an OpenAI-compatible API (and a chat page) for a model whose blocks run in a swarm."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+from transformers import AutoTokenizer
+
+from client.api.app import SwarmApi
+from client.api.config import ApiConfig
+from client.connection import ClientOptions
+from client.model import DistributedModelForCausalLM
+from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
+from swarm.cli.errors import run_cli
+from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.cli.signals import terminate_like_interrupt
+from swarm.dht_keys import default_prefix, validate_prefix
+
+logger = logging.getLogger("swarm-api")
+
+EXAMPLES = """examples:
+  swarm-api models/tiny-llama --initial-peers $(head -1 dht.maddrs) --port 8000
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 20}'
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        fromfile_prefix_chars="@",
+        prog="swarm-api",
+        description="An OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) "
+        "and a chat page at /, generating through the swarm.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model_dir", type=Path, help="local checkpoint directory (client modules, tokenizer)")
+    parser.add_argument(
+        "--initial-peers", nargs="+", required=True, help="multiaddrs of the swarm's DHT peers"
+    )
+    parser.add_argument("--dht-prefix", help="the model's swarm namespace (default: the directory's name)")
+    parser.add_argument("--model-name", help="the model id clients pass (default: the DHT prefix)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
+    parser.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (at least 8 characters)"
+    )
+    parser.add_argument("--api-key-file", type=Path, help="read the API key from this file instead")
+    parser.add_argument("--max-concurrent", type=int, default=16, help="generations running at once")
+    parser.add_argument(
+        "--max-queued", type=int, default=64, help="requests waiting beyond those; more get 429"
+    )
+    parser.add_argument("--max-tokens", type=int, default=1024, help="the most tokens a request may ask for")
+    parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, at most")
+    parser.add_argument("--scheduler-key", help="route through the scheduler whose records this key signs")
+    parser.add_argument(
+        "--verify-fraction", type=float, default=0.0, help="replica verification (see swarm-generate)"
+    )
+    add_swarm_secret_argument(parser)
+    add_log_level_argument(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ApiConfig:
+    prefix = validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(str(args.model_dir))
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        api_key = args.api_key_file.read_text().strip()
+    options = ClientOptions(
+        scheduler_key=args.scheduler_key,
+        swarm_secret=swarm_secret_from_args(args),
+        verify_fraction=args.verify_fraction,
+    )
+    return ApiConfig(
+        model_dir=args.model_dir,
+        initial_peers=tuple(args.initial_peers),
+        model_name=args.model_name or prefix,
+        dht_prefix=prefix,
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        max_concurrent=args.max_concurrent,
+        max_queued=args.max_queued,
+        max_tokens=args.max_tokens,
+        max_context=args.max_context,
+        options=options,
+    )
+
+
+async def serve(config: ApiConfig, model, tokenizer) -> None:
+    api = SwarmApi(config, model, tokenizer)
+    runner = web.AppRunner(api.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # aiohttp exposes no public accessor for port 0
+    logger.info(
+        "OpenAI-compatible API at http://%s:%d/v1 for model %r (chat page at /, %d concurrent, key %s)",
+        config.host,
+        port,
+        config.model_name,
+        config.max_concurrent,
+        "required" if config.api_key else "not required",
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down: closing the API and the swarm client")
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> None:
+    configure_logging(args.log_level)
+    terminate_like_interrupt()  # SIGTERM during start-up still runs the cleanup below
+    config = config_from_args(args)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+    model = DistributedModelForCausalLM.from_pretrained(
+        config.model_dir, list(config.initial_peers), dht_prefix=config.dht_prefix, options=config.options
+    )
+    try:
+        asyncio.run(serve(config, model, tokenizer))
+    finally:
+        model.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    run_cli("swarm-api", lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""One request's generation on a worker thread, its text handed to the event loop as it grows.
+
+`transformers`' `generate()` runs in a thread (it blocks); a streamer decodes each new token and
+pushes text deltas onto an asyncio queue through the loop's thread-safe call. The request can be
+cancelled (a client that disconnected): a stopping criterion ends `generate()` at the next token,
+and its inference session closes, freeing the servers' caches. Sampling uses a per-request
+`torch.Generator`, so a `seed` reproduces a completion whatever else runs concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessor, StoppingCriteria, TemperatureLogitsWarper, TopPLogitsWarper
+
+from client.api.prompting import StopStrings
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    stop: list[str] | None = None
+    seed: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+    first_token_at: float | None = None  # monotonic
+    finished_at: float | None = None
+
+
+class SeededSampling(LogitsProcessor):
+    """Samples the next token with the request's own generator and leaves only it possible, so that
+    greedy selection in `generate()` picks it: sampling without touching torch's global RNG."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int | None):
+        self.warpers = [TemperatureLogitsWarper(temperature)]
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+        self.generator = torch.Generator().manual_seed(
+            seed % 2**63 if seed is not None else random.SystemRandom().getrandbits(63)
+        )
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probabilities = torch.softmax(scores.float(), dim=-1).cpu()
+        chosen = torch.multinomial(probabilities, 1, generator=self.generator).to(scores.device)
+        only = torch.full_like(scores, -math.inf)
+        return only.scatter_(1, chosen, 0.0)
+
+
+class _Cancelled(StoppingCriteria):
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
+
+
+@dataclass
+class GenerationJob:
+    model: object
+    tokenizer: object
+    prompt_ids: list[int]
+    params: GenerationParams
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)  # text pieces, then None
+    result: GenerationResult = field(default_factory=GenerationResult)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None  # what ended generate() early, if anything
+    _generated: list[int] = field(default_factory=list)
+    _shown: int = 0  # characters of the text already handed out
+    _prompt_seen: bool = False
+
+    def __post_init__(self) -> None:
+        self._stops = StopStrings(self.params.stop)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    # --- runs on a worker thread ----------------------------------------------------------------
+    def run(self) -> GenerationResult:
+        eos = self.tokenizer.eos_token_id
+        kwargs = {}
+        if self.params.temperature > 0:
+            kwargs["logits_processor"] = [
+                SeededSampling(self.params.temperature, self.params.top_p, self.params.seed)
+            ]
+        try:
+            self.model.generate(
+                torch.tensor([self.prompt_ids]),
+                max_new_tokens=self.params.max_tokens,
+                do_sample=False,
+                streamer=self,
+                stopping_criteria=[_Cancelled(self.cancelled)],
+                pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
+                eos_token_id=eos,
+                **kwargs,
+            )
+        except BaseException as error:
+            self.error = error
+            raise
+        finally:
+            self._finish(eos)
+        return self.result
+
+    # the streamer protocol of generate(): the prompt first, then each new token
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        if self.cancelled.is_set():
+            return
+        self._generated += [int(token) for token in value.reshape(-1)]
+        self.result.completion_tokens = len(self._generated)
+        if self.result.first_token_at is None:
+            self.result.first_token_at = time.monotonic()
+        text = self.tokenizer.decode(self._generated, skip_special_tokens=True)
+        text, stopped = self._stops.cut(text)
+        if stopped:
+            self.result.finish_reason = "stop"
+            self.cancel()  # generate() ends at the next token; nothing after the stop string
+            self._emit(text)
+            return
+        if not text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            self._emit(text[: self._stops.safe_length(text)])
+
+    def end(self) -> None:
+        pass  # `_finish` runs once generate() returns, whatever way it ends
+
+    def _emit(self, text: str) -> None:
+        if len(text) > self._shown:
+            self._push(text[self._shown :])
+            self._shown = len(text)
+        self.result.text = text
+
+    def _finish(self, eos: int | None) -> None:
+        if self.result.finish_reason != "stop":
+            text = self._stops.cut(self.tokenizer.decode(self._generated, skip_special_tokens=True))[0]
+            if not self.cancelled.is_set():
+                self._emit(text)
+            if self._generated and self._generated[-1] == eos:
+                self.result.finish_reason = "stop"
+        self.result.finished_at = time.monotonic()
+        self._push(None)
+
+    def _push(self, item: str | None) -> None:
+        self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)

@@ -1,0 +1,47 @@
+"""Prometheus metrics of the API: requests by route and status, tokens, TTFT, time per output token."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from client.api.generation import GenerationResult
+
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ApiMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "swarm_api_requests", "Requests answered, by route and status", ["route", "status"], registry=r
+        )
+        self.tokens = Counter(
+            "swarm_api_tokens", "Tokens processed, by kind (prompt, completion)", ["kind"], registry=r
+        )
+        self.ttft = Histogram(
+            "swarm_api_ttft_seconds", "Time from admission to the first token", buckets=SECONDS, registry=r
+        )
+        self.tpot = Histogram(
+            "swarm_api_time_per_output_token_seconds",
+            "Mean time per token after the first, per request",
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "swarm_api_requests_in_flight", "Requests running or waiting for a slot", registry=r
+        )
+
+    def count(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def observe(self, endpoint: str, prompt_tokens: int, result: GenerationResult, started: float) -> None:
+        self.count(f"/v1/{endpoint}" if endpoint == "completions" else "/v1/chat/completions", 200)
+        self.tokens.labels(kind="prompt").inc(prompt_tokens)
+        self.tokens.labels(kind="completion").inc(result.completion_tokens)
+        if result.first_token_at is not None:
+            self.ttft.observe(result.first_token_at - started)
+            finished = result.finished_at or time.monotonic()
+            if result.completion_tokens > 1:
+                self.tpot.observe((finished - result.first_token_at) / (result.completion_tokens - 1))
