@@ -1,0 +1,199 @@
+"""What the OpenAI-compatible API costs (issue 22): streaming clients through `swarm-api` against
+calling `generate()` directly, at 1, 4 and 16 concurrent clients.
+
+    .venv/bin/python scripts/bench_api.py [--levels 1,4,16] [--requests 3] [--tokens 32] [--write]
+
+One swarm on loopback: a DHT and two servers (blocks 0:3 and 3:6 of a tiny LLaMA-GQA), a `swarm-api`
+process, and this process as the client. At each level, N threads each run `--requests` greedy
+generations of `--tokens` tokens one after another, first through the API (the `openai` package,
+streaming) and then with `generate()` on a client model in this process (alternating which goes
+first per round). Requests/s is of the whole level; TTFT is from sending a request to its first
+token; time per output token is per request, after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import openai  # noqa: E402
+from bench_timing import percentile  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from client import AutoDistributedModelForCausalLM  # noqa: E402
+from swarm.dht_keys import default_prefix  # noqa: E402
+from swarm.local_swarm import PYTHON, LocalSwarm  # noqa: E402
+from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+
+PROMPT = "Once upon a time there was"
+
+
+class FirstToken(BaseStreamer):
+    def __init__(self):
+        self.calls, self.first, self.tokens = 0, None, 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+        if self.calls >= 2:
+            self.tokens += 1
+
+    def end(self) -> None:
+        pass
+
+
+def run_level(clients: int, requests: int, one_request) -> tuple[float, list[float], list[float]]:
+    """(requests/s, TTFTs, times per output token) of `clients` threads doing `requests` each."""
+    ttfts, tpots, errors = [], [], []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        try:
+            for _ in range(requests):
+                started = time.perf_counter()
+                first, tokens, ended = one_request()
+                with lock:
+                    ttfts.append(first - started)
+                    if tokens > 1:
+                        tpots.append((ended - first) / (tokens - 1))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return clients * requests / (time.perf_counter() - started), ttfts, tpots
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--levels", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
+    args = parser.parse_args()
+    levels = [int(level) for level in args.levels.split(",")]
+    results: dict[tuple[str, int], list] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = Path(scratch) / "bench-llama"
+        build_tiny_model(model_dir, TinyModelSpec(family="llama", num_layers=6, num_kv_heads=2))
+        swarm = LocalSwarm(Path(scratch))
+        try:
+            swarm.start_dht()
+            for name, blocks in (("first", "0:3"), ("second", "3:6")):
+                swarm.start_server(name, model_dir, blocks)
+            prefix = default_prefix(str(model_dir))
+            swarm.wait_online(prefix, 6, ["first", "second"])
+            argv = [PYTHON, "-m", "client.api.cli", str(model_dir), "--initial-peers", *swarm.initial_peers]
+            swarm.start("api", [*argv, "--port", "0", "--max-concurrent", str(max(levels))])
+            deadline = time.monotonic() + 120
+            while not (match := re.search(r"API at (http://[\d.]+:\d+)/v1", swarm.log("api"))):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(swarm.log("api")[-3000:])
+                time.sleep(0.2)
+            api = openai.OpenAI(base_url=f"{match.group(1)}/v1", api_key="unused", max_retries=0, timeout=300)
+            model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            prompt_ids = torch.tensor([tokenizer(PROMPT).input_ids])
+
+            def through_api():
+                first, tokens = None, 0
+                stream = api.completions.create(
+                    model=prefix, prompt=PROMPT, max_tokens=args.tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
+                )  # fmt: skip
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text and first is None:
+                        first = time.perf_counter()
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                return first or time.perf_counter(), tokens, time.perf_counter()
+
+            def direct():
+                clock = FirstToken()
+                model.generate(prompt_ids, max_new_tokens=args.tokens, do_sample=False, streamer=clock)
+                return clock.first, clock.tokens, time.perf_counter()
+
+            try:
+                run_level(1, 1, through_api)  # warm-up: connections, routes
+                run_level(1, 1, direct)
+                with tqdm(total=args.rounds * len(levels) * 2, desc="api vs generate()", unit="run") as bar:
+                    for round_index in range(args.rounds):
+                        for level in levels:
+                            ways = [("api", through_api), ("generate", direct)]
+                            for way, call in ways if round_index % 2 == 0 else ways[::-1]:
+                                rate, ttfts, tpots = run_level(level, args.requests, call)
+                                entry = results.setdefault((way, level), [[], [], []])
+                                entry[0].append(rate)
+                                entry[1] += ttfts
+                                entry[2] += tpots
+                                bar.update()
+            finally:
+                model.shutdown()
+        except BaseException:
+            print(swarm.log_tails(), file=sys.stderr)
+            raise
+        finally:
+            swarm.close()
+
+    lines = [
+        "| clients | way | requests/s | TTFT p50 (ms) | TTFT p95 (ms) | per token p50 (ms) "
+        "| per token vs generate() |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for level in levels:
+        base_tpot = statistics.median(results[("generate", level)][2])
+        for way in ("generate", "api"):
+            rates, ttfts, tpots = results[(way, level)]
+            tpot = statistics.median(tpots)
+            lines.append(
+                f"| {level} | {way} | {statistics.median(rates):.2f} | "
+                f"{statistics.median(ttfts) * 1e3:.1f} | {percentile(ttfts, 95) * 1e3:.1f} | "
+                f"{tpot * 1e3:.2f} | {tpot / base_tpot:.2f}x |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        header = "## The OpenAI-compatible API (issue 22)"
+        command = (
+            f".venv/bin/python scripts/bench_api.py --levels {args.levels} --requests {args.requests} "
+            f"--tokens {args.tokens} --rounds {args.rounds} --write"
+        )
+        body = (
+            f"{header}\n\nCommand: `{command}`\n\nA DHT, two servers (0:3, 3:6) of a tiny LLaMA-GQA and a "
+            "`swarm-api` process on loopback on this shared 2-core machine; the benchmark process is the "
+            f"client. At each level, N threads each run {args.requests} greedy generations of {args.tokens} "
+            "tokens in turn: through the API with the `openai` package (streaming), and with `generate()` "
+            "on a client model in the benchmark process, alternating which goes first over "
+            f"{args.rounds} rounds. The API's overhead is the HTTP hop, JSON chunks and incremental "
+            "detokenization on top of the same client code.\n\n"
+            f"{table}\n"
+        )
+        write_section(header, body)
+
+
+if __name__ == "__main__":
+    main()
