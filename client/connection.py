@@ -23,7 +23,7 @@ from client.routing import Candidate, RouteHop, SessionShape, choose_chain, unco
 from client.scheduler_link import SchedulerLink
 from server.handler import BlockServicer
 from swarm.closed_swarm import SwarmSecret
-from swarm.dht_peer import dht_options
+from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_servers_async
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
@@ -84,42 +84,9 @@ def run_sync(coroutine):
     return RemoteExpertWorker.run_coroutine(coroutine)
 
 
-DHT_START_TIMEOUT = 30.0  # a client peer is normally ready in about a second
-DHT_START_ATTEMPTS = 3
-
-
 def start_client_dht(initial_peers: list[str], swarm_secret: SwarmSecret | None = None) -> DHT:
-    """A client-mode DHT peer that validates what it reads, ready. Its background process rarely
-    never reports ready (seen in CI under heavy load); `DHT(start=True)` would then wait forever, so
-    bound each try and retry."""
-    for attempt in range(1, DHT_START_ATTEMPTS + 1):
-        dht = DHT(
-            initial_peers=initial_peers, client_mode=True, start=False, **dht_options(None, swarm_secret)
-        )
-        try:
-            dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT)
-            return dht
-        except Exception as error:
-            if not isinstance(error, TimeoutError):
-                if dht.is_alive():
-                    dht.kill()
-                closed = "" if swarm_secret else " (a closed swarm refuses peers without its secret)"
-                raise SwarmUserError(
-                    f"could not join the swarm's DHT at {initial_peers}: {error}{closed}"
-                ) from None
-            logger.warning(
-                "the client's DHT peer was not ready after %.0f s (try %d of %d)",
-                DHT_START_TIMEOUT,
-                attempt,
-                DHT_START_ATTEMPTS,
-            )
-            if dht.is_alive():
-                dht.kill()
-            dht.join(5)
-    raise SwarmUserError(
-        f"could not start a DHT peer for initial peers {initial_peers} "
-        f"({DHT_START_ATTEMPTS} tries of {DHT_START_TIMEOUT:.0f} s)"
-    )
+    """A client-mode DHT peer that validates what it reads, ready (bounded, retried)."""
+    return start_dht(initial_peers, secret=swarm_secret)
 
 
 class SwarmConnection:

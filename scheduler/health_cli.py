@@ -22,7 +22,7 @@ from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.dht_keys import default_prefix, validate_prefix
-from swarm.dht_peer import dht_options
+from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_roster_async
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
@@ -87,8 +87,7 @@ class HealthMonitor:
 
 
 async def serve(args: argparse.Namespace, prefix: str, shape: ModelShape, limits: ModelLimits) -> None:
-    options = dht_options(None, swarm_secret_from_args(args))
-    dht = DHT(initial_peers=args.initial_peers, client_mode=True, start=True, **options)
+    dht = start_dht(args.initial_peers, secret=swarm_secret_from_args(args))
     try:
         monitor = HealthMonitor(dht, prefix, shape, limits)
         await monitor.refresh()

@@ -8,12 +8,15 @@ validators. Keeping this in one place means no node of ours ever runs without va
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from hivemind.dht import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.closed_swarm import SwarmSecret
+from swarm.errors import SwarmUserError
 from swarm.identity import load_identity, owner_subkey, public_key_text, temporary_identity_path
 from swarm.record_validator import swarm_validators
 
@@ -59,3 +62,47 @@ def dht_options(identity: PeerIdentity | None, secret: SwarmSecret | None) -> di
     if secret is not None:
         options["authorizer"] = secret.authorizer()
     return options
+
+
+logger = logging.getLogger(__name__)
+
+DHT_START_TIMEOUT = 30.0  # a peer is normally ready in about a second
+DHT_START_ATTEMPTS = 3
+
+
+def start_dht(
+    initial_peers: list[str],
+    *,
+    client_mode: bool = True,
+    identity: PeerIdentity | None = None,
+    secret: SwarmSecret | None = None,
+) -> DHT:
+    """A DHT peer of ours (validators, identity, authorizer), ready. Its background process rarely
+    never reports ready (seen in CI under heavy load); `DHT(start=True)` would then wait forever, so
+    each try is bounded and retried. Any other failure (e.g. no peer answers) is a clear error."""
+    for attempt in range(1, DHT_START_ATTEMPTS + 1):
+        dht = DHT(
+            initial_peers=initial_peers, client_mode=client_mode, start=False, **dht_options(identity, secret)
+        )
+        try:
+            dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT)
+            return dht
+        except Exception as error:
+            if dht.is_alive():
+                dht.kill()
+            if not isinstance(error, TimeoutError):
+                closed = " (a closed swarm refuses peers without its secret)" if secret is None else ""
+                raise SwarmUserError(
+                    f"could not join the swarm's DHT at {initial_peers}: {error}{closed}"
+                ) from None
+            logger.warning(
+                "a DHT peer was not ready after %.0f s (try %d of %d)",
+                DHT_START_TIMEOUT,
+                attempt,
+                DHT_START_ATTEMPTS,
+            )
+            dht.join(5)
+    raise SwarmUserError(
+        f"could not start a DHT peer for initial peers {initial_peers} "
+        f"({DHT_START_ATTEMPTS} tries of {DHT_START_TIMEOUT:.0f} s)"
+    )

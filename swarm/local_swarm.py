@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
-from swarm.dht_peer import dht_options, open_identity
+from swarm.dht_peer import open_identity, start_dht
 from swarm.dht_records import fetch_servers
 from swarm.identity import ensure_key_files
 from swarm.server_info import ServerInfo, ServerState
@@ -59,9 +59,7 @@ class LocalSwarm:
         (a scripted or rogue scheduler): what they store is signed as the trusted scheduler's."""
         _ = self.scheduler_key
         identity = open_identity(str(self.scheduler_identity))
-        dht = DHT(
-            initial_peers=self.initial_peers, client_mode=True, start=True, **dht_options(identity, None)
-        )
+        dht = start_dht(self.initial_peers, identity=identity)
         self._peers.append(dht)  # shut down by close()
         return dht
 
@@ -157,9 +155,7 @@ class LocalSwarm:
     @property
     def observer(self) -> DHT:
         if self._observer is None:
-            self._observer = DHT(
-                initial_peers=self.initial_peers, client_mode=True, start=True, **dht_options(None, None)
-            )
+            self._observer = start_dht(self.initial_peers)
         return self._observer
 
     def servers(self, prefix: str, num_blocks: int) -> dict[str, ServerInfo]:

@@ -269,3 +269,12 @@ def test_chat_page_streams_an_answer_in_a_browser(api):
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "chat_page.png").write_bytes(screenshot)
     assert len(screenshot) > 10_000
+
+
+def test_a_swarm_that_cannot_serve_gives_503(api):
+    """Last in this module: blocks 3:6 lose their only server; the API answers 503 in OpenAI's format
+    (after the client's wait for a server to cover them), not a hang or a 500."""
+    api.swarm.stop("second")
+    with pytest.raises(openai.InternalServerError) as failure:
+        client(api.url).completions.create(model=api.model, prompt="Hi", max_tokens=4, temperature=0)
+    assert failure.value.status_code == 503 and "cannot serve" in str(failure.value)

@@ -21,11 +21,10 @@ import time
 
 
 def wait_online(args: argparse.Namespace) -> int:
-    from hivemind.dht import DHT
 
     from client.connection import ClientOptions, SwarmConnection, run_sync
     from swarm.dht_keys import default_prefix
-    from swarm.dht_peer import dht_options
+    from swarm.dht_peer import start_dht
     from swarm.dht_records import fetch_servers
     from swarm.models.checkpoint import load_config
     from swarm.models.family import family_for
@@ -35,7 +34,7 @@ def wait_online(args: argparse.Namespace) -> int:
     num_blocks = family_for(config).num_blocks(config)
     prefix = args.dht_prefix or default_prefix(args.model_dir)
     names = [name for name in args.names.split(",") if name]
-    dht = DHT(initial_peers=args.initial_peers, client_mode=True, start=True, **dht_options(None, None))
+    dht = start_dht(args.initial_peers)
     deadline = time.monotonic() + args.timeout
     try:
         while True:
