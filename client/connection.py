@@ -21,7 +21,7 @@ from hivemind.p2p import PeerID
 
 from client.routing import Candidate, RouteHop, SessionShape, choose_chain, uncovered_blocks
 from client.scheduler_link import SchedulerLink
-from server.handler import BlockServicer
+from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_servers_async
@@ -147,7 +147,7 @@ class SwarmConnection:
         return self._servers
 
     def stub(self, peer_id: str):
-        return BlockServicer.get_stub(self.p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+        return BlockRpc.get_stub(self.p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
 
     def swarm_proof(self, peer_id: str) -> str:
         """What proves to server `peer_id` that we hold the closed swarm's secret ("" in open swarms)."""

@@ -19,7 +19,7 @@ from functools import partial
 from typing import AsyncIterator  # noqa: UP035  (hivemind detects streaming RPCs by typing's alias)
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -29,6 +29,7 @@ from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
 from server.session import Session, check_hypo_ids, check_step_inputs
 from server.training import parse_sequence_call, run_backward, run_forward
+from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
@@ -67,7 +68,7 @@ class PeerLimits:
     max_session_lifetime: float = 24 * 3600.0  # seconds, however active the session is
 
 
-class BlockServicer(ServicerBase):
+class BlockServicer(BlockRpc):
     def __init__(
         self,
         span: TransformerSpan,

@@ -169,7 +169,14 @@ def test_ctrl_c_tears_everything_down(netns, tmp_path):
         tag = (run_dir / "up").read_text()
         assert [name for name in list_netns() if tag in name]
         process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)  # the emulator dumps its threads' stacks
+            time.sleep(2)
+            process.kill()
+            output, _ = process.communicate()
+            raise AssertionError(f"netem up did not exit within 60 s of Ctrl-C:\n{output}") from None
     finally:
         if process.poll() is None:
             process.kill()
