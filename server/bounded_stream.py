@@ -64,7 +64,7 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
             processing = asyncio.create_task(process())
             try:
                 while True:
-                    receiving = asyncio.create_task(_receive(reader, limit.max_bytes))
+                    receiving = asyncio.create_task(_receive(reader, limit))
                     await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                     if processing.done():
                         receiving.cancel()
@@ -95,12 +95,16 @@ class _Refused(Exception):
     pass
 
 
-async def _receive(reader: asyncio.StreamReader, max_bytes: int) -> runtime_pb2.ExpertRequest | None:
-    """One framed message (None for the end-of-stream marker), refused unread if over `max_bytes`."""
+async def _receive(reader: asyncio.StreamReader, limit: StreamLimit) -> runtime_pb2.ExpertRequest | None:
+    """One framed message (None for the end-of-stream marker), refused unread if over the limit.
+
+    The limit is read when the header arrives, not when waiting starts: the wait for a session's first
+    step begins while its open message is still being handled, before the limit is raised to the
+    session's size (a first prompt larger than the open limit would otherwise be refused)."""
     marker = await reader.readexactly(1)
     length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-    if length > max_bytes:
-        raise _Refused(f"message of {length:,} bytes exceeds this session's limit of {max_bytes:,}")
+    if length > limit.max_bytes:
+        raise _Refused(f"message of {length:,} bytes exceeds this session's limit of {limit.max_bytes:,}")
     data = await reader.readexactly(length)
     if marker == P2P.ERROR_MARKER:
         return None  # hivemind's stub ends its request stream with an (empty) error message

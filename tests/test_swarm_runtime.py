@@ -354,3 +354,12 @@ def test_the_prompt_tuning_example_lowers_the_loss(swarm, model_dir):
     )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
     assert "loss fell from" in completed.stdout
+
+
+def test_a_first_prompt_larger_than_the_open_limit_is_served(client, reference):
+    """A session's first step may be far larger than its open message (300 tokens of hidden states
+    here, 77 KB): the server checks it against the session's limit, not the open message's."""
+    model, _tokenizer = reference
+    prompt = torch.randint(5, 500, (1, 300), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(client.generate(prompt, max_new_tokens=4, do_sample=False), expected)
