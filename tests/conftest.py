@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import hypothesis  # noqa: F401  (imported up front: its pytest plugin imports it lazily at exit, which can crash)
@@ -37,3 +38,26 @@ def single_file_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", params=["bloom", "llama"])
 def model_dir(request, bloom_dir, llama_dir) -> Path:
     return bloom_dir if request.param == "bloom" else llama_dir
+
+
+# --- the `swarm` marker: tests that start processes ---------------------------------------------------
+# A test is marked when its code or any fixture it uses (transitively) starts something: a local swarm,
+# a subprocess, a browser. `scripts/test.sh -m "not swarm"` then runs the pure tests alone, in seconds.
+PROCESS_STARTERS = ("LocalSwarm(", "subprocess.", "Popen(", "Browser(", "start_server(", "DHT(", "start_dht(")
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        functions = [getattr(item, "function", None)]
+        for name in getattr(item, "fixturenames", ()):
+            definitions = item._fixtureinfo.name2fixturedefs.get(name) or ()
+            functions += [definition.func for definition in definitions]
+        if any(word in _source(function) for function in functions if function for word in PROCESS_STARTERS):
+            item.add_marker(pytest.mark.swarm)
