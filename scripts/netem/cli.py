@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where is it stuck?
+    # a non-interactive shell starts background jobs with SIGINT ignored, and Python then leaves it
+    # ignored; `up` promises that Ctrl-C (SIGINT) tears everything down, so take SIGINT back
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     reason = netns_works()
     if reason is not None:
