@@ -23,14 +23,11 @@ import torch
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
 from client.routing import RouteHop, SessionShape, chain_problem
 from client.sequence_rpc import SequenceFunction
-from client.stream import ServerStream, StepInput
+from client.stream import FATAL_CODES, ServerStream, StepInput
 from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
 from swarm.wire import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
-
-# errors that another server would answer the same way: our request is wrong, or not allowed here
-FATAL_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED)
 
 
 @dataclass
@@ -118,11 +115,11 @@ class RemoteBlockSession:
                     await self.connection.servers(refresh=True)
                     await asyncio.sleep(0.2)
                 else:
-                    self._blame(error.peer, error)
+                    self.connection.blame(error.peer, error)
             except Exception as error:  # transport failures: blame the server and route around it
                 for stream in streams:
                     stream.close()
-                self._blame(getattr(error, "peer", "") or _failed_peer(streams), error)
+                self.connection.blame(getattr(error, "peer", "") or _failed_peer(streams), error)
 
     async def _open_scheduled_chain(self) -> list[ServerStream] | None:
         """The scheduler's route, opened once admitted; None: route locally instead."""
@@ -186,7 +183,7 @@ class RemoteBlockSession:
                 self.connection.refused(error.peer, error.message)
                 logger.warning("%s on the scheduler's route; routing locally", error)
             else:
-                self._blame(getattr(error, "peer", "") or _failed_peer(streams), error)
+                self.connection.blame(getattr(error, "peer", "") or _failed_peer(streams), error)
             return None
         self._keep_alive = asyncio.ensure_future(self._renew_lease(admission.scheduler_session, reply.lease))
         logger.info(
@@ -382,7 +379,7 @@ class RemoteBlockSession:
         verifier.close()
         self.verifiers.pop((verifier.hop.start, verifier.hop.end), None)
         if error is not None:
-            self._blame(verifier.hop.peer_id, error)
+            self.connection.blame(verifier.hop.peer_id, error)
 
     def _tolerance(self, *peers: str) -> float:
         servers = self.connection.known_servers
@@ -396,16 +393,13 @@ class RemoteBlockSession:
                 "session %s on %s expired (%s): replaying", self.session_id[:8], error.peer[-8:], error
             )
         else:
-            self._blame(stream.hop.peer_id, error)
+            self.connection.blame(stream.hop.peer_id, error)
         if failures > self.connection.options.max_failovers:
             raise SwarmUnavailable(
                 f"blocks {stream.hop.start}:{stream.hop.end} failed {failures} times in one step; "
                 f"last error: {error}"
             ) from error
         return failures
-
-    def _blame(self, peer_id: str, error: BaseException) -> None:
-        self.connection.blame(peer_id, error)
 
     async def _replace(self, failed: ServerStream) -> list[ServerStream]:
         """New servers for exactly the failed server's blocks, caches rebuilt by replaying its inputs."""
@@ -426,7 +420,7 @@ class RemoteBlockSession:
                     stream.close()
                 if isinstance(error, RemoteError) and error.code in FATAL_CODES:
                     raise
-                self._blame(getattr(error, "peer", "") or _failed_peer(replacement), error)
+                self.connection.blame(getattr(error, "peer", "") or _failed_peer(replacement), error)
                 continue
             elapsed = asyncio.get_running_loop().time() - started
             logger.info(

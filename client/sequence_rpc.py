@@ -19,7 +19,7 @@ import torch
 
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
 from client.routing import RouteHop, SessionShape
-from client.stream import StreamFailure
+from client.stream import FATAL_CODES, StreamFailure
 from swarm.wire import (
     Backward,
     Computed,
@@ -34,7 +34,6 @@ from swarm.wire import (
 
 logger = logging.getLogger(__name__)
 
-FATAL_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED)  # another server would answer the same
 MAX_MESSAGE_BYTES = 3 * 1024 * 1024  # hivemind's unary messages are capped at 4 MiB: larger batches split
 
 

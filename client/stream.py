@@ -11,6 +11,7 @@ from client.connection import SwarmConnection
 from client.routing import RouteHop, SessionShape
 from swarm.wire import (
     Error,
+    ErrorCode,
     Open,
     Opened,
     RemoteError,
@@ -21,6 +22,9 @@ from swarm.wire import (
     encode,
     parse,
 )
+
+# errors that another server would answer the same way: our request is wrong, or not allowed here
+FATAL_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED)
 
 
 class StreamFailure(Exception):

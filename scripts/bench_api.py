@@ -14,7 +14,6 @@ token; time per output token is per request, after the first.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from client import AutoDistributedModelForCausalLM  # noqa: E402
 from swarm.dht_keys import default_prefix  # noqa: E402
-from swarm.local_swarm import PYTHON, LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 
 PROMPT = "Once upon a time there was"
@@ -107,14 +106,8 @@ def main() -> None:
                 swarm.start_server(name, model_dir, blocks)
             prefix = default_prefix(str(model_dir))
             swarm.wait_online(prefix, 6, ["first", "second"])
-            argv = [PYTHON, "-m", "client.api.cli", str(model_dir), "--initial-peers", *swarm.initial_peers]
-            swarm.start("api", [*argv, "--port", "0", "--max-concurrent", str(max(levels))])
-            deadline = time.monotonic() + 120
-            while not (match := re.search(r"API at (http://[\d.]+:\d+)/v1", swarm.log("api"))):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(swarm.log("api")[-3000:])
-                time.sleep(0.2)
-            api = openai.OpenAI(base_url=f"{match.group(1)}/v1", api_key="unused", max_retries=0, timeout=300)
+            url = swarm.start_api("api", model_dir, "--max-concurrent", str(max(levels)))
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
             model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             prompt_ids = torch.tensor([tokenizer(PROMPT).input_ids])

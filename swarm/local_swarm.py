@@ -134,6 +134,17 @@ class LocalSwarm:
             time.sleep(0.1)
         return address_file.read_text().strip()
 
+    def start_api(self, name: str, model_dir: Path, *extra: str, timeout: float = 120.0) -> str:
+        """A `swarm-api` process on a free port of loopback; returns its base URL (http://host:port)."""
+        argv = [PYTHON, "-m", "client.api.cli", str(model_dir), "--initial-peers", *self.initial_peers]
+        process = self.start(name, [*argv, "--port", "0", *extra])
+        deadline = time.monotonic() + timeout
+        while not (match := re.search(r"API at (http://[\d.]+:\d+)/v1", self.log(name))):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start: {self.log(name)[-3000:]}")
+            time.sleep(0.2)
+        return match.group(1)
+
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
 

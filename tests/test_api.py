@@ -6,7 +6,6 @@ A DHT peer, two servers (blocks 0:3 and 3:6) and a `swarm-api` process, all real
 from __future__ import annotations
 
 import asyncio
-import re
 import shutil
 import threading
 import time
@@ -21,7 +20,7 @@ from transformers import AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import PYTHON, LocalSwarm
+from swarm.local_swarm import LocalSwarm
 from tests.browser import Browser
 from tests.conftest import NUM_BLOCKS
 
@@ -47,15 +46,10 @@ def api(llama_dir, tmp_path_factory):
         prefix = default_prefix(str(llama_dir))
         online = swarm.wait_online(prefix, NUM_BLOCKS, ["first", "second"])
         idle_cache = {name: info.cache_bytes_left for name, info in online.items()}  # nothing open yet
-        argv = [PYTHON, "-m", "client.api.cli", str(llama_dir), "--initial-peers", *swarm.initial_peers]
-        argv += ["--port", "0", "--api-key", KEY, "--max-concurrent", "8", "--max-queued", "2"]
-        swarm.start("api", argv)
-        deadline = time.monotonic() + 120
-        while not (match := re.search(r"API at (http://[\d.]+:\d+)/v1", swarm.log("api"))):
-            assert swarm.processes["api"].poll() is None, swarm.log("api")[-3000:]
-            assert time.monotonic() < deadline, swarm.log("api")[-3000:]
-            time.sleep(0.2)
-        yield Api(swarm, match.group(1), prefix, idle_cache)
+        url = swarm.start_api(
+            "api", llama_dir, "--api-key", KEY, "--max-concurrent", "8", "--max-queued", "2"
+        )
+        yield Api(swarm, url, prefix, idle_cache)
     finally:
         assert not swarm.close()
 

@@ -92,17 +92,15 @@ class SwarmApi:
         self._authorize(request)
         body = self._parse(await self._json(request), CompletionRequest)
         prompt_ids = completion_prompt(self.tokenizer, body.prompt)
-        return await self._generate(request, "completions", body, prompt_ids, chat=False)
+        return await self._generate(request, body, prompt_ids, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request)
         body = self._parse(await self._json(request), ChatRequest)
         prompt_ids = chat_prompt(self.tokenizer, body.messages)
-        return await self._generate(request, "chat", body, prompt_ids, chat=True)
+        return await self._generate(request, body, prompt_ids, chat=True)
 
-    async def _generate(
-        self, request, endpoint: str, body, prompt_ids: list[int], chat: bool
-    ) -> web.StreamResponse:
+    async def _generate(self, request, body, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
         params = self._params(body, len(prompt_ids))
         if self.admitted >= self.config.max_concurrent + self.config.max_queued:
             raise ApiError(
@@ -126,7 +124,7 @@ class SwarmApi:
                 finally:
                     job.cancel()  # a no-op when it finished; otherwise its session closes now
                     await asyncio.gather(future, return_exceptions=True)
-                self.metrics.observe(endpoint, len(prompt_ids), job.result, started)
+                self.metrics.observe(request.path, len(prompt_ids), job.result, started)
                 return response
         finally:
             self.admitted -= 1

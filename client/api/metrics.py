@@ -36,8 +36,8 @@ class ApiMetrics:
     def count(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def observe(self, endpoint: str, prompt_tokens: int, result: GenerationResult, started: float) -> None:
-        self.count(f"/v1/{endpoint}" if endpoint == "completions" else "/v1/chat/completions", 200)
+    def observe(self, route: str, prompt_tokens: int, result: GenerationResult, started: float) -> None:
+        self.count(route, 200)
         self.tokens.labels(kind="prompt").inc(prompt_tokens)
         self.tokens.labels(kind="completion").inc(result.completion_tokens)
         if result.first_token_at is not None:
