@@ -215,6 +215,19 @@ def test_hostile_requests_get_clear_errors_and_nothing_leaks(hostile_swarm, llam
             [raw({"type": "step", "step_id": "h", "position": 0, "hypo_ids": [3]}, [good])],
             "hypo_ids must hold 1 sequence indices",
         )
+        # deep prompts on a session step: the last tensor, checked like the training RPCs' prompts
+        prompted = {"type": "step", "step_id": "p", "position": 0, "prompts": True}
+        for name, tensors, match in (
+            ("step prompts for the wrong blocks", [good, torch.randn(2, 1, 1, HIDDEN)], "do not fit"),
+            ("step prompts of NaN", [good, torch.full((NUM_BLOCKS, 1, 1, HIDDEN), float("nan"))], "NaN"),
+            ("step prompts flag without prompts", [good], "1 or 2 tensors, got 0"),
+            (
+                "step prompts of integers",
+                [good, torch.ones(NUM_BLOCKS, 1, 1, HIDDEN, dtype=torch.long)],
+                "float",
+            ),
+        ):
+            await expect_error(name, [raw(prompted, tensors)], match)
         await expect_error(
             "hypo_ids too many",
             [raw({"type": "step", "step_id": "h", "position": 0, "hypo_ids": [0, 0]}, [good])],
