@@ -27,7 +27,7 @@ from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_servers_async
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
-from swarm.server_info import ServerInfo, ServerState
+from swarm.server_info import ServerInfo
 from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
 
 logger = logging.getLogger(__name__)
@@ -154,6 +154,10 @@ class SwarmConnection:
         secret = self.options.swarm_secret
         return secret.session_proof(self.peer_id, peer_id) if secret is not None else ""
 
+    def measured_rtts(self) -> dict[str, float]:
+        """Every server this client has pinged and its last round trip (inf: it did not answer)."""
+        return {peer: rtt for peer, (rtt, _measured_at) in self._rtts.items()}
+
     async def rtt(self, peer_id: str) -> float:
         """Round trip of an info call (includes serialization), cached; inf if the peer does not answer
         within `ping_timeout` (a record may name a peer that does not exist). A failure is cached only
@@ -255,11 +259,12 @@ class SwarmConnection:
         return True
 
     async def candidates(self, refresh: bool = False) -> list[Candidate]:
-        # only servers that say they serve are worth a ping: a JOINING one has no handlers yet
+        # only servers that say they serve are worth a ping: a JOINING one has no handlers yet, an
+        # UNREACHABLE one (behind NAT without a relay) cannot be dialed at all
         servers = {
             peer: info
             for peer, info in (await self.servers(refresh)).items()
-            if info.state == ServerState.ONLINE and not self.is_banned(peer)
+            if info.routable and not self.is_banned(peer)
         }
         rtts = await asyncio.gather(*(self.rtt(peer) for peer in servers))
         return [

@@ -18,7 +18,7 @@ import numpy as np
 from scheduler.algorithms.problem import Span
 from scheduler.algorithms.routing_graph import RoutingGraph
 from scheduler.algorithms.wsrr import link_request_time
-from swarm.server_info import ServerInfo, ServerState
+from swarm.server_info import ServerInfo
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class SessionShape:
 def _usable(candidate: Candidate, start: int, end: int) -> bool:
     info = candidate.info
     return (
-        info.state == ServerState.ONLINE
+        info.routable
         and info.has_blocks
         and info.tau is not None
         and info.start < end
@@ -110,8 +110,8 @@ def chain_problem(hops: list[RouteHop], servers: Mapping[str, ServerInfo], num_b
         info = servers.get(hop.peer_id)
         if hop.start != position or hop.end <= hop.start:
             return f"hop {hop.peer_id[-8:]}[{hop.start}:{hop.end}] does not continue at block {position}"
-        if info is None or info.state != ServerState.ONLINE or not info.has_blocks:
-            return f"{hop.peer_id[-8:]} is not an online server of this model"
+        if info is None or not info.routable or not info.has_blocks:
+            return f"{hop.peer_id[-8:]} is not an online, reachable server of this model"
         if not info.start <= hop.start < hop.end <= info.end:
             return f"{hop.peer_id[-8:]} holds {info.start}:{info.end}, not {hop.start}:{hop.end}"
         position = hop.end

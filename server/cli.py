@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from server.joining import RELAY_MODES
 from server.server import ServerConfig, run_server
 from swarm.cli.args import add_swarm_secret_argument, span_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
@@ -84,6 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument(
         "--announce-host", help="address clients dial, behind NAT or with --host 0.0.0.0 (needs --port)"
+    )
+    parser.add_argument(
+        "--relay",
+        choices=RELAY_MODES,
+        default="auto",
+        help="auto: check at start-up that clients can dial us and, behind NAT, serve through a relay "
+        "(the bootstrap peers); always: skip the check, use a relay; never: no relay (unreachable "
+        "servers are announced so and not routed to)",
+    )
+    parser.add_argument(
+        "--relay-peers", nargs="*", default=[], help="more circuit relays (multiaddrs ending in /p2p/ID)"
+    )
+    parser.add_argument(
+        "--relay-service",
+        action="store_true",
+        help="relay for servers behind NAT (needs a public address; bounded: 64 reservations, 8 "
+        "circuits per peer, 30 min and 4 GiB per circuit)",
     )
     parser.add_argument(
         "--identity-path",
@@ -240,7 +258,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_peer_cache_fraction=args.max_peer_cache_fraction,
         max_session_lifetime=args.max_session_lifetime,
         extra_dht_options=dht_options,
+        relay=args.relay,
+        relay_peers=validate_relay_peers(args.relay_peers),
+        serve_as_relay=args.relay_service,
     )
+
+
+def validate_relay_peers(maddrs: list[str]) -> list[str]:
+    for maddr in maddrs:
+        if "/p2p/" not in maddr or "/p2p-circuit" in maddr:
+            raise SwarmUserError(f"--relay-peers takes multiaddrs ending in /p2p/<peer id>, got {maddr!r}")
+    return maddrs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,18 +18,20 @@ from hivemind.dht import DHT
 from tqdm import tqdm
 
 from server.handler import BlockServicer, PeerLimits
+from server.joining import JoinOptions, current_relay_state, join_dht
 from server.managed import ManagedSpan
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
 from server.scheduler_link import SchedulerLink
 from server.throughput import BlockTimings, cached_block_timings
 from swarm.closed_swarm import SwarmSecret
-from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
+from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
 from swarm.dht_records import announce
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 from swarm.models.span import TransformerSpan, load_span
-from swarm.server_info import ServerInfo, ServerState
+from swarm.reachability import DialBackService
+from swarm.server_info import Reachability, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,9 @@ class ServerConfig:
     max_peer_cache_fraction: float = 0.5  # of the session cache one peer may reserve
     max_session_lifetime: float = 24 * 3600.0  # seconds a session may live, however active
     extra_dht_options: dict = field(default_factory=dict)
+    relay: str = "auto"  # reachability: check, and serve through a relay when behind NAT (server.joining)
+    relay_peers: list[str] = field(default_factory=list)  # circuit relays besides the bootstrap peers
+    serve_as_relay: bool = False  # relay for others (needs a public address), within bounded resources
 
     @property
     def managed(self) -> bool:
@@ -109,6 +114,8 @@ class SwarmServer(ManagedSpan):
         self._stop = asyncio.Event()
         self._sessions_changed = asyncio.Event()
         self.identity: PeerIdentity | None = None
+        self.reachability = Reachability.DIRECT  # decided when joining (server.joining)
+        self._dial_back_added = False
         self.limits = ModelLimits.from_config(load_config(config.model_dir))
 
     # --- what we announce -----------------------------------------------------------------------
@@ -143,6 +150,7 @@ class SwarmServer(ManagedSpan):
             if timings and num_blocks and timings.tau > 0
             else None,
             active_sessions=len(self.servicer.sessions) if self.servicer else 0,
+            reachability=self.reachability,
         )
 
     def _announce(self, wait: bool = True):
@@ -163,12 +171,18 @@ class SwarmServer(ManagedSpan):
     def start(self) -> None:
         config = self.config
         self.identity = open_identity(config.identity_path)
-        self.dht = DHT(
-            initial_peers=config.initial_peers,
-            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
-            start=True,
-            **dht_options(self.identity, config.swarm_secret),
-            **config.extra_dht_options,
+        self.dht, self.reachability = join_dht(
+            JoinOptions(
+                initial_peers=config.initial_peers,
+                host=config.host,
+                port=config.port,
+                relay=config.relay,
+                relay_peers=config.relay_peers,
+                serve_as_relay=config.serve_as_relay,
+                extra_dht_options=config.extra_dht_options,
+            ),
+            self.identity,
+            config.swarm_secret,
         )
         logger.info(
             "joined the DHT as %s at %s", self.peer_id, [str(a) for a in self.dht.get_visible_maddrs()]
@@ -250,6 +264,9 @@ class SwarmServer(ManagedSpan):
         p2p = await self.dht.replicate_p2p()
         self.servicer = self._new_servicer()
         await self.servicer.add_p2p_handlers(p2p, namespace=self.config.dht_prefix)
+        if self.reachability == Reachability.DIRECT and not self._dial_back_added:
+            await DialBackService(p2p).add_p2p_handlers(p2p)  # check other servers' reachability too
+            self._dial_back_added = True
         self.state = ServerState.ONLINE
         await self._announce(wait=False)
         logger.info("online: serving blocks %s as %s", self.span_text, self.peer_id)
@@ -261,6 +278,20 @@ class SwarmServer(ManagedSpan):
             if follower is not None:
                 await self._stop_follower(follower)
             await self._leave(p2p)
+
+    async def _follow_relay_state(self) -> None:
+        """Behind NAT, whether clients can reach us follows the relay reservation (libp2p renews it,
+        or finds the relay again after it restarts): announce the change and say it once."""
+        if self.reachability == Reachability.DIRECT or self.config.relay == "never":
+            return
+        try:
+            state = await asyncio.wait_for(current_relay_state(self.dht), self.config.scheduler_rpc_timeout)
+        except Exception as error:
+            logger.warning("could not read our relay addresses: %s", error)
+            return
+        if state != self.reachability:
+            logger.warning("reachability: %s -> %s", self.reachability.value, state.value)
+            self.reachability = state
 
     def _new_servicer(self) -> BlockServicer:
         return BlockServicer(
@@ -303,6 +334,7 @@ class SwarmServer(ManagedSpan):
                 self._sessions_changed.clear()
             else:
                 next_periodic = loop.time() + period
+                await self._follow_relay_state()
             await self._announce_quietly()
 
     async def _announce_quietly(self) -> None:

@@ -30,6 +30,14 @@ class ServerState(StrEnum):
     MOVING = "moving"  # draining to switch to a new span the scheduler assigned
 
 
+class Reachability(StrEnum):
+    """How clients can connect to a server (decided at its start-up, see `swarm.reachability`)."""
+
+    DIRECT = "direct"  # peers can dial it
+    RELAY = "relay"  # behind NAT: reachable through a relay's circuit (one more hop)
+    UNREACHABLE = "unreachable"  # neither: clients and the scheduler never route to it
+
+
 class ServerInfo(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
@@ -61,6 +69,8 @@ class ServerInfo(BaseModel):
     prefill_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     throughput: float | None = Field(default=None, ge=0, le=1 / MIN_TAU)  # tokens/s through the whole span
     active_sessions: int = Field(default=0, ge=0, le=1 << 24)
+    # servers that predate the field were reachable as far as anyone knew: DIRECT
+    reachability: Reachability = Reachability.DIRECT
 
     @model_validator(mode="after")
     def _span_is_ordered(self) -> ServerInfo:
@@ -71,6 +81,11 @@ class ServerInfo(BaseModel):
         if self.cache_bytes_left > self.memory_bytes:
             raise ValueError("cache_bytes_left exceeds memory_bytes")
         return self
+
+    @property
+    def routable(self) -> bool:
+        """Clients may open sessions here: ONLINE, and reachable directly or through a relay."""
+        return self.state == ServerState.ONLINE and self.reachability != Reachability.UNREACHABLE
 
     @property
     def has_blocks(self) -> bool:

@@ -45,6 +45,7 @@ def describe_servers(
                 "cache_slots": capacity_of(peer),
                 "slots_in_use": in_use_of(peer),
                 "active_sessions": info.active_sessions,
+                "reachability": str(info.reachability),
             }
         )
     return {

@@ -81,7 +81,7 @@ class SwarmView:
         return sorted(
             peer
             for peer, info in self.records.items()
-            if info.state == ServerState.ONLINE and info.has_blocks and _measured(info)
+            if info.routable and info.has_blocks and _measured(info)
         )
 
     def live_spans(self, peers: Sequence[str]) -> list[Span | None]:

@@ -221,7 +221,7 @@ class Emulation:
             "server.cli", str(model_dir), "--initial-peers", *self.initial_peers,
             *(["--blocks", blocks] if blocks else ["--scheduler-key", self.scheduler_key]),
             "--memory", str(memory),
-            "--host", self.network.address(site), "--public-name", name,
+            "--host", self.network.listen_address(site), "--public-name", name,
             "--compute-delay", repr(compute_delay), "--torch-threads", "1", "--announce-period", "5",
             "--max-peer-cache-fraction", "1",  # one load generator drives every session of a run
             *extra,

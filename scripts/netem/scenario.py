@@ -20,6 +20,9 @@ and "different groups" pairs instead of listing every pair; `pairs` entries over
       ]
     }
 
+A site with `"nat": true` is a home network: its processes run behind a masquerading router whose
+address is the site's address, and nothing can connect in (see topology.py).
+
 Roles: `dht` (the bootstrap peer; exactly one), `scheduler`, `server`, `client` (runs a greedy
 generation and checks it), `command` (any argv; `{dht}` is replaced by the DHT's multiaddr).
 Per-role keys are documented in README.md. Addresses come from `subnet` (a private range that is
@@ -68,7 +71,18 @@ class Site:
     name: str
     group: str
     index: int
-    address: str
+    address: str  # on the emulated internet; behind NAT, the router's (public) address
+    nat: bool = False  # a home network: its machine sits behind a masquerading router, no inbound
+
+    @property
+    def lan_address(self) -> str:
+        """Where the site's processes listen: its own address, or behind NAT a private one that no
+        other site can route to (100.64.0.0/10 never overlaps the private `subnet`)."""
+        return str(self.lan_network[2]) if self.nat else self.address
+
+    @property
+    def lan_network(self) -> ipaddress.IPv4Network:
+        return ipaddress.ip_network(f"100.64.{self.index}.0/24")
 
 
 @dataclass(frozen=True)
@@ -151,8 +165,11 @@ def parse_scenario(raw: dict, source: str = "scenario") -> Scenario:
         network = ipaddress.ip_network(subnet)
     except ValueError as error:
         raise ScenarioError(f"{source}: subnet: {error}") from None
-    if not network.is_private or network.version != 4:
-        raise ScenarioError(f"{source}: subnet must be a private IPv4 range, got {subnet}")
+    if network.version != 4 or not _usable(network):
+        raise ScenarioError(
+            f"{source}: subnet must be a unicast IPv4 range (not loopback, link-local, multicast or "
+            f"100.64.0.0/10, which NAT sites use inside), got {subnet}"
+        )
     raw_sites = raw.get("sites")
     if not isinstance(raw_sites, list) or len(raw_sites) < 2:
         raise ScenarioError(f"{source}: sites must be a list of at least two sites")
@@ -169,15 +186,22 @@ def parse_scenario(raw: dict, source: str = "scenario") -> Scenario:
         if name in names:
             raise ScenarioError(f"{where}: duplicate site {name!r}")
         names.add(name)
-        unknown = set(entry) - {"name", "group", "processes", "note"}
+        unknown = set(entry) - {"name", "group", "processes", "note", "nat"}
         if unknown:
             raise ScenarioError(f"{where}: unknown keys {sorted(unknown)}")
-        sites.append(Site(name, str(entry.get("group", name)), index, str(network[index + 1])))
+        nat = entry.get("nat", False)
+        if not isinstance(nat, bool):
+            raise ScenarioError(f"{where}: nat must be true or false")
+        if nat and index > 255:
+            raise ScenarioError(f"{where}: at most the first 256 sites can be behind NAT")
+        sites.append(Site(name, str(entry.get("group", name)), index, str(network[index + 1]), nat))
         for p_index, proc in enumerate(entry.get("processes", [])):
             p_where = f"{where}.processes[{p_index}]"
             if not isinstance(proc, dict) or proc.get("role") not in ROLES:
                 raise ScenarioError(f"{p_where}: role must be one of {', '.join(ROLES)}")
             role = proc["role"]
+            if nat and role in ("dht", "scheduler"):
+                raise ScenarioError(f"{p_where}: a {role} behind NAT cannot be reached by anyone")
             options = {k: v for k, v in proc.items() if k not in ("role", "name")}
             processes.append(ProcessSpec(str(proc.get("name", f"{role}-{name}")), role, name, options))
     process_names = [p.name for p in processes]
@@ -220,8 +244,28 @@ def parse_scenario(raw: dict, source: str = "scenario") -> Scenario:
         model=dict(raw.get("model", {})),
         extra={k: v for k, v in raw.items() if k not in ("name", "subnet", "sites", "links", "model")},
     )
+    if any(site.nat for site in sites) and network.is_private:
+        # libp2p advertises relay addresses only for relays with public addresses (and its DHT
+        # shares only public ones), so an emulated internet with NAT behind it must look public;
+        # the namespaces have no route out, so nothing is ever sent to the real owners
+        raise ScenarioError(
+            f"{source}: a scenario with NAT sites needs a public-looking subnet (e.g. 11.213.0.0/16), "
+            f"got the private {subnet}"
+        )
     scenario.pairs()  # every pair must resolve to a link now, not halfway through building the network
     return scenario
+
+
+def _usable(network: ipaddress.IPv4Network) -> bool:
+    cgnat = ipaddress.ip_network("100.64.0.0/10")
+    return not (
+        network.is_loopback
+        or network.is_link_local
+        or network.is_multicast
+        or network.is_unspecified
+        or network.is_reserved
+        or network.overlaps(cgnat)
+    )
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -56,7 +56,7 @@ def wait_online(args: argparse.Namespace) -> int:
         for name in names:
             peer, info = online[name]
             rtts = []
-            for _ in range(args.pings):
+            for _ in range(args.pings if info.routable else 0):  # nobody can dial an unreachable one
                 connection._rtts.pop(peer, None)  # measure afresh each time (the cache is for routing)
                 rtts.append(run_sync(connection.rtt(peer)))
             result[name] = {
@@ -69,7 +69,8 @@ def wait_online(args: argparse.Namespace) -> int:
                 "tau": info.tau,
                 "tau_prefill": info.tau_prefill,
                 "prefill_tokens": info.prefill_tokens,
-                "rtt_info_s": statistics.median(rtts),
+                "rtt_info_s": statistics.median(rtts) if rtts else None,
+                "reachability": str(info.reachability),
             }
     finally:
         connection.shutdown()
@@ -96,6 +97,7 @@ def generate(args: argparse.Namespace) -> int:
         started = time.monotonic()
         output = model.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False)
         elapsed = time.monotonic() - started
+        rtts = model.backend.connection.measured_rtts()
     finally:
         model.shutdown()
     report = {
@@ -103,6 +105,8 @@ def generate(args: argparse.Namespace) -> int:
         "tokens": output[0].tolist(),
         "text": tokenizer.decode(output[0]),
         "seconds": elapsed,
+        # every server the client pinged (inf: no answer): who it considered routing through
+        "rtts": {peer: (rtt if rtt < float("inf") else None) for peer, rtt in rtts.items()},
     }
     status = 0
     if args.check:

@@ -16,6 +16,16 @@ direction and the pair's rate in each direction:
 - delay, jitter, loss: with `sch_netem` in the kernel, a netem qdisc as that class's leaf; without
   it, an iptables NFQUEUE rule per destination and the user-space `delayer.py` (see there).
 
+A site with `nat` is a home network behind a router: `lsw-T-<site>` is then the router (its eth0
+on the bridge holds the site's public address, and the shaping above lives there) and the site's
+processes run in `lsw-T-<site>.lan`, a second namespace on a private 100.64.i.0/24 link behind it:
+
+    lsw-T-home.lan [eth0 100.64.i.2] --veth-- [lan0 100.64.i.1] lsw-T-home [eth0 10.213.0.k] -- br0
+
+The router forwards and masquerades what the LAN sends (iptables MASQUERADE), lets in only replies
+(conntrack ESTABLISHED/RELATED) and forwards nothing new from outside: no port is mapped, so like a
+typical home router nothing on the emulated internet can open a connection to the LAN's machine.
+
 The tag starts with the owner's PID, so `cleanup()` can tell leftovers of dead runs from a run
 that is still going.
 """
@@ -92,12 +102,25 @@ class Network:
     def hub(self) -> str:
         return f"{PREFIX}{self.tag}-hub"
 
+    def lan_netns(self, site: str) -> str:
+        """The namespace a NAT site's processes run in (behind its router `netns(site)`)."""
+        return f"{self.netns(site)}.lan"
+
+    def process_netns(self, site: str) -> str:
+        return self.lan_netns(site) if self.scenario.site(site).nat else self.netns(site)
+
     def exec_prefix(self, site: str) -> list[str]:
-        """Prepend to an argv to run it inside `site` (ip netns exec execs, so the PID is the program's)."""
-        return ["ip", "netns", "exec", self.netns(site)]
+        """Prepend to an argv to run it inside `site` (ip netns exec execs, so the PID is the program's);
+        behind NAT, on the LAN machine."""
+        return ["ip", "netns", "exec", self.process_netns(site)]
 
     def address(self, site: str) -> str:
+        """The site's address on the emulated internet (behind NAT: its router's)."""
         return self.scenario.site(site).address
+
+    def listen_address(self, site: str) -> str:
+        """The address the site's processes bind to (behind NAT: a private one)."""
+        return self.scenario.site(site).lan_address
 
     # --- building ---------------------------------------------------------------------------------
     def build(self) -> None:
@@ -122,6 +145,9 @@ class Network:
                 run(["ip", "-n", ns, "link", "set", "eth0", "up"])
                 run(["ip", "-n", ns, "link", "set", "lo", "up"])
             for site in self.scenario.sites:
+                if site.nat:
+                    self._add_home_network(site.name)
+            for site in self.scenario.sites:
                 self._shape(site.name)
             if self.mode == "nfqueue":
                 self._start_delayer()
@@ -131,6 +157,29 @@ class Network:
             self.teardown()
             raise
         logger.info("network %s up: %d sites, delay by %s", self.tag, len(self.scenario.sites), self.mode)
+
+    def _add_home_network(self, site: str) -> None:
+        """The LAN machine behind `site`'s router, and the router's masquerading without port maps."""
+        router, lan = self.netns(site), self.lan_netns(site)
+        spec = self.scenario.site(site)
+        gateway, host = spec.lan_network[1], spec.lan_network[2]
+        prefix = spec.lan_network.prefixlen
+        self._add_netns(lan)
+        run(["ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", lan])
+        run(["ip", "-n", router, "addr", "add", f"{gateway}/{prefix}", "dev", "lan0"])
+        run(["ip", "-n", router, "link", "set", "lan0", "up"])
+        run(["ip", "-n", lan, "addr", "add", f"{host}/{prefix}", "dev", "eth0"])
+        run(["ip", "-n", lan, "link", "set", "eth0", "up"])
+        run(["ip", "-n", lan, "link", "set", "lo", "up"])
+        run(["ip", "-n", lan, "route", "add", "default", "via", str(gateway)])
+        in_router = ["ip", "netns", "exec", router]
+        run([*in_router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        iptables = [*in_router, "iptables", "-w"]
+        run([*iptables, "-t", "nat", "-A", "POSTROUTING", "-s", str(spec.lan_network), "-o", "eth0",
+             "-j", "MASQUERADE"])  # fmt: skip
+        run([*iptables, "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT"])  # fmt: skip
+        run([*iptables, "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-j", "DROP"])
 
     def _choose_mode(self) -> str:
         if self.requested_mode != "auto":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -15,6 +17,10 @@ from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import dht_options
 from swarm.errors import SwarmUserError
+from swarm.p2p_daemon_flags import daemon_flags, relay_flags
+from swarm.reachability import DialBackService
+
+logger = logging.getLogger(__name__)
 
 EXAMPLES = """example:
   swarm-dht --host 127.0.0.1 --port 0 --maddr-file dht.maddrs
@@ -47,6 +53,12 @@ def main(argv: list[str] | None = None) -> None:
         "--announce-host",
         help="public IPv4 address peers should dial (behind NAT or when listening on 0.0.0.0)",
     )
+    parser.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="do not relay for servers behind NAT (by default this public peer relays, bounded: 64 "
+        "reservations, 8 circuits per peer, 30 min and 4 GiB per circuit)",
+    )
     add_log_level_argument(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -71,22 +83,35 @@ def run(args: argparse.Namespace) -> None:
         if args.port == 0:
             raise SwarmUserError("--announce-host needs a fixed --port (peers dial that port)")
         options["announce_maddrs"] = [f"/ip4/{args.announce_host}/tcp/{args.port}"]
-    dht = DHT(
-        initial_peers=args.initial_peers,
-        host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
-        start=True,
-        **options,
-    )
+    if not args.no_relay:
+        # libp2p runs a relay only on a peer it believes public; a bootstrap peer is, by definition
+        options["force_reachability"] = "public"
+    with daemon_flags(relay_flags(not args.no_relay)):
+        dht = DHT(
+            initial_peers=args.initial_peers,
+            host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+            start=True,
+            **options,
+        )
     try:
-        maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-        if args.maddr_file:
-            temporary = args.maddr_file.with_suffix(".tmp")
-            temporary.write_text("".join(f"{maddr}\n" for maddr in maddrs))
-            temporary.replace(args.maddr_file)  # readers never see a half-written file
-        print("\n".join(maddrs), flush=True)
-        stop.wait()
+        asyncio.run(_serve(dht, args, stop))
     finally:
         dht.shutdown()
+
+
+async def _serve(dht: DHT, args: argparse.Namespace, stop: threading.Event) -> None:
+    """Answer servers' dial-back checks (swarm.reachability) until stopped."""
+    p2p = await dht.replicate_p2p()
+    await DialBackService(p2p).add_p2p_handlers(p2p)
+    maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
+    if args.maddr_file:
+        temporary = args.maddr_file.with_suffix(".tmp")
+        temporary.write_text("".join(f"{maddr}\n" for maddr in maddrs))
+        temporary.replace(args.maddr_file)  # readers never see a half-written file
+    print("\n".join(maddrs), flush=True)
+    logger.info("relaying for servers behind NAT: %s", "no" if args.no_relay else "yes (bounded)")
+    await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+    await p2p.shutdown()
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("peer_id", "public_name", "state", "managed", "start", "end", "assigned_start", "assigned_end", "memory_bytes", "tau", "tau_prefill", "cache_slots", "slots_in_use", "active_sessions")
+    __slots__ = ("peer_id", "public_name", "state", "managed", "start", "end", "assigned_start", "assigned_end", "memory_bytes", "tau", "tau_prefill", "cache_slots", "slots_in_use", "active_sessions", "reachability")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class ServerStatus(_message.Message):
     CACHE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_name: str
     state: str
@@ -154,7 +155,8 @@ class ServerStatus(_message.Message):
     cache_slots: int
     slots_in_use: int
     active_sessions: int
-    def __init__(self, peer_id: _Optional[str] = ..., public_name: _Optional[str] = ..., state: _Optional[str] = ..., managed: _Optional[bool] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., assigned_start: _Optional[int] = ..., assigned_end: _Optional[int] = ..., memory_bytes: _Optional[float] = ..., tau: _Optional[float] = ..., tau_prefill: _Optional[float] = ..., cache_slots: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+    reachability: str
+    def __init__(self, peer_id: _Optional[str] = ..., public_name: _Optional[str] = ..., state: _Optional[str] = ..., managed: _Optional[bool] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., assigned_start: _Optional[int] = ..., assigned_end: _Optional[int] = ..., memory_bytes: _Optional[float] = ..., tau: _Optional[float] = ..., tau_prefill: _Optional[float] = ..., cache_slots: _Optional[int] = ..., slots_in_use: _Optional[int] = ..., active_sessions: _Optional[int] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("policy", "epoch", "num_blocks", "num_requests", "bound", "arrival_rate", "servers", "coverage", "active_sessions", "waiting_sessions", "uncovered_blocks", "plan_input", "plan_output", "uptime", "finished_requests", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "wait_p50", "wait_p95", "status_url")
