@@ -29,6 +29,7 @@ from swarm.local_swarm import child_pids  # noqa: E402
 
 SCENARIOS = ROOT / "scripts" / "netem" / "scenarios"
 CI_SMALL = SCENARIOS / "ci_small.json"
+NAT = SCENARIOS / "nat.json"
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,51 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_server_behind_nat_serves_through_a_relay_and_an_unreachable_one_is_skipped(netns, tmp_path):
+    """nat.json: srv-home sits behind a masquerading router with no port mapped. Its dial-back check
+    fails, it reserves a slot on the bootstrap peer's relay and announces RELAY; the client in a
+    third site generates through srv-pub -> srv-home exactly as local transformers does, and its
+    round trip to srv-home is that of the relay path (away -> pub -> home), not a direct one.
+    srv-dark, in the same home with --relay never and the fastest for its blocks, announces
+    UNREACHABLE: nobody routes to it and the client never even dials it. Nothing is left behind."""
+    scenario = load_scenario(NAT)
+    namespaces_before, veths_before = set(list_netns()), _root_veths()
+    with Emulation(scenario, tmp_path / "run") as emulation:
+        tag = emulation.network.tag
+        home = scenario.site("home")
+        assert emulation.network.lan_netns("home") in list_netns()
+        # the home machine can reach out (through the NAT), nothing can reach in
+        assert emulation.network.ping("home", "away", count=3, interval=0.2).replies == 3
+        inbound = subprocess.run(
+            [*emulation.network.exec_prefix("away"), "ping", "-c", "1", "-W", "1", home.lan_address],
+            capture_output=True,
+            text=True,
+        )
+        assert inbound.returncode != 0
+        model_dir = prepare_model(scenario, tmp_path)
+        servers = start_swarm(emulation, model_dir)
+        results = run_clients(emulation, model_dir, timeout=120)
+        logs = {name: emulation.log(name) for name in ("srv-home", "srv-dark")}
+    assert {name: info["reachability"] for name, info in servers.items()} == {
+        "srv-pub": "direct",
+        "srv-home": "relay",
+        "srv-dark": "unreachable",
+    }
+    assert "/p2p-circuit" in logs["srv-home"] and "UNREACHABLE" in logs["srv-dark"]
+    client = results["client"]
+    assert client["returncode"] == 0, emulation.log("client")[-3000:]
+    assert client["matches_local"] is True
+    pinged = client["rtts"]
+    assert servers["srv-dark"]["peer_id"] not in pinged  # skipped on its record alone
+    assert set(pinged) == {servers["srv-pub"]["peer_id"], servers["srv-home"]["peer_id"]}
+    # 30 ms to the relay + 30 ms from the relay home; a direct path would be 30 ms
+    assert pinged[servers["srv-home"]["peer_id"]] >= 0.055
+    assert servers["srv-home"]["rtt_info_s"] >= 0.055 > 0.045 > servers["srv-pub"]["rtt_info_s"]
+    assert emulation.teardown_report == []
+    assert not [name for name in list_netns() if tag in name]
+    assert set(list_netns()) <= namespaces_before and _root_veths() <= veths_before
 
 
 def test_ctrl_c_tears_everything_down(netns, tmp_path):
