@@ -19,7 +19,14 @@ from hivemind.dht import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
-from client.routing import Candidate, RouteHop, SessionShape, choose_chain, uncovered_blocks
+from client.routing import (
+    Candidate,
+    RouteHop,
+    SessionShape,
+    choose_chain,
+    probe_shortlist,
+    uncovered_blocks,
+)
 from client.scheduler_link import SchedulerLink
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
@@ -43,6 +50,8 @@ class ClientOptions:
     rtt_ttl: float = 60.0  # seconds a measured RTT stays valid
     failed_ping_ttl: float = 3.0  # seconds a server that did not answer a ping is skipped before retrying
     ping_timeout: float = 5.0  # first contact with a server: records may name peers that do not exist
+    probe_per_block: int = 4  # routing pings at most this many unmeasured servers per block (widened
+    # when no chain forms among them), so a client's start-up does not grow with the swarm
     request_timeout: float = 30.0  # seconds to wait for any one reply
     wait_for_room: float = 60.0  # seconds to wait for cache room before giving up
     wait_for_servers: float = 15.0  # seconds to wait for some server to cover missing blocks
@@ -71,6 +80,8 @@ class ClientOptions:
             raise SwarmUserError(
                 f"ClientOptions.verify_fraction must be in [0, 1], got {self.verify_fraction}"
             )
+        if self.probe_per_block < 1:
+            raise SwarmUserError(f"ClientOptions.probe_per_block must be >= 1, got {self.probe_per_block}")
         if self.max_failovers < 0 or self.max_refusals < 1:
             raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
         if self.scheduler_key is not None:
@@ -258,14 +269,26 @@ class SwarmConnection:
         )
         return True
 
-    async def candidates(self, refresh: bool = False) -> list[Candidate]:
+    async def candidates(
+        self, refresh: bool = False, blocks: tuple[int, int] | None = None, breadth: int | None = None
+    ) -> list[Candidate]:
+        """Servers to route `blocks` (default: the whole model) through, with measured round trips.
+
+        Only a shortlist is pinged (`routing.probe_shortlist`: `breadth` per block, default
+        `options.probe_per_block`), so the work does not grow with the swarm's size."""
         # only servers that say they serve are worth a ping: a JOINING one has no handlers yet, an
         # UNREACHABLE one (behind NAT without a relay) cannot be dialed at all
-        servers = {
+        routable = {
             peer: info
             for peer, info in (await self.servers(refresh)).items()
             if info.routable and not self.is_banned(peer)
         }
+        start, end = blocks if blocks is not None else (0, self.num_blocks)
+        measured = {peer: rtt for peer, rtt in self.measured_rtts().items() if rtt < math.inf}
+        shortlist = probe_shortlist(
+            routable, measured, start, end, breadth if breadth is not None else self.options.probe_per_block
+        )
+        servers = {peer: routable[peer] for peer in shortlist}
         rtts = await asyncio.gather(*(self.rtt(peer) for peer in servers))
         return [
             Candidate(peer, info, rtt)
@@ -279,11 +302,15 @@ class SwarmConnection:
         missing_deadline = time.monotonic() + self.options.wait_for_servers
         delay = 0.1
         refresh = False
+        breadth = self.options.probe_per_block
         while True:
-            candidates = await self.candidates(refresh)
+            candidates = await self.candidates(refresh, (start, end), breadth)
             chain = choose_chain(candidates, start, end, shape)
             if chain is not None:
                 return chain
+            if breadth < len(self._servers):  # the shortlist was too short: ask more servers at once
+                breadth *= 2
+                continue
             missing = uncovered_blocks(candidates, start, end)
             if missing:
                 if time.monotonic() > missing_deadline:

@@ -352,7 +352,7 @@ class RemoteBlockSession:
         start, end = stream.hop.start, stream.hop.end
         skip = {stream.hop.peer_id, *exclude}
         candidates = sorted(
-            (c for c in await self.connection.candidates() if c.peer_id not in skip),
+            (c for c in await self.connection.candidates(blocks=(start, end)) if c.peer_id not in skip),
             key=lambda candidate: candidate.rtt,
         )
         for candidate in candidates:

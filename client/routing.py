@@ -55,6 +55,33 @@ def _usable(candidate: Candidate, start: int, end: int) -> bool:
     )
 
 
+def probe_shortlist(
+    servers: Mapping[str, ServerInfo],
+    measured: Mapping[str, float],
+    start: int,
+    end: int,
+    per_block: int,
+) -> list[str]:
+    """The servers worth pinging to route blocks `[start, end)`, so that a client's routing work does
+    not grow with the swarm: every server already measured (its round trip is cached, so it costs
+    nothing), plus for each block the `per_block` unmeasured servers holding it that announce the
+    most promise: cache room first, then the fastest decode (`tau`), then peer id (a fixed order,
+    so repeated calls ask the same servers). When no chain forms among them the caller widens
+    `per_block`; with `per_block >= len(servers)` this is every server."""
+    chosen = {peer for peer in servers if peer in measured}
+    holders: dict[int, list[tuple[bool, float, str]]] = {}
+    for peer, info in servers.items():
+        if peer in chosen or not info.has_blocks:
+            continue
+        rank = (info.cache_bytes_left <= 0, info.tau if info.tau is not None else math.inf, peer)
+        for block in range(max(info.start, start), min(info.end, end)):
+            holders.setdefault(block, []).append(rank)
+    for ranks in holders.values():
+        ranks.sort()
+        chosen.update(peer for _, _, peer in ranks[:per_block])
+    return sorted(chosen)
+
+
 def choose_chain(
     candidates: list[Candidate], start: int, end: int, shape: SessionShape, need_cache_room: bool = True
 ) -> list[RouteHop] | None:

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "circuits per peer, 30 min and 4 GiB per circuit)",
     )
     parser.add_argument(
+        "--no-legacy-records",
+        action="store_true",
+        help="announce only in the sharded roster, not in the legacy records that older clients and "
+        "schedulers read (those values grow with the swarm): once every reader of the swarm is current",
+    )
+    parser.add_argument(
         "--identity-path",
         help="RSA identity file (created if missing): keeps the peer id, and the key that signs our "
         "records, across restarts (default: a fresh identity per run)",
@@ -261,6 +267,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         relay=args.relay,
         relay_peers=validate_relay_peers(args.relay_peers),
         serve_as_relay=args.relay_service,
+        legacy_records=not args.no_legacy_records,
     )
 
 

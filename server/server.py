@@ -79,6 +79,9 @@ class ServerConfig:
     relay: str = "auto"  # reachability: check, and serve through a relay when behind NAT (server.joining)
     relay_peers: list[str] = field(default_factory=list)  # circuit relays besides the bootstrap peers
     serve_as_relay: bool = False  # relay for others (needs a public address), within bounded resources
+    # also write the legacy roster and per-block records that clients and schedulers before the sharded
+    # roster read (they grow with the swarm); turn off once every reader of the swarm is current
+    legacy_records: bool = True
 
     @property
     def managed(self) -> bool:
@@ -156,7 +159,13 @@ class SwarmServer(ManagedSpan):
     def _announce(self, wait: bool = True):
         ttl = 2 * self.config.announce_period + 1
         return announce(
-            self.dht, self.config.dht_prefix, self.identity.owner, self.info(), ttl=ttl, wait=wait
+            self.dht,
+            self.config.dht_prefix,
+            self.identity.owner,
+            self.info(),
+            ttl=ttl,
+            wait=wait,
+            legacy=self.config.legacy_records,
         )
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from swarm.errors import SwarmUserError
@@ -30,9 +31,29 @@ def block_key(prefix: str, block: int) -> str:
 
 
 def roster_key(prefix: str) -> str:
-    """Key listing every server of the model (subkey: peer id), with or without blocks: what the
-    scheduler places. Clients read block keys instead, which only hold servers with blocks."""
+    """The legacy roster: one key listing every server of the model (subkey: its owner key), with or
+    without blocks. Servers before the sharded roster wrote it (and their block keys) only; it grows
+    with the swarm, so current servers write it only while `legacy_records` is on."""
     return f"{prefix}._servers"
+
+
+ROSTER_SHARDS = 16  # 1,000 servers: ~63 records (~70 KB) per value instead of one 1 MB value
+
+
+def roster_shard_key(prefix: str, shard: int) -> str:
+    """One shard of the roster: the servers whose owner key hashes to `shard`."""
+    return f"{prefix}._servers.{shard}"
+
+
+def roster_shard_of(owner: bytes) -> int:
+    """The shard a server's records go to: a hash of its owner subkey, so it never moves."""
+    return int.from_bytes(hashlib.sha256(owner).digest()[:4], "big") % ROSTER_SHARDS
+
+
+def roster_keys(prefix: str) -> list[str]:
+    """What readers fetch to see every server: every shard, and the legacy roster for servers that
+    predate the shards (or still write it), newest record per peer winning."""
+    return [*(roster_shard_key(prefix, shard) for shard in range(ROSTER_SHARDS)), roster_key(prefix)]
 
 
 def scheduler_key(prefix: str) -> str:

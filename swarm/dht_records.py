@@ -4,9 +4,13 @@ The functions passed to `DHT.run_coroutine` execute inside the DHT's own process
 module-level (picklable) and return plain data.
 
 Records:
-- every block key `{prefix}.{b}` holds, per serving peer, its `ServerInfo` (what clients route on);
-- the roster key `{prefix}._servers` holds every server's `ServerInfo`, blocks or not (what the
-  scheduler places);
+- the roster is sharded: `{prefix}._servers.{s}` (s < ROSTER_SHARDS) holds the `ServerInfo` of every
+  server whose owner key hashes to s, blocks or not. Clients, the scheduler and the status page read
+  all shards (one small value each) to see the whole swarm: what one value holds grows with the
+  swarm / ROSTER_SHARDS, and no reader fetches anything per block;
+- legacy keys, for swarms that still have older clients and schedulers (`legacy_records`): the one
+  roster key `{prefix}._servers` and every block key `{prefix}.{b}`, per serving peer. Readers also
+  read the legacy roster, so servers that predate the shards are seen too;
 - the scheduler key `{prefix}._scheduler` holds schedulers' addresses and current placements.
 Every record is an entry under its writer's owner subkey (`swarm.identity`), signed by the writer
 and validated by every node (`swarm.record_validator`); the writer's peer id is derived from that
@@ -22,7 +26,14 @@ from typing import Any
 from hivemind.dht import DHT, DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.dht_keys import block_key, roster_key, scheduler_key
+from swarm.dht_keys import (
+    block_key,
+    roster_key,
+    roster_keys,
+    roster_shard_key,
+    roster_shard_of,
+    scheduler_key,
+)
 from swarm.identity import owner_key, peer_id_of_key
 from swarm.model_limits import ModelLimits
 from swarm.record_validator import parse_record
@@ -42,14 +53,19 @@ async def _store(
     return all(results.values())
 
 
-def announce(dht: DHT, prefix: str, owner: bytes, info: ServerInfo, ttl: float, wait: bool = True):
-    """Store `info` under the roster key and every block key of the server's span, for `ttl` seconds,
-    as the entry of `owner` (the server's owner subkey: the DHT signs it with the server's key)."""
+def announce(
+    dht: DHT, prefix: str, owner: bytes, info: ServerInfo, ttl: float, wait: bool = True, legacy: bool = True
+):
+    """Store `info` under the server's roster shard for `ttl` seconds, as the entry of `owner` (the
+    server's owner subkey: the DHT signs it with the server's key); with `legacy`, also under the
+    legacy roster and every block key of its span, where older clients and schedulers look."""
     now = get_dht_time()
     info = info.model_copy(update={"announced_at": now})
-    keys = [roster_key(prefix)]
-    if info.has_blocks:
-        keys += [block_key(prefix, block) for block in range(info.start, info.end)]
+    keys = [roster_shard_key(prefix, roster_shard_of(owner))]
+    if legacy:
+        keys.append(roster_key(prefix))
+        if info.has_blocks:
+            keys += [block_key(prefix, block) for block in range(info.start, info.end)]
     coroutine = partial(_store, keys=keys, subkey=owner, value=info.to_wire(), expiration=now + ttl)
     return dht.run_coroutine(coroutine, return_future=not wait)
 
@@ -74,57 +90,39 @@ async def _get(_dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str,
 
 def fetch_servers(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
     """Every valid record of a server with blocks, by peer id (base58); invalid records are skipped."""
-    limits = _limits(limits)
-    records = dht.run_coroutine(partial(_get, keys=_all_block_keys(prefix, limits.num_blocks)))
-    return parse_server_records(records, limits, _block_of_key(prefix, limits.num_blocks))
+    records = dht.run_coroutine(partial(_get, keys=roster_keys(prefix)))
+    return parse_server_records(records, _limits(limits))
 
 
 async def fetch_servers_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
-    limits = _limits(limits)
-    keys = _all_block_keys(prefix, limits.num_blocks)
-    future = dht.run_coroutine(partial(_get, keys=keys), return_future=True)
-    return parse_server_records(await future, limits, _block_of_key(prefix, limits.num_blocks))
+    future = dht.run_coroutine(partial(_get, keys=roster_keys(prefix)), return_future=True)
+    return parse_server_records(await future, _limits(limits))
 
 
 async def fetch_roster_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
     """Every server of the model (with or without blocks), newest record per peer."""
-    future = dht.run_coroutine(partial(_get, keys=[roster_key(prefix)]), return_future=True)
-    return parse_server_records(await future, _limits(limits), {}, require_blocks=False)
+    future = dht.run_coroutine(partial(_get, keys=roster_keys(prefix)), return_future=True)
+    return parse_server_records(await future, _limits(limits), require_blocks=False)
 
 
 def _limits(limits: Limits) -> ModelLimits:
     return limits if isinstance(limits, ModelLimits) else ModelLimits(num_blocks=limits)
 
 
-def _all_block_keys(prefix: str, num_blocks: int) -> list[str]:
-    return [block_key(prefix, block) for block in range(num_blocks)]
-
-
-def _block_of_key(prefix: str, num_blocks: int) -> dict[str, int]:
-    return {block_key(prefix, block): block for block in range(num_blocks)}
-
-
 def parse_server_records(
-    records: dict[str, dict[str, object]],
-    limits: ModelLimits,
-    block_of_key: dict[str, int],
-    require_blocks: bool = True,
+    records: dict[str, dict[str, object]], limits: ModelLimits, require_blocks: bool = True
 ) -> dict[str, ServerInfo]:
-    """One record per peer: the newest valid one (a server that moved may leave older ones behind).
-
-    A record counts only if it is valid for this model and, under a block key, holds that block."""
+    """One record per peer: the newest valid one (a server is in its shard and, while it writes
+    legacy records, in the legacy roster too). A record counts only if it is valid for this model."""
     now = get_dht_time()
     servers: dict[str, ServerInfo] = {}
-    for key, per_owner in records.items():
-        block = block_of_key.get(key)
+    for per_owner in records.values():
         for owner, value in per_owner.items():
             info = parse_record(value, now)
             peer_id = peer_id_of_key(owner)
             if not isinstance(info, ServerInfo) or peer_id is None or limits.problem(info) is not None:
                 continue
             if require_blocks and not info.has_blocks:
-                continue
-            if block is not None and not (info.has_blocks and info.start <= block < info.end):
                 continue
             known = servers.get(peer_id)
             if known is None or info.announced_at > known.announced_at:

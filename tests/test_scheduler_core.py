@@ -12,7 +12,7 @@ from scheduler.plan_io import parse_problem
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings, r_changed
 from scheduler.service.view import ModelShape
-from swarm.server_info import ServerInfo, ServerState
+from swarm.server_info import Reachability, ServerInfo, ServerState
 
 L = 8
 BLOCK = 1000
@@ -174,3 +174,25 @@ def test_unplaceable_servers_and_spans():
     assert core.view.placeable() == sorted(SERVERS)
     assert core.view.live() == ["pinned"]
     assert core.view.live_spans(["pinned"]) == [Span(0, 2)]
+
+
+def test_an_unreachable_server_is_shown_but_never_routed_to():
+    """A server behind NAT without a relay (issue 21) stays on the status page, marked, and out of
+    every route, even when it is the fastest; one served through a relay is routed as usual."""
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    servers = {
+        "peer-fast": info(L * BLOCK + 4 * SLOT * L, 0.001),
+        "peer-slow": info(L * BLOCK + 4 * SLOT * L, 0.004),
+    }
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    records = serving(core.assignment, servers)
+    assert all(records[peer].has_blocks for peer in records)
+    records["peer-fast"] = records["peer-fast"].model_copy(update={"reachability": Reachability.UNREACHABLE})
+    records["peer-slow"] = records["peer-slow"].model_copy(update={"reachability": Reachability.RELAY})
+    core.update_roster(records, 0.2)
+    decision = core.route("client", {"peer-fast": 0.001, "peer-slow": 0.05}, 4, 6, 1, 10, now=1.0)
+    assert [hop.peer for hop in decision.session.hops] == ["peer-slow"]
+    shown = {server["peer_id"]: server["reachability"] for server in core.status(1.0)["servers"]}
+    assert shown == {"peer-fast": "unreachable", "peer-slow": "relay"}

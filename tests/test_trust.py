@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from scheduler.service.proto import scheduler_pb2 as pb
 from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
-from swarm.dht_keys import block_key, default_prefix, roster_key, scheduler_key
+from swarm.dht_keys import block_key, default_prefix, roster_keys, scheduler_key
 from swarm.dht_records import publish_scheduler
 from swarm.identity import owner_subkey, peer_id_of_key, public_key_text
 from swarm.local_swarm import LocalSwarm
@@ -188,20 +188,20 @@ def test_dht_attacks_neither_erase_nor_hijack_nor_poison(
     # (a second, client-mode plain peer for the peer-id subkeys, after the others: hivemind cannot
     # hold str and bytes subkeys in one dictionary, and the attacker's own node would break on it)
     forged = record(state="offline", cache_bytes_left=0, cache_slots_left=0, announced_at=now + 5)
-    block_keys = [block_key(prefix, block) for block in range(NUM_BLOCKS)]
-    for key in block_keys:
+    record_keys = [*(block_key(prefix, block) for block in range(NUM_BLOCKS)), *roster_keys(prefix)]
+    for key in record_keys:
         for subkey in honest_subkeys(swarm, key):
             attacker.store(key, forged, now + 60, subkey=subkey)
     by_peer_id = DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True)
     try:
-        for key in block_keys:
+        for key in record_keys:
             for peer_id in honest:
                 by_peer_id.store(key, forged, now + 60, subkey=peer_id)
     finally:
         by_peer_id.shutdown()
 
     # plain values with a later expiration would replace every dictionary they land on
-    for key in [*(block_key(prefix, b) for b in range(NUM_BLOCKS)), roster_key(prefix)]:
+    for key in record_keys:
         attacker.store(key, "gone", now + 3600)
 
     # absurd records, correctly signed by the attacker's own keys (so only their contents are wrong)
@@ -227,7 +227,7 @@ def test_dht_attacks_neither_erase_nor_hijack_nor_poison(
             initial_peers=swarm.initial_peers, client_mode=True, start=True, record_validators=[signer]
         )
         try:
-            for key in [*(block_key(prefix, b) for b in range(NUM_BLOCKS)), roster_key(prefix)]:
+            for key in record_keys:
                 signed.store(key, value, expiration, subkey=owner)
         finally:
             signed.shutdown()

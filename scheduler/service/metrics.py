@@ -48,6 +48,12 @@ class SchedulerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.refresh = Gauge(
+            "swarm_roster_refresh_seconds",
+            "Last refresh: reading every server's record from the DHT and reviewing the placement",
+            ["part"],
+            registry=r,
+        )
         self._last_epoch = 0
 
     def update(self, status: dict) -> None:

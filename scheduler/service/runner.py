@@ -122,9 +122,13 @@ class SchedulerService:
         while not self._stop.is_set():
             now = time.monotonic()
             try:
+                started = time.perf_counter()
                 roster = await fetch_roster_async(self.dht, config.dht_prefix, self.limits)
+                read = time.perf_counter()
                 self.core.update_roster(roster, now)
                 self.core.review(now)
+                self.metrics.refresh.labels(part="read").set(read - started)
+                self.metrics.refresh.labels(part="review").set(time.perf_counter() - read)
             except Exception as error:  # a flaky DHT read must not stop routing; next round retries
                 logger.warning("roster update failed: %s", error or type(error).__name__)
             self.api.pump()

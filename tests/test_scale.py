@@ -1,0 +1,92 @@
+"""A swarm of hundreds of servers should cost a client no more than a swarm of three (issue 23)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import AutoDistributedModelForCausalLM
+from client.routing import probe_shortlist
+from swarm.dht_keys import default_prefix
+from swarm.local_swarm import LocalSwarm
+from swarm.server_info import Reachability, ServerInfo
+from swarm.standin_records import new_keys, peer_id, publish_standins, standin_info, start_standin_dht
+from tests.conftest import NUM_BLOCKS
+from tests.test_record_validation import server_record
+from tests.test_trust import BOUND_S, NEW_TOKENS, PROMPT
+
+
+def _server(start: int, end: int, tau: float, room: bool = True) -> ServerInfo:
+    return ServerInfo.from_wire(
+        server_record(start=start, end=end, tau=tau, cache_bytes_left=10**8 if room else 0)
+    )
+
+
+def test_the_probe_shortlist_grows_with_the_spans_not_with_the_replicas():
+    # 3 spans x 50 replicas: the client pings 4 per block, the fastest announced with room
+    servers = {
+        f"peer-{span}-{replica:02d}": _server(2 * span, 2 * span + 2, tau=1e-3 * (1 + replica))
+        for span in range(3)
+        for replica in range(50)
+    }
+    chosen = probe_shortlist(servers, {}, 0, 6, per_block=4)
+    assert chosen == sorted(f"peer-{span}-{replica:02d}" for span in range(3) for replica in range(4))
+    # servers already measured are free (cached): always kept, and they do not crowd out others
+    measured = {"peer-0-40": 0.01}
+    assert set(probe_shortlist(servers, measured, 0, 6, 4)) == set(chosen) | {"peer-0-40"}
+    # a sub-range asks only about its blocks; a server without cache room comes after those with it
+    servers["peer-1-00"] = _server(2, 4, tau=1e-6, room=False)
+    assert probe_shortlist(servers, {}, 2, 4, 2) == ["peer-1-01", "peer-1-02"]
+    # wide enough, it is everyone holding a block of the range
+    assert len(probe_shortlist(servers, {}, 0, 6, 10**6)) == 150
+
+
+def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(llama_dir, tmp_path):
+    """Three real servers (0:2, 2:4, 4:6) among 36 correctly signed records of servers that do not
+    exist (30, each announcing itself ten times faster than the real ones) or that announce
+    themselves unreachable (6): a new client still generates exactly what transformers does,
+    within a bounded time (widening its shortlist past the dead ones), never dialing an unreachable one."""
+    swarm = LocalSwarm(tmp_path)
+    forger = None
+    try:
+        swarm.start_dht()
+        for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6")):
+            swarm.start_server(name, llama_dir, blocks, "256MB")
+        prefix = default_prefix(str(llama_dir))
+        real = swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
+        fastest_real = min(info.tau for info in real.values())
+        keys = new_keys(36)
+        dead = [
+            (key, standin_info(2 * (i % 3), 2 * (i % 3) + 2, fastest_real / 10))
+            for i, key in enumerate(keys[:30])
+        ]
+        dark = [
+            (key, standin_info(0, NUM_BLOCKS, fastest_real / 100, Reachability.UNREACHABLE))
+            for key in keys[30:]
+        ]
+        forger = start_standin_dht(swarm.initial_peers, keys)
+        assert publish_standins(forger, prefix, dead + dark) == 36
+        assert len(swarm.servers(prefix, NUM_BLOCKS)) == 39
+
+        started = time.monotonic()
+        client = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
+        try:
+            output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+            pinged = client.backend.connection.measured_rtts()
+        finally:
+            client.shutdown()
+        elapsed = time.monotonic() - started
+        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+        assert torch.equal(output, reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False))
+        print(f"generated past 36 dead/unreachable records in {elapsed:.1f} s, pinged {len(pinged)} servers")
+        assert elapsed < BOUND_S
+        assert not {peer_id(key) for key, _ in dark} & set(pinged)  # never dialed
+        assert {
+            peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items() if info.public_name in real
+        } <= set(pinged)
+    finally:
+        if forger is not None:
+            forger.shutdown()
+        swarm.close()
