@@ -30,8 +30,13 @@ def _coverage_color(count: int) -> str:
     return shades[min(count, len(shades)) - 1]
 
 
-def coverage_map(status: dict) -> dict:
-    """Geometry of the coverage map: one row per server, then the per-block coverage row."""
+SERVERS_PER_PAGE = 50  # hundreds of servers: the summary, the coverage row, and the servers a page at a time
+
+
+def coverage_map(status: dict, servers: list[dict] | None = None) -> dict:
+    """Geometry of the coverage map: one row per server of `servers` (default: all; a page of them on
+    a large swarm), then the per-block coverage row of the whole swarm."""
+    servers = status["servers"] if servers is None else servers
     num_blocks = max(status["num_blocks"], 1)
     cell = PLOT_WIDTH / num_blocks
     left = LABEL_WIDTH
@@ -40,7 +45,7 @@ def coverage_map(status: dict) -> dict:
         return {"x": round(left + start * cell, 2), "width": round((end - start) * cell, 2)}
 
     rows = []
-    for index, server in enumerate(status["servers"]):
+    for index, server in enumerate(servers):
         y = 20 + index * ROW_HEIGHT
         name = server["public_name"] or server["peer_id"][-8:]
         has_span = server["start"] >= 0
@@ -89,16 +94,35 @@ def coverage_map(status: dict) -> dict:
     }
 
 
-def render_status_page(status: dict, title: str, subtitle: str = "", refresh: int = 5) -> str:
+def render_status_page(
+    status: dict,
+    title: str,
+    subtitle: str = "",
+    refresh: int = 5,
+    page: int = 0,
+    per_page: int = SERVERS_PER_PAGE,
+) -> str:
+    """The page; with more than `per_page` servers the map rows and the table show page `page` (0-based,
+    clamped) and links to the others, while the summary and the coverage row cover everyone."""
     bound = status.get("bound", -1.0)
     rate = status.get("arrival_rate", 0.0)
     requests = {key: status.get(key, 0) for key in SUMMARY_KEYS}
+    servers = status["servers"]
+    pages = max(1, -(-len(servers) // per_page))
+    page = min(max(page, 0), pages - 1)
+    shown = servers[page * per_page : (page + 1) * per_page]
     return _template.render(
         title=title,
         subtitle=subtitle,
         refresh=refresh,
-        servers=status["servers"],
-        online=sum(1 for s in status["servers"] if s["state"] == "online"),
+        servers=servers,
+        shown=shown,
+        page=page,
+        pages=pages,
+        first_shown=page * per_page,
+        online=sum(1 for s in servers if s["state"] == "online"),
+        relayed=sum(1 for s in servers if s.get("reachability") == "relay"),
+        unreachable=sum(1 for s in servers if s.get("reachability") == "unreachable"),
         num_blocks=status["num_blocks"],
         uncovered=status["uncovered_blocks"],
         policy=status.get("policy", "-"),
@@ -107,7 +131,7 @@ def render_status_page(status: dict, title: str, subtitle: str = "", refresh: in
         arrival_rate=f"{rate:.2f}/s" if rate else "-",
         active_sessions=status.get("active_sessions", 0),
         waiting_sessions=status.get("waiting_sessions", 0),
-        map=coverage_map(status),
+        map=coverage_map(status, shown),
         colors=STATE_COLORS,
         requests=requests,
     )

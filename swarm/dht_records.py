@@ -105,6 +105,32 @@ async def fetch_roster_async(dht: DHT, prefix: str, limits: Limits) -> dict[str,
     return parse_server_records(await future, _limits(limits), require_blocks=False)
 
 
+class RosterReader:
+    """The roster, read incrementally: each `read()` fetches only the keys that are due, so that every
+    key is re-read at least every `full_pass` seconds while one call costs a slice of the swarm
+    (the scheduler refreshes twice a second; a full read of 1,000 records each time would not scale).
+    Records of keys not re-read this time are those of the last read, expired ones dropped."""
+
+    def __init__(self, dht: DHT, prefix: str, limits: Limits, full_pass: float, refresh: float):
+        self.dht, self.limits = dht, _limits(limits)
+        self.keys = roster_keys(prefix)
+        self.per_read = max(1, -(-len(self.keys) * refresh // full_pass))  # ceil
+        self._next = 0
+        self._values: dict[str, dict[str, object]] = {}
+        self.last_read_keys = 0
+
+    async def read(self) -> dict[str, ServerInfo]:
+        """Every server (blocks or not), newest record per peer, after reading the keys due."""
+        count = min(int(self.per_read), len(self.keys))
+        due = [self.keys[(self._next + i) % len(self.keys)] for i in range(count)]
+        self._next = (self._next + count) % len(self.keys)
+        found = await self.dht.run_coroutine(partial(_get, keys=due), return_future=True)
+        for key in due:
+            self._values[key] = found.get(key, {})
+        self.last_read_keys = count
+        return parse_server_records(self._values, self.limits, require_blocks=False)
+
+
 def _limits(limits: Limits) -> ModelLimits:
     return limits if isinstance(limits, ModelLimits) else ModelLimits(num_blocks=limits)
 

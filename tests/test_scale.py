@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
 from client.routing import probe_shortlist
+from scheduler.status_page import SERVERS_PER_PAGE, render_status_page
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm
 from swarm.server_info import Reachability, ServerInfo
@@ -90,3 +91,31 @@ def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(
         if forger is not None:
             forger.shutdown()
         swarm.close()
+
+
+def _status_of(servers: int) -> dict:
+    rows = [
+        {
+            "peer_id": f"peer-{i:04d}", "public_name": f"srv-{i:04d}", "state": "online", "managed": False,
+            "start": 0, "end": 6, "assigned_start": -1, "assigned_end": -1, "memory_bytes": 1e9, "tau": 1e-3,
+            "tau_prefill": 4e-3, "cache_slots": 10, "slots_in_use": 0, "active_sessions": 0,
+            "reachability": "unreachable" if i % 40 == 0 else "relay" if i % 10 == 0 else "direct",
+        }
+        for i in range(servers)
+    ]  # fmt: skip
+    return {"servers": rows, "num_blocks": 6, "coverage": [servers] * 6, "uncovered_blocks": []}
+
+
+def test_the_status_page_of_hundreds_of_servers_is_a_summary_and_pages():
+    status = _status_of(120)
+    first = render_status_page(status, "swarm")
+    assert first.count('class="span"') == SERVERS_PER_PAGE  # map rows: this page's servers only
+    assert "srv-0049" in first and "srv-0050" not in first
+    assert "servers 1&ndash;50 of 120" in first and 'href="?page=2"' in first
+    assert 'data-count="120"' in first  # the coverage row counts everyone
+    assert "120 / 120" in first and "9 / 3" in first  # online; via relay / unreachable
+    last = render_status_page(status, "swarm", page=2)
+    assert last.count('class="span"') == 20 and "srv-0119" in last and "srv-0099" not in last
+    assert render_status_page(status, "swarm", page=99) == last  # clamped
+    small = render_status_page(_status_of(3), "swarm")
+    assert 'class="pager"' not in small and small.count('class="span"') == 3

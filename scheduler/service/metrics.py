@@ -50,7 +50,7 @@ class SchedulerMetrics:
         )
         self.refresh = Gauge(
             "swarm_roster_refresh_seconds",
-            "Last refresh: reading every server's record from the DHT and reviewing the placement",
+            "Last refresh: reading the roster keys due from the DHT, and reviewing the placement",
             ["part"],
             registry=r,
         )

@@ -1,6 +1,7 @@
 """The scheduler process: a DHT peer, a gRPC server, and the loop that keeps the core current.
 
-Every `refresh` seconds it reads the roster from the DHT, lets the core review the placement and
+Every `refresh` seconds it reads the roster keys that are due from the DHT (all of them within
+`full_pass` seconds: `swarm.dht_records.RosterReader`), lets the core review the placement and
 admit waiting sessions, and re-publishes its address and placement under the scheduler key (so
 servers and clients find it without configuration, and see a dead scheduler's record expire).
 """
@@ -25,7 +26,7 @@ from scheduler.service.view import ModelShape
 from scheduler.service.web import make_app, start_web
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
-from swarm.dht_records import fetch_roster_async, publish_scheduler
+from swarm.dht_records import RosterReader, publish_scheduler
 from swarm.model_limits import ModelLimits
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class SchedulerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     announce_host: str | None = None  # address published in the DHT (default: host)
-    refresh: float = 0.5  # seconds between roster reads
+    refresh: float = 0.5  # seconds between roster reads (each reads the roster keys that are due)
+    full_pass: float = 2.0  # every roster key is re-read at least this often
     record_ttl: float = 20.0  # the DHT record of a dead scheduler disappears after this long
     address_file: str | None = None  # write "host:port" here once serving (for scripts and tests)
     http_host: str | None = None  # status page, /api/status and /metrics (default: host)
@@ -59,6 +61,7 @@ class SchedulerService:
         self.metrics = SchedulerMetrics()
         self.api = SchedulerApi(self.core, metrics=self.metrics)
         self.dht: DHT | None = None
+        self.roster: RosterReader | None = None
         self.identity: PeerIdentity | None = None
         self.limits = config.limits or ModelLimits(num_blocks=config.shape.num_blocks)
         self.address = ""
@@ -75,6 +78,7 @@ class SchedulerService:
             start=True,
             **dht_options(self.identity, config.swarm_secret),
         )
+        self.roster = RosterReader(self.dht, config.dht_prefix, self.limits, config.full_pass, config.refresh)
         for sig in (signal.SIGTERM, signal.SIGINT):  # after the DHT forked: its process keeps defaults
             loop.add_signal_handler(sig, self._stop.set)
         interceptors = [SwarmProofInterceptor(config.swarm_secret)] if config.swarm_secret else []
@@ -123,7 +127,7 @@ class SchedulerService:
             now = time.monotonic()
             try:
                 started = time.perf_counter()
-                roster = await fetch_roster_async(self.dht, config.dht_prefix, self.limits)
+                roster = await self.roster.read()
                 read = time.perf_counter()
                 self.core.update_roster(roster, now)
                 self.core.review(now)

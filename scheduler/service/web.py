@@ -22,8 +22,10 @@ StatusSource = Callable[[], Awaitable[dict]]
 def make_app(
     get_status: StatusSource, title: str, subtitle: str = "", metrics: Callable[[], bytes] | None = None
 ) -> web.Application:
-    async def page(_request: web.Request) -> web.Response:
-        html = render_status_page(await get_status(), title, subtitle)
+    async def page(request: web.Request) -> web.Response:
+        asked = request.query.get("page", "0")
+        number = int(asked) if asked.isdigit() and len(asked) < 7 else 0  # anything else: the first page
+        html = render_status_page(await get_status(), title, subtitle, page=number)
         return web.Response(text=html, content_type="text/html")
 
     async def api_status(_request: web.Request) -> web.Response:

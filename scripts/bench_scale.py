@@ -1,0 +1,250 @@
+"""What a large swarm costs a client (issue 23): the same 3-hop chain served by more and more
+replicas, then read among 1,000 announced server records.
+
+    .venv/bin/python scripts/bench_scale.py [--replicas 1,8,10,14] [--records 1000] [--clients 3]
+                                            [--tokens 16] [--write]
+
+One swarm on loopback, grown in place: a DHT, a scheduler, and `3 x replicas` real server processes
+(each its own peer, a tiny 24-block LLaMA split 0:8, 8:16, 16:24, `--no-legacy-records`, the default
+10 s announce period). At each size it measures, for `--clients` new clients one after another:
+the time from `from_pretrained` to the first token, the time per later token, and a warm routing
+decision (`SwarmConnection.route` with its round trips cached); plus what every idle server spends
+(CPU over 10 s, its daemons included), the scheduler's last roster refresh (its
+`swarm_roster_refresh_seconds` metric) and the largest DHT value readers fetch. Then stand-in
+records (`swarm.standin_records`: correctly signed records of peers that do not serve, announcing
+the real servers' speeds) bring the swarm to `--records` servers and the same is measured again.
+
+Limits of the emulation: every process shares this machine's cores, so per-token times include
+the other servers' idle cost; stand-ins never answer, so they cost clients what dead records cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks_md import write_section  # noqa: E402
+from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from client import AutoDistributedModelForCausalLM, ClientOptions  # noqa: E402
+from client.connection import run_sync  # noqa: E402
+from client.routing import SessionShape  # noqa: E402
+from swarm.dht_keys import default_prefix, roster_keys  # noqa: E402
+from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+from swarm.standin_records import new_keys, publish_standins, standin_info, start_standin_dht  # noqa: E402
+
+LAYERS = 24
+SPANS = ((0, 8), (8, 16), (16, 24))
+PROMPT = torch.tensor([[5, 17, 99, 200, 31, 7]])
+SIGNATURE_BYTES = 256 + 16  # RSA-2048 signature and its marker, stripped before values reach readers
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def idle_cpu_percent(swarm: LocalSwarm, names: list[str], seconds: float = 10.0) -> float:
+    """Mean share of one core each named (idle) server spends, daemons included."""
+    pgids = [swarm.processes[name].pid for name in names]
+    before = [group_cpu_seconds(pgid) for pgid in pgids]
+    time.sleep(seconds)
+    after = [group_cpu_seconds(pgid) for pgid in pgids]
+    return 100 * statistics.mean(b - a for a, b in zip(before, after, strict=True)) / seconds
+
+
+async def _value_sizes(_dht, node, keys: list[str]) -> dict[str, tuple[int, int]]:
+    """{key: (bytes, entries)} of the dictionary values under `keys`, signatures included."""
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    sizes = {}
+    for key, entry in found.items():
+        if entry is None or not hasattr(entry.value, "items"):
+            continue
+        items = list(entry.value.items())
+        size = sum(
+            len(MSGPackSerializer.dumps(subkey)) + len(MSGPackSerializer.dumps(item.value)) + SIGNATURE_BYTES
+            for subkey, item in items
+        )
+        sizes[key] = (size, len(items))
+    return sizes
+
+
+def value_stats(swarm: LocalSwarm, prefix: str) -> tuple[int, int]:
+    """(bytes of the largest value readers fetch, bytes per server record) over the roster keys."""
+    sizes = swarm.observer.run_coroutine(partial(_value_sizes, keys=roster_keys(prefix)))
+    total, entries = sum(s for s, _ in sizes.values()), sum(n for _, n in sizes.values())
+    return max((s for s, _ in sizes.values()), default=0), total // max(entries, 1)
+
+
+def scheduler_refresh(swarm: LocalSwarm) -> tuple[float, float]:
+    url = re.search(r"status page at (http://[\d.]+:\d+)/", swarm.log("scheduler")).group(1)
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    parts = dict(re.findall(r'swarm_roster_refresh_seconds\{part="(\w+)"\} ([\d.e+-]+)', text))
+    return float(parts.get("read", "nan")), float(parts.get("review", "nan"))
+
+
+def measure_clients(model_dir: Path, swarm: LocalSwarm, clients: int, tokens: int) -> dict:
+    starts, per_token, decisions, pinged = [], [], [], []
+    shape = SessionShape(batch_size=1, max_length=64, l_in=PROMPT.shape[1], l_out=tokens)
+    for _ in range(clients):
+        started = time.perf_counter()
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            model_dir, swarm.initial_peers, options=ClientOptions(use_scheduler=False)
+        )
+        try:
+            with model.inference_session(max_length=64):
+                model.generate(PROMPT, max_new_tokens=1, do_sample=False)
+                starts.append(time.perf_counter() - started)
+                began = time.perf_counter()
+                model.generate(None, max_new_tokens=tokens, do_sample=False)
+                per_token.append((time.perf_counter() - began) / tokens)
+            connection = model.backend.connection
+            for _ in range(5):
+                began = time.perf_counter()
+                run_sync(connection.route(0, LAYERS, shape))
+                decisions.append(time.perf_counter() - began)
+            pinged.append(len(connection.measured_rtts()))
+        finally:
+            model.shutdown()
+    return {
+        "first_token_s": statistics.median(starts),
+        "per_token_s": statistics.median(per_token),
+        "route_s": statistics.median(decisions),
+        "pinged": max(pinged),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", default="1,8,10", help="replicas per span, growing")
+    parser.add_argument("--records", type=int, default=1000, help="announced servers in the last row")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--write", action="store_true", help="write the BENCHMARKS.md section")
+    args = parser.parse_args()
+    replicas = sorted(int(r) for r in args.replicas.split(","))
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        model_dir = build_tiny_model(
+            scratch / "tiny-llama-24", TinyModelSpec(family="llama", num_layers=LAYERS)
+        )
+        prefix = default_prefix(str(model_dir))
+        (scratch / "swarm").mkdir()
+        swarm = LocalSwarm(scratch / "swarm")
+        forger = None
+        try:
+            swarm.start_dht()
+            swarm.start_scheduler("scheduler", model_dir, "--http-port", "0")
+            names: list[str] = []
+            for count in replicas:
+                new = [f"s{span}-{r}" for r in range(len(names) // 3, count) for span in range(3)]
+                for name in tqdm(new, desc=f"starting servers for {count} replicas"):
+                    span = SPANS[int(name[1])]
+                    swarm.start_server(
+                        name, model_dir, f"{span[0]}:{span[1]}", "128MB",
+                        "--announce-period", "10", "--no-legacy-records",
+                    )  # fmt: skip
+                names += new
+                swarm.wait_online(prefix, LAYERS, names, timeout=600)
+                time.sleep(12)  # one announce period, and a scheduler refresh, with everyone online
+                row = {"servers": len(names), "records": len(names), "replicas": count}
+                row["idle_cpu_pct"] = idle_cpu_percent(swarm, names)
+                row.update(measure_clients(model_dir, swarm, args.clients, args.tokens))
+                row["refresh_read_s"], row["refresh_review_s"] = scheduler_refresh(swarm)
+                row["largest_value"], row["record_bytes"] = value_stats(swarm, prefix)
+                print(row, flush=True)
+                rows.append(row)
+            real = list(swarm.servers(prefix, LAYERS).values())
+            taus = sorted(info.tau for info in real)
+            extra = max(args.records - len(names), 0)
+            keys = new_keys(extra, progress=True)
+            records = [
+                (key, standin_info(*SPANS[i % 3], taus[(i * 7) % len(taus)])) for i, key in enumerate(keys)
+            ]
+            forger = start_standin_dht(swarm.initial_peers, keys)
+            stored = publish_standins(forger, prefix, records)
+            print(f"{extra} stand-in records announced ({stored} stores)", flush=True)
+            time.sleep(5)
+            row = {"servers": len(names), "records": len(names) + extra, "replicas": replicas[-1]}
+            row.update(measure_clients(model_dir, swarm, args.clients, args.tokens))
+            time.sleep(3)
+            row["idle_cpu_pct"] = float("nan")
+            row["refresh_read_s"], row["refresh_review_s"] = scheduler_refresh(swarm)
+            row["largest_value"], row["record_bytes"] = value_stats(swarm, prefix)
+            print(row, flush=True)
+            rows.append(row)
+        finally:
+            if forger is not None:
+                forger.shutdown()
+            swarm.close()
+    lines = [
+        "| servers (real) | records | first token after from_pretrained | per token | routing decision "
+        "| servers pinged | idle server CPU | scheduler refresh (read + review) | largest DHT value "
+        "(one-key roster before) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        legacy = row["records"] * row["record_bytes"]  # the old layout's one roster key lists everyone
+        idle = "-" if row["idle_cpu_pct"] != row["idle_cpu_pct"] else f"{row['idle_cpu_pct']:.2f}% of a core"
+        lines.append(
+            f"| {row['servers']} | {row['records']} | {row['first_token_s']:.2f} s | "
+            f"{row['per_token_s'] * 1e3:.1f} ms | {row['route_s'] * 1e3:.1f} ms | {row['pinged']} | {idle} | "
+            f"{row['refresh_read_s'] * 1e3:.0f} + {row['refresh_review_s'] * 1e3:.0f} ms | "
+            f"{row['largest_value'] / 1e3:.1f} KB ({legacy / 1e3:.0f} KB) |"
+        )
+    base = rows[0]
+    eight = next((row for row in rows if row["replicas"] == 8 and row["records"] == row["servers"]), None)
+    ratios = ""
+    if eight is not None:
+        ratios = (
+            f"\n8x the replicas of the same chain ({eight['servers']} servers vs {base['servers']}), "
+            f"measured in one run: first token {eight['first_token_s'] / base['first_token_s']:.2f}x, per token "
+            f"{eight['per_token_s'] / base['per_token_s']:.2f}x (target: at most 1.3x each).\n"
+        )
+    table = "\n".join(lines)
+    print(table + ratios)
+    if args.write:
+        header = "## Scale: hundreds of servers, one client"
+        command = f"python scripts/bench_scale.py --replicas {args.replicas} --records {args.records} --write"
+        body = (
+            f"{header}\n\nCommand: `{command}` (issue 23; 2-core host, every server a real process on "
+            "loopback, each its own peer; a 24-block tiny LLaMA in spans 0:8, 8:16, 16:24). Each row: the "
+            f"median of {args.clients} new clients; the last row adds stand-in records (signed records "
+            "of peers that do not serve, announcing the real servers' speeds) up to "
+            f"{args.records} announced servers.\n\n{table}\n{ratios}\n"
+            "Routing pings a shortlist (4 unmeasured servers per block, widened only when no chain "
+            "forms), readers fetch the 16 roster shards and the legacy roster instead of one value "
+            "per block, and the largest value is a shard's; the number in brackets is what the one-key "
+            "roster of the old layout would hold for the same swarm.\n"
+        )
+        write_section(header, body)
+
+
+if __name__ == "__main__":
+    main()
