@@ -138,7 +138,7 @@ def chain_problem(hops: list[RouteHop], servers: Mapping[str, ServerInfo], num_b
         if hop.start != position or hop.end <= hop.start:
             return f"hop {hop.peer_id[-8:]}[{hop.start}:{hop.end}] does not continue at block {position}"
         if info is None or not info.routable or not info.has_blocks:
-            return f"{hop.peer_id[-8:]} is not an online, reachable server of this model"
+            return f"{hop.peer_id[-8:]} is not an online server of this model that clients can reach"
         if not info.start <= hop.start < hop.end <= info.end:
             return f"{hop.peer_id[-8:]} holds {info.start}:{info.end}, not {hop.start}:{hop.end}"
         position = hop.end
