@@ -87,7 +87,7 @@ def test_routing_never_chooses_an_unreachable_server_even_the_fastest():
     assert choose_chain([fast_dark], 0, 6, shape) is None
     # a scheduler's chain through it is refused like any other chain the records do not back
     servers = {"dark": fast_dark.info, "slow": slow.info}
-    assert "reachable" in chain_problem([RouteHop("dark", 0, 6)], servers, 6)
+    assert "clients can reach" in chain_problem([RouteHop("dark", 0, 6)], servers, 6)
     assert chain_problem([RouteHop("slow", 0, 6)], servers, 6) is None
 
 
