@@ -62,23 +62,28 @@ def probe_shortlist(
     end: int,
     per_block: int,
 ) -> list[str]:
-    """The servers worth pinging to route blocks `[start, end)`, so that a client's routing work does
-    not grow with the swarm: every server already measured (its round trip is cached, so it costs
-    nothing), plus for each block the `per_block` unmeasured servers holding it that announce the
-    most promise: cache room first, then the fastest decode (`tau`), then peer id (a fixed order,
-    so repeated calls ask the same servers). When no chain forms among them the caller widens
-    `per_block`; with `per_block >= len(servers)` this is every server."""
-    chosen = {peer for peer in servers if peer in measured}
-    holders: dict[int, list[tuple[bool, float, str]]] = {}
+    """The servers worth pinging (or reusing a cached ping of) to route blocks `[start, end)`, so
+    that a client's routing work does not grow with the swarm: for each block, `per_block` servers
+    holding it. Servers already measured come first, best estimated time first (cached round trip
+    plus announced decode time: free to reuse), then unmeasured ones by announced promise (cache
+    room first, then the fastest `tau`, then peer id, so repeated calls ask the same servers).
+    When no chain forms among them the caller widens `per_block`; with `per_block >= len(servers)`
+    this is every server holding a block of the range."""
+    holders: dict[int, list[tuple]] = {}
     for peer, info in servers.items():
-        if peer in chosen or not info.has_blocks:
+        if not info.has_blocks:
             continue
-        rank = (info.cache_bytes_left <= 0, info.tau if info.tau is not None else math.inf, peer)
+        tau = info.tau if info.tau is not None else math.inf
+        if peer in measured:
+            rank = (0, measured[peer] + tau * info.num_blocks, peer)
+        else:
+            rank = (1, (info.cache_bytes_left <= 0, tau), peer)
         for block in range(max(info.start, start), min(info.end, end)):
             holders.setdefault(block, []).append(rank)
+    chosen: set[str] = set()
     for ranks in holders.values():
         ranks.sort()
-        chosen.update(peer for _, _, peer in ranks[:per_block])
+        chosen.update(rank[2] for rank in ranks[:per_block])
     return sorted(chosen)
 
 

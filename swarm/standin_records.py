@@ -91,7 +91,7 @@ def publish_standins(
     records: list[tuple[RSAPrivateKey, ServerInfo]],
     ttl: float = MAX_RECORD_TTL,
     legacy: bool = False,
-    batch: int = 100,
+    batch: int = 20,  # hivemind passes each call to its DHT process through a pipe: keep it small
 ) -> int:
     """Announce every (key, record) as its own server, like `swarm.dht_records.announce` would;
     returns how many stores succeeded."""

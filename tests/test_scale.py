@@ -34,9 +34,13 @@ def test_the_probe_shortlist_grows_with_the_spans_not_with_the_replicas():
     }
     chosen = probe_shortlist(servers, {}, 0, 6, per_block=4)
     assert chosen == sorted(f"peer-{span}-{replica:02d}" for span in range(3) for replica in range(4))
-    # servers already measured are free (cached): always kept, and they do not crowd out others
-    measured = {"peer-0-40": 0.01}
-    assert set(probe_shortlist(servers, measured, 0, 6, 4)) == set(chosen) | {"peer-0-40"}
+    # servers already measured come first (their ping is cached), so routing again pings nobody new,
+    # and among them the best estimated time wins (a near but slow server loses to faster ones)
+    measured = {"peer-0-40": 0.01, **{peer: 0.02 for peer in chosen}}
+    assert probe_shortlist(servers, measured, 0, 6, 4) == chosen
+    measured["peer-0-40"] = 0.0
+    servers["peer-0-40"] = _server(0, 2, tau=1e-6)
+    assert "peer-0-40" in probe_shortlist(servers, measured, 0, 6, 4)
     # a sub-range asks only about its blocks; a server without cache room comes after those with it
     servers["peer-1-00"] = _server(2, 4, tau=1e-6, room=False)
     assert probe_shortlist(servers, {}, 2, 4, 2) == ["peer-1-01", "peer-1-02"]

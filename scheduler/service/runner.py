@@ -1,9 +1,10 @@
 """The scheduler process: a DHT peer, a gRPC server, and the loop that keeps the core current.
 
-Every `refresh` seconds it reads the roster keys that are due from the DHT (all of them within
-`full_pass` seconds: `swarm.dht_records.RosterReader`), lets the core review the placement and
-admit waiting sessions, and re-publishes its address and placement under the scheduler key (so
-servers and clients find it without configuration, and see a dead scheduler's record expire).
+Every `roster_read_period` seconds it reads the roster keys that are due from the DHT (all of them
+within `full_pass` seconds: `swarm.dht_records.RosterReader`); every `refresh` seconds it lets the
+core review the placement and admit waiting sessions, and re-publishes its address and placement
+under the scheduler key (so servers and clients find it without configuration, and see a dead
+scheduler's record expire).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class SchedulerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     announce_host: str | None = None  # address published in the DHT (default: host)
-    refresh: float = 0.5  # seconds between roster reads (each reads the roster keys that are due)
-    full_pass: float = 2.0  # every roster key is re-read at least this often
+    refresh: float = 0.5  # seconds between admission ticks and record publications
+    roster_read_period: float = 1.0  # seconds between roster reads (each reads the keys that are due)
+    full_pass: float = 5.0  # every roster key is re-read at least this often (servers announce every 10 s)
     record_ttl: float = 20.0  # the DHT record of a dead scheduler disappears after this long
     address_file: str | None = None  # write "host:port" here once serving (for scripts and tests)
     http_host: str | None = None  # status page, /api/status and /metrics (default: host)
@@ -78,7 +80,9 @@ class SchedulerService:
             start=True,
             **dht_options(self.identity, config.swarm_secret),
         )
-        self.roster = RosterReader(self.dht, config.dht_prefix, self.limits, config.full_pass, config.refresh)
+        self.roster = RosterReader(
+            self.dht, config.dht_prefix, self.limits, config.full_pass, config.roster_read_period
+        )
         for sig in (signal.SIGTERM, signal.SIGINT):  # after the DHT forked: its process keeps defaults
             loop.add_signal_handler(sig, self._stop.set)
         interceptors = [SwarmProofInterceptor(config.swarm_secret)] if config.swarm_secret else []
@@ -123,16 +127,20 @@ class SchedulerService:
     async def _loop(self) -> None:
         config = self.config
         last_published, published_epoch = -float("inf"), -1
+        last_read = -float("inf")
         while not self._stop.is_set():
             now = time.monotonic()
             try:
+                if now - last_read >= config.roster_read_period:
+                    last_read = now
+                    started = time.perf_counter()
+                    roster = await self.roster.read()
+                    read = time.perf_counter()
+                    self.core.update_roster(roster, now)
+                    self.metrics.refresh.labels(part="read").set(read - started)
                 started = time.perf_counter()
-                roster = await self.roster.read()
-                read = time.perf_counter()
-                self.core.update_roster(roster, now)
                 self.core.review(now)
-                self.metrics.refresh.labels(part="read").set(read - started)
-                self.metrics.refresh.labels(part="review").set(time.perf_counter() - read)
+                self.metrics.refresh.labels(part="review").set(time.perf_counter() - started)
             except Exception as error:  # a flaky DHT read must not stop routing; next round retries
                 logger.warning("roster update failed: %s", error or type(error).__name__)
             self.api.pump()
