@@ -308,8 +308,8 @@ class SwarmConnection:
             chain = choose_chain(candidates, start, end, shape)
             if chain is not None:
                 return chain
-            if breadth < len(self._servers):  # the shortlist was too short: ask more servers at once
-                breadth *= 2
+            if breadth < len(self._servers):  # the shortlist was too short: ask 4x more servers at once
+                breadth *= 4
                 continue
             missing = uncovered_blocks(candidates, start, end)
             if missing:

@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 DHT_START_TIMEOUT = 30.0  # a peer is normally ready in about a second
 DHT_START_ATTEMPTS = 3
+CLIENT_BOOTSTRAP_WAIT = 0.5  # seconds a reader waits for its initial peers' answers before starting
 
 
 def start_dht(
@@ -80,9 +81,18 @@ def start_dht(
     """A DHT peer of ours (validators, identity, authorizer), ready. Its background process rarely
     never reports ready (seen in CI under heavy load); `DHT(start=True)` would then wait forever, so
     each try is bounded and retried. Any other failure (e.g. no peer answers) is a clear error."""
+    # a reader is ready once a bootstrap peer answered: hivemind would also wait for the traversal that
+    # fills its routing table (one new connection per DHT node it meets: it grows with the swarm),
+    # which goes on in the background and is not needed before the first lookup
+    # (with one bootstrap peer only: the bound also cuts the wait for the other peers' answers)
+    quick = {"bootstrap_timeout": CLIENT_BOOTSTRAP_WAIT} if client_mode and len(initial_peers) == 1 else {}
     for attempt in range(1, DHT_START_ATTEMPTS + 1):
         dht = DHT(
-            initial_peers=initial_peers, client_mode=client_mode, start=False, **dht_options(identity, secret)
+            initial_peers=initial_peers,
+            client_mode=client_mode,
+            start=False,
+            **dht_options(identity, secret),
+            **quick,
         )
         try:
             dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT)
