@@ -40,6 +40,10 @@ from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
 logger = logging.getLogger(__name__)
 
 
+PROBE_WIDEN_AFTER = 0.3  # seconds without a chain before routing pings 4x more servers per block
+PROBE_GRACE = 0.15  # once a chain exists, seconds the pings still out get to answer
+
+
 class SwarmUnavailable(SwarmUserError):
     """The swarm cannot serve the request (blocks not served, or no room for too long)."""
 
@@ -269,6 +273,24 @@ class SwarmConnection:
         )
         return True
 
+    async def _routable(self, refresh: bool) -> dict[str, ServerInfo]:
+        # only servers that say they serve are worth a ping: a JOINING one has no handlers yet, an
+        # UNREACHABLE one (behind NAT without a relay) cannot be dialed at all, and one that just
+        # failed to answer is skipped until `failed_ping_ttl` has passed
+        return {
+            peer: info
+            for peer, info in (await self.servers(refresh)).items()
+            if info.routable and not self.is_banned(peer) and not self._recently_unanswered(peer)
+        }
+
+    def _recently_unanswered(self, peer_id: str) -> bool:
+        cached = self._rtts.get(peer_id)
+        return (
+            cached is not None
+            and cached[0] == math.inf
+            and time.monotonic() - cached[1] < self.options.failed_ping_ttl
+        )
+
     async def candidates(
         self, refresh: bool = False, blocks: tuple[int, int] | None = None, breadth: int | None = None
     ) -> list[Candidate]:
@@ -276,13 +298,7 @@ class SwarmConnection:
 
         Only a shortlist is pinged (`routing.probe_shortlist`: `breadth` per block, default
         `options.probe_per_block`), so the work does not grow with the swarm's size."""
-        # only servers that say they serve are worth a ping: a JOINING one has no handlers yet, an
-        # UNREACHABLE one (behind NAT without a relay) cannot be dialed at all
-        routable = {
-            peer: info
-            for peer, info in (await self.servers(refresh)).items()
-            if info.routable and not self.is_banned(peer)
-        }
+        routable = await self._routable(refresh)
         start, end = blocks if blocks is not None else (0, self.num_blocks)
         measured = {peer: rtt for peer, rtt in self.measured_rtts().items() if rtt < math.inf}
         shortlist = probe_shortlist(
@@ -296,21 +312,52 @@ class SwarmConnection:
             if rtt < math.inf
         ]
 
+    async def _probe_for_chain(
+        self, refresh: bool, start: int, end: int, shape: SessionShape
+    ) -> tuple[list[Candidate], list[RouteHop] | None]:
+        """Ping a shortlist and widen it 4x every `PROBE_WIDEN_AFTER` seconds in which no chain formed,
+        without waiting for the pings still out: in a swarm full of dead records, each of which takes
+        a slow failed lookup, the rounds overlap instead of adding up. Once a chain exists, pings
+        still out get `PROBE_GRACE` to answer (a faster server may be among them), then the best
+        chain among those that answered is returned; pings left running fill the RTT cache."""
+        servers = await self._routable(refresh)
+        loop = asyncio.get_running_loop()
+        breadth, widened_at, chain_since = self.options.probe_per_block, loop.time(), None
+        pings: dict[str, asyncio.Future] = {}
+        while True:
+            measured = {peer: rtt for peer, rtt in self.measured_rtts().items() if rtt < math.inf}
+            for peer in probe_shortlist(servers, measured, start, end, breadth):
+                if peer not in pings:
+                    pings[peer] = asyncio.ensure_future(self.rtt(peer))
+            answered = [
+                Candidate(peer, servers[peer], ping.result())
+                for peer, ping in pings.items()
+                if ping.done() and not ping.cancelled() and ping.result() < math.inf  # rtt() never raises
+            ]
+            chain = choose_chain(answered, start, end, shape)
+            out = [ping for ping in pings.values() if not ping.done()]
+            now = loop.time()
+            if chain is not None:
+                chain_since = now if chain_since is None else chain_since
+                if not out or now - chain_since >= PROBE_GRACE:
+                    return answered, chain
+            elif breadth < len(servers) and (not out or now - widened_at >= PROBE_WIDEN_AFTER):
+                breadth, widened_at = breadth * 4, now
+                continue
+            elif not out:
+                return answered, None  # everyone worth asking answered: no chain (yet)
+            await asyncio.wait(out, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+
     async def route(self, start: int, end: int, shape: SessionShape) -> list[RouteHop]:
         """The fastest chain over `[start, end)` with cache room; waits with backoff while none has room."""
         deadline = time.monotonic() + self.options.wait_for_room
         missing_deadline = time.monotonic() + self.options.wait_for_servers
         delay = 0.1
         refresh = False
-        breadth = self.options.probe_per_block
         while True:
-            candidates = await self.candidates(refresh, (start, end), breadth)
-            chain = choose_chain(candidates, start, end, shape)
+            candidates, chain = await self._probe_for_chain(refresh, start, end, shape)
             if chain is not None:
                 return chain
-            if breadth < len(self._servers):  # the shortlist was too short: ask 4x more servers at once
-                breadth *= 4
-                continue
             missing = uncovered_blocks(candidates, start, end)
             if missing:
                 if time.monotonic() > missing_deadline:
