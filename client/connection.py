@@ -40,7 +40,7 @@ from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
 logger = logging.getLogger(__name__)
 
 
-PROBE_WIDEN_AFTER = 0.3  # seconds without a chain before routing pings 4x more servers per block
+PROBE_WIDEN_AFTER = 1.0  # seconds without a chain before routing pings 4x more servers per block
 PROBE_GRACE = 0.15  # once a chain exists, seconds the pings still out get to answer
 
 
