@@ -173,6 +173,9 @@ class SwarmConnection:
         """Every server this client has pinged and its last round trip (inf: it did not answer)."""
         return {peer: rtt for peer, (rtt, _measured_at) in self._rtts.items()}
 
+    def _answered_rtts(self) -> dict[str, float]:
+        return {peer: rtt for peer, (rtt, _measured_at) in self._rtts.items() if rtt < math.inf}
+
     async def rtt(self, peer_id: str) -> float:
         """Round trip of an info call (includes serialization), cached; inf if the peer does not answer
         within `ping_timeout` (a record may name a peer that does not exist). A failure is cached only
@@ -300,9 +303,12 @@ class SwarmConnection:
         `options.probe_per_block`), so the work does not grow with the swarm's size."""
         routable = await self._routable(refresh)
         start, end = blocks if blocks is not None else (0, self.num_blocks)
-        measured = {peer: rtt for peer, rtt in self.measured_rtts().items() if rtt < math.inf}
         shortlist = probe_shortlist(
-            routable, measured, start, end, breadth if breadth is not None else self.options.probe_per_block
+            routable,
+            self._answered_rtts(),
+            start,
+            end,
+            breadth if breadth is not None else self.options.probe_per_block,
         )
         servers = {peer: routable[peer] for peer in shortlist}
         rtts = await asyncio.gather(*(self.rtt(peer) for peer in servers))
@@ -324,11 +330,14 @@ class SwarmConnection:
         loop = asyncio.get_running_loop()
         breadth, widened_at, chain_since = self.options.probe_per_block, loop.time(), None
         pings: dict[str, asyncio.Future] = {}
-        while True:
-            measured = {peer: rtt for peer, rtt in self.measured_rtts().items() if rtt < math.inf}
-            for peer in probe_shortlist(servers, measured, start, end, breadth):
+
+        def ping_shortlist() -> None:
+            for peer in probe_shortlist(servers, self._answered_rtts(), start, end, breadth):
                 if peer not in pings:
                     pings[peer] = asyncio.ensure_future(self.rtt(peer))
+
+        ping_shortlist()
+        while True:
             answered = [
                 Candidate(peer, servers[peer], ping.result())
                 for peer, ping in pings.items()
@@ -343,6 +352,7 @@ class SwarmConnection:
                     return answered, chain
             elif breadth < len(servers) and (not out or now - widened_at >= PROBE_WIDEN_AFTER):
                 breadth, widened_at = breadth * 4, now
+                ping_shortlist()
                 continue
             elif not out:
                 return answered, None  # everyone worth asking answered: no chain (yet)

@@ -21,7 +21,6 @@ the other servers' idle cost; stand-ins never answer, so they cost clients what 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -44,7 +43,7 @@ from client import AutoDistributedModelForCausalLM, ClientOptions  # noqa: E402
 from client.connection import run_sync  # noqa: E402
 from client.routing import SessionShape  # noqa: E402
 from swarm.dht_keys import default_prefix, roster_keys  # noqa: E402
-from swarm.local_swarm import LocalSwarm  # noqa: E402
+from swarm.local_swarm import LocalSwarm, cpu_seconds_by_group  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 from swarm.standin_records import new_keys, publish_standins, standin_info, start_standin_dht  # noqa: E402
 
@@ -54,27 +53,13 @@ PROMPT = torch.tensor([[5, 17, 99, 200, 31, 7]])
 SIGNATURE_BYTES = 256 + 16  # RSA-2048 signature and its marker, stripped before values reach readers
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    ticks, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
-
-
 def idle_cpu_percent(swarm: LocalSwarm, names: list[str], seconds: float = 10.0) -> float:
     """Mean share of one core each named (idle) server spends, daemons included."""
-    pgids = [swarm.processes[name].pid for name in names]
-    before = [group_cpu_seconds(pgid) for pgid in pgids]
+    pgids = [swarm.processes[name].pid for name in names]  # each server leads its own group
+    before = cpu_seconds_by_group()
     time.sleep(seconds)
-    after = [group_cpu_seconds(pgid) for pgid in pgids]
-    return 100 * statistics.mean(b - a for a, b in zip(before, after, strict=True)) / seconds
+    after = cpu_seconds_by_group()
+    return 100 * statistics.mean(after.get(g, 0.0) - before.get(g, 0.0) for g in pgids) / seconds
 
 
 async def _value_sizes(_dht, node, keys: list[str]) -> dict[str, tuple[int, int]]:

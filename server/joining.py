@@ -95,9 +95,8 @@ def _join_behind_nat(options: JoinOptions, identity, secret, rejoining: bool) ->
     )  # fmt: skip
     deadline = time.monotonic() + RELAY_WAIT
     while True:
-        maddrs = visible_maddrs(dht)
-        if has_circuit(maddrs):
-            circuits = [m for m in maddrs if "/p2p-circuit" in m]
+        circuits = [m for m in visible_maddrs(dht) if "/p2p-circuit" in m]
+        if circuits:
             logger.info("reachability: serving through relay circuit(s) %s", circuits)
             return dht, Reachability.RELAY
         if time.monotonic() > deadline:

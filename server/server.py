@@ -118,7 +118,6 @@ class SwarmServer(ManagedSpan):
         self._sessions_changed = asyncio.Event()
         self.identity: PeerIdentity | None = None
         self.reachability = Reachability.DIRECT  # decided when joining (server.joining)
-        self._dial_back_added = False
         self.limits = ModelLimits.from_config(load_config(config.model_dir))
 
     # --- what we announce -----------------------------------------------------------------------
@@ -273,9 +272,8 @@ class SwarmServer(ManagedSpan):
         p2p = await self.dht.replicate_p2p()
         self.servicer = self._new_servicer()
         await self.servicer.add_p2p_handlers(p2p, namespace=self.config.dht_prefix)
-        if self.reachability == Reachability.DIRECT and not self._dial_back_added:
+        if self.reachability == Reachability.DIRECT:
             await DialBackService(p2p).add_p2p_handlers(p2p)  # check other servers' reachability too
-            self._dial_back_added = True
         self.state = ServerState.ONLINE
         await self._announce(wait=False)
         logger.info("online: serving blocks %s as %s", self.span_text, self.peer_id)

@@ -20,6 +20,7 @@ until they expire; every record carries `announced_at`, and readers keep only th
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -114,20 +115,17 @@ class RosterReader:
     def __init__(self, dht: DHT, prefix: str, limits: Limits, full_pass: float, refresh: float):
         self.dht, self.limits = dht, _limits(limits)
         self.keys = roster_keys(prefix)
-        self.per_read = max(1, -(-len(self.keys) * refresh // full_pass))  # ceil
+        self.per_read = min(max(1, math.ceil(len(self.keys) * refresh / full_pass)), len(self.keys))
         self._next = 0
         self._values: dict[str, dict[str, object]] = {}
-        self.last_read_keys = 0
 
     async def read(self) -> dict[str, ServerInfo]:
         """Every server (blocks or not), newest record per peer, after reading the keys due."""
-        count = min(int(self.per_read), len(self.keys))
-        due = [self.keys[(self._next + i) % len(self.keys)] for i in range(count)]
-        self._next = (self._next + count) % len(self.keys)
+        due = [self.keys[(self._next + i) % len(self.keys)] for i in range(self.per_read)]
+        self._next = (self._next + self.per_read) % len(self.keys)
         found = await self.dht.run_coroutine(partial(_get, keys=due), return_future=True)
         for key in due:
             self._values[key] = found.get(key, {})
-        self.last_read_keys = count
         return parse_server_records(self._values, self.limits, require_blocks=False)
 
 

@@ -247,18 +247,36 @@ def _group_alive(process: subprocess.Popen) -> bool:
     return True
 
 
-def child_pids() -> set[int]:
-    """Live descendants of this process (e.g. a client's DHT process and its p2pd)."""
-    children: dict[int, list[int]] = {}
+def process_table() -> dict[int, list[str]]:
+    """Every process's `/proc/PID/stat` fields after the command name (state, ppid, pgrp, ...; utime
+    and stime are [11] and [12]); processes that exit while being read are left out."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            table[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
+    return table
+
+
+def cpu_seconds_by_group() -> dict[int, float]:
+    """CPU time (user + system) used so far by the live processes of each process group."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    by_group: dict[int, float] = {}
+    for fields in process_table().values():
+        group = int(fields[2])
+        by_group[group] = by_group.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return by_group
+
+
+def child_pids() -> set[int]:
+    """Live descendants of this process (e.g. a client's DHT process and its p2pd)."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in process_table().items():
         if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
+            children.setdefault(int(fields[1]), []).append(pid)
     found, frontier = set(), [os.getpid()]
     while frontier:
         for child in children.get(frontier.pop(), []):

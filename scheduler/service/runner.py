@@ -43,8 +43,10 @@ class SchedulerConfig:
     port: int = 0
     announce_host: str | None = None  # address published in the DHT (default: host)
     refresh: float = 0.5  # seconds between admission ticks and record publications
-    roster_read_period: float = 1.0  # seconds between roster reads (each reads the keys that are due)
-    full_pass: float = 5.0  # every roster key is re-read at least this often (servers announce every 10 s)
+    roster_read_period: float = 0.5  # seconds between roster reads (each reads the keys that are due)
+    # every roster key is re-read at least this often: how late the scheduler may see a server leave,
+    # fill up or join (placement and admission depend on it), at half the reads of reading everything
+    full_pass: float = 1.0
     record_ttl: float = 20.0  # the DHT record of a dead scheduler disappears after this long
     address_file: str | None = None  # write "host:port" here once serving (for scripts and tests)
     http_host: str | None = None  # status page, /api/status and /metrics (default: host)

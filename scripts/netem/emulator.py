@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from swarm.identity import ensure_key_files
-from swarm.local_swarm import CHILD_ENV, _group_alive, _signal_group
+from swarm.local_swarm import CHILD_ENV, _group_alive, _signal_group, cpu_seconds_by_group
 
 from .scenario import Scenario
 from .system import SetupError
@@ -143,17 +143,7 @@ class Emulation:
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) used so far by each started process and its group (p2pd
         daemons included): where a run's CPU went."""
-        ticks = os.sysconf("SC_CLK_TCK")
-        by_group: dict[int, float] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            group = int(fields[2])  # pgrp
-            by_group[group] = by_group.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        by_group = cpu_seconds_by_group()
         return {name: by_group.get(process.pid, 0.0) for name, (_, process) in self.processes.items()}
 
     def log(self, name: str) -> str:
