@@ -103,6 +103,17 @@ def test_browser_shows_every_server_span_on_the_coverage_map(swarm, page):
     assert screenshot.stat().st_size > 10_000
 
 
+def test_any_page_parameter_gets_a_page(swarm):
+    """`?page=` from a browser's address bar may be anything: junk, negative or huge numbers get a
+    page (the first, or the last that exists), never an error."""
+    _, scheduler_url, health_url = swarm
+    for url in (scheduler_url, health_url):
+        wait_for_servers(url, len(SERVERS))
+        for query in ("?page=abc", "?page=-1", "?page=99999999999", "?page=3", "?page=0&page=1", "?page="):
+            html = fetch(url + query)
+            assert 'id="coverage-map"' in html and html.count('class="span"') == len(SERVERS), query
+
+
 def test_metrics_move_after_a_generation(swarm, llama_dir):
     local_swarm, scheduler_url, _ = swarm
     before_scheduler = fetch(scheduler_url + "metrics")
