@@ -8,12 +8,18 @@ validators. Keeping this in one place means no node of ours ever runs without va
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
+import os
+import signal
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hivemind.dht import DHT
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
 
 from swarm.closed_swarm import SwarmSecret
 from swarm.errors import SwarmUserError
@@ -69,6 +75,32 @@ logger = logging.getLogger(__name__)
 DHT_START_TIMEOUT = 30.0  # a peer is normally ready in about a second
 DHT_START_ATTEMPTS = 3
 CLIENT_BOOTSTRAP_WAIT = 0.5  # seconds a reader waits for its initial peers' answers before starting
+STACK_DUMP_WAIT = 1.0  # seconds a stuck DHT process gets to write its threads' stacks
+
+
+class _DiagnosableDHT(DHT):
+    """hivemind's DHT whose process writes every thread's stack to `stack_file` on SIGUSR1, so that a
+    start that never finishes says where it is stuck instead of only timing out."""
+
+    def __init__(self, *args, stack_file: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._stack_file = stack_file
+
+    def run(self) -> None:
+        with open(self._stack_file, "w") as stacks:
+            faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+            super().run()
+
+
+def _stuck_report(dht: _DiagnosableDHT, stack_file: str) -> str:
+    """What a DHT process that did not report ready was doing (or how it ended), for the log."""
+    if not dht.is_alive():
+        return f"its process ended with exit code {dht.exitcode}"
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(dht.pid, signal.SIGUSR1)
+    time.sleep(STACK_DUMP_WAIT)
+    stacks = Path(stack_file).read_text(errors="replace").strip() if Path(stack_file).exists() else ""
+    return "its process was still running; its threads:\n" + (stacks or "(no stacks were written)")
 
 
 def start_dht(
@@ -78,19 +110,24 @@ def start_dht(
     identity: PeerIdentity | None = None,
     secret: SwarmSecret | None = None,
 ) -> DHT:
-    """A DHT peer of ours (validators, identity, authorizer), ready. Its background process rarely
-    never reports ready (seen in CI under heavy load); `DHT(start=True)` would then wait forever, so
-    each try is bounded and retried. Any other failure (e.g. no peer answers) is a clear error."""
+    """A DHT peer of ours (validators, identity, authorizer), ready. Its background process has been
+    seen (in CI, under load) to never report ready; `DHT(start=True)` would then wait forever, so each
+    try is bounded, a stuck try is reported with its threads' stacks, and the next try starts afresh.
+    Any other failure (e.g. no peer answers) is a clear error."""
     # a reader is ready once a bootstrap peer answered: hivemind would also wait for the traversal that
     # fills its routing table (one new connection per DHT node it meets: it grows with the swarm),
     # which goes on in the background and is not needed before the first lookup
     # (with one bootstrap peer only: the bound also cuts the wait for the other peers' answers)
     quick = {"bootstrap_timeout": CLIENT_BOOTSTRAP_WAIT} if client_mode and len(initial_peers) == 1 else {}
+    report = ""
     for attempt in range(1, DHT_START_ATTEMPTS + 1):
-        dht = DHT(
+        handle, stack_file = tempfile.mkstemp(prefix="dht-start-", suffix=".stacks")
+        os.close(handle)
+        dht = _DiagnosableDHT(
             initial_peers=initial_peers,
             client_mode=client_mode,
             start=False,
+            stack_file=stack_file,
             **dht_options(identity, secret),
             **quick,
         )
@@ -98,21 +135,40 @@ def start_dht(
             dht.run_in_background(await_ready=True, timeout=DHT_START_TIMEOUT)
             return dht
         except Exception as error:
-            if dht.is_alive():
-                dht.kill()
             if not isinstance(error, TimeoutError):
+                if dht.is_alive():
+                    dht.kill()
                 closed = " (a closed swarm refuses peers without its secret)" if secret is None else ""
                 raise SwarmUserError(
                     f"could not join the swarm's DHT at {initial_peers}: {error}{closed}"
                 ) from None
+            report = _stuck_report(dht, stack_file)
+            if dht.is_alive():
+                dht.kill()
+            dht.join(5)
             logger.warning(
-                "a DHT peer was not ready after %.0f s (try %d of %d)",
+                "a DHT peer was not ready after %.0f s (try %d of %d): %s",
                 DHT_START_TIMEOUT,
                 attempt,
                 DHT_START_ATTEMPTS,
+                report,
             )
-            dht.join(5)
+            if attempt == 1:  # the side that waits for "ready" may be the stuck one: its threads, once
+                logger.warning("threads of the process waiting for that DHT peer:\n%s", _own_stacks())
+            # hivemind's futures between processes share locks and one result pipe per process; a
+            # process killed while holding one of them (or a stuck result reader) would keep every
+            # later DHT of this process from reporting ready. Fresh ones for the next try.
+            MPFuture.reset_backend()
+        finally:
+            Path(stack_file).unlink(missing_ok=True)
     raise SwarmUserError(
         f"could not start a DHT peer for initial peers {initial_peers} "
-        f"({DHT_START_ATTEMPTS} tries of {DHT_START_TIMEOUT:.0f} s)"
+        f"({DHT_START_ATTEMPTS} tries of {DHT_START_TIMEOUT:.0f} s); the last one: {report[-6000:]}"
     )
+
+
+def _own_stacks() -> str:
+    with tempfile.TemporaryFile("w+") as stacks:
+        faulthandler.dump_traceback(file=stacks, all_threads=True)
+        stacks.seek(0)
+        return stacks.read()
