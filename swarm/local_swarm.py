@@ -203,6 +203,11 @@ class LocalSwarm:
         process = self.processes[name]
         if process.poll() is None:
             process.send_signal(sig)
+        return self._reap(process, timeout)
+
+    @staticmethod
+    def _reap(process: subprocess.Popen, timeout: float = 20.0) -> int | None:
+        """Wait for a signalled process; kill its group if it takes longer than `timeout`."""
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -219,9 +224,17 @@ class LocalSwarm:
         for peer in self._peers:
             peer.shutdown()
         self._peers.clear()
-        for name in reversed(list(self.processes)):
-            if self.processes[name].poll() is None:
-                self.stop(name)
+        # everyone but the DHT bootstrap peer at once (each server's shutdown announces that it left,
+        # which needs the DHT), then the bootstrap peer
+        running = [name for name in self.processes if self.processes[name].poll() is None]
+        for name in running:
+            if name != "dht":
+                self.processes[name].send_signal(signal.SIGTERM)
+        for name in running:
+            if name != "dht":
+                self._reap(self.processes[name])
+        if "dht" in running:
+            self.stop("dht")
         deadline = time.monotonic() + 10  # killed members may take a moment to be reaped
         leaked = [name for name, process in self.processes.items() if _group_alive(process)]
         while leaked and time.monotonic() < deadline:

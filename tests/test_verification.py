@@ -89,7 +89,12 @@ def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir)
         )
         try:
             with client.inference_session(max_length=PROMPT.shape[1] + 80) as session:
-                client.generate(PROMPT, max_new_tokens=80, do_sample=False, session=session)
+                prompt = PROMPT
+                for _ in range(8):  # up to 80 steps, 10 at a time, until the liar is caught
+                    client.generate(prompt, max_new_tokens=10, do_sample=False, session=session)
+                    prompt = None
+                    if session.blocks.caught_at_step is not None:
+                        break
                 caught_at.append(session.blocks.caught_at_step)
             assert peers["liar"] in client.backend.connection.caught
         finally:
