@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PROBE_WIDEN_AFTER = 1.0  # seconds without a chain before routing pings 4x more servers per block
 PROBE_GRACE = 0.15  # once a chain exists, seconds the pings still out get to answer
+STALE_LIMIT = 10  # server records older than this many refresh periods are re-read before use
 
 
 class SwarmUnavailable(SwarmUserError):
@@ -125,6 +126,7 @@ class SwarmConnection:
         self.peer_id = self.dht.peer_id.to_base58()
         self._servers: dict[str, ServerInfo] = {}
         self._fetched_at = -math.inf
+        self._reading: asyncio.Future | None = None  # a background read of the server records
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
         self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
@@ -151,10 +153,33 @@ class SwarmConnection:
 
     # --- what the swarm looks like ----------------------------------------------------------------
     async def servers(self, refresh: bool = False) -> dict[str, ServerInfo]:
-        if refresh or time.monotonic() - self._fetched_at > self.options.refresh_period:
-            self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits)
-            self._fetched_at = time.monotonic()
+        """The swarm's server records. The first read, an explicit `refresh` (after a failure) and a
+        read older than `STALE_LIMIT` refresh periods are waited for; otherwise an expired list is
+        returned as it is while a new one is read in the background, so routing never waits on the
+        DHT (reading and checking a large swarm's records takes longer than choosing a chain)."""
+        age = time.monotonic() - self._fetched_at
+        if refresh or age > STALE_LIMIT * self.options.refresh_period:
+            await self._read_servers()
+        elif age > self.options.refresh_period and (self._reading is None or self._reading.done()):
+            self._reading = asyncio.ensure_future(self._read_servers())
+            self._reading.add_done_callback(_log_failed_read)
         return self._servers
+
+    async def _connected_peers(self) -> set[str]:
+        """Peers our p2p daemon holds a connection to (a hint that they are alive; empty if it fails)."""
+        try:
+            return {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
+        except Exception as error:  # only a hint: routing works without it
+            logger.debug("could not list connected peers: %s", error)
+            return set()
+
+    async def _stop_reading(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+
+    async def _read_servers(self) -> None:
+        self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits)
+        self._fetched_at = time.monotonic()
 
     @property
     def known_servers(self) -> dict[str, ServerInfo]:
@@ -309,6 +334,7 @@ class SwarmConnection:
             start,
             end,
             breadth if breadth is not None else self.options.probe_per_block,
+            await self._connected_peers(),
         )
         servers = {peer: routable[peer] for peer in shortlist}
         rtts = await asyncio.gather(*(self.rtt(peer) for peer in servers))
@@ -327,12 +353,13 @@ class SwarmConnection:
         still out get `PROBE_GRACE` to answer (a faster server may be among them), then the best
         chain among those that answered is returned; pings left running fill the RTT cache."""
         servers = await self._routable(refresh)
+        connected = await self._connected_peers()
         loop = asyncio.get_running_loop()
         breadth, widened_at, chain_since = self.options.probe_per_block, loop.time(), None
         pings: dict[str, asyncio.Future] = {}
 
         def ping_shortlist() -> None:
-            for peer in probe_shortlist(servers, self._answered_rtts(), start, end, breadth):
+            for peer in probe_shortlist(servers, self._answered_rtts(), start, end, breadth, connected):
                 if peer not in pings:
                     pings[peer] = asyncio.ensure_future(self.rtt(peer))
 
@@ -390,6 +417,7 @@ class SwarmConnection:
         self._closed = True
         atexit.unregister(self._shutdown_at_exit)
         try:
+            run_sync(self._stop_reading())
             if self.scheduler is not None:
                 run_sync(self.scheduler.close())
             run_sync(self.p2p.shutdown())
@@ -401,6 +429,11 @@ class SwarmConnection:
         still run (later, hivemind's finalizers would print tracebacks about missing loops)."""
         with contextlib.suppress(Exception):
             self.shutdown()
+
+
+def _log_failed_read(reading: asyncio.Future) -> None:
+    if not reading.cancelled() and reading.exception() is not None:
+        logger.warning("reading the swarm's server records failed: %s", reading.exception())
 
 
 def _ranges(blocks: list[int]) -> str:

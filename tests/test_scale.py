@@ -46,6 +46,10 @@ def test_the_probe_shortlist_grows_with_the_spans_not_with_the_replicas():
     assert probe_shortlist(servers, {}, 2, 4, 2) == ["peer-1-01", "peer-1-02"]
     # wide enough, it is everyone holding a block of the range
     assert len(probe_shortlist(servers, {}, 0, 6, 10**6)) == 150
+    # among unmeasured servers, those our p2p daemon is connected to (alive) come before the rest
+    connected = {"peer-0-45", "peer-2-49"}
+    chosen = probe_shortlist(servers, {}, 0, 6, 4, connected)
+    assert connected <= set(chosen) and len(chosen) == 12
 
 
 def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(llama_dir, tmp_path):
