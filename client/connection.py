@@ -178,7 +178,8 @@ class SwarmConnection:
             self._reading.cancel()
 
     async def _read_servers(self) -> None:
-        self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits)
+        first = self._fetched_at == -math.inf  # nothing cached in our DHT node yet: no need for "latest"
+        self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits, latest=not first)
         self._fetched_at = time.monotonic()
 
     @property

@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 
 DHT_START_TIMEOUT = 30.0  # a peer is normally ready in about a second
 DHT_START_ATTEMPTS = 3
-CLIENT_BOOTSTRAP_WAIT = 0.5  # seconds a reader waits for its initial peers' answers before starting
+CLIENT_BOOTSTRAP_WAIT = 0.0  # seconds a reader waits for the routing-table traversal before starting
 STACK_DUMP_WAIT = 1.0  # seconds a stuck DHT process gets to write its threads' stacks
 
 
@@ -116,9 +116,12 @@ def start_dht(
     Any other failure (e.g. no peer answers) is a clear error."""
     # a reader is ready once a bootstrap peer answered: hivemind would also wait for the traversal that
     # fills its routing table (one new connection per DHT node it meets: it grows with the swarm),
-    # which goes on in the background and is not needed before the first lookup
-    # (with one bootstrap peer only: the bound also cuts the wait for the other peers' answers)
+    # which goes on in the background and is not needed before the first lookup (each lookup starts
+    # from the nodes it knows) (with one bootstrap peer only: the bound also cuts the wait for the
+    # other peers' answers)
     quick = {"bootstrap_timeout": CLIENT_BOOTSTRAP_WAIT} if client_mode and len(initial_peers) == 1 else {}
+    if client_mode:  # a reader's p2p daemon asks libp2p's DHT (to find peers) but does not serve it:
+        quick["dht_mode"] = "client"  # no other daemon adds it to its routing table or refreshes with it
     report = ""
     for attempt in range(1, DHT_START_ATTEMPTS + 1):
         handle, stack_file = tempfile.mkstemp(prefix="dht-start-", suffix=".stacks")

@@ -71,11 +71,15 @@ def announce(
     return dht.run_coroutine(coroutine, return_future=not wait)
 
 
-async def _get(_dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[str, object]]:
+async def _get(
+    _dht: DHT, node: DHTNode, keys: list[str], latest: bool = True
+) -> dict[str, dict[str, object]]:
     """{key: {owner public key: value}} of the (validated) entries found under `keys`."""
     # latest: search the peers for the newest value instead of stopping at the first one found,
-    # which may be this node's own cached copy (a server that moved, a scheduler that restarted)
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    # which may be this node's own cached copy (a server that moved, a scheduler that restarted);
+    # a new node has no copies of its own, and its first read may stop at the first value found
+    # (a search for the latest asks every peer near the key: its cost grows with the swarm)
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
     records: dict[str, dict[str, object]] = {}
     for key, entry in found.items():
         if entry is None or not isinstance(entry.value, dict):
@@ -95,8 +99,11 @@ def fetch_servers(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo
     return parse_server_records(records, _limits(limits))
 
 
-async def fetch_servers_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
-    future = dht.run_coroutine(partial(_get, keys=roster_keys(prefix)), return_future=True)
+async def fetch_servers_async(
+    dht: DHT, prefix: str, limits: Limits, latest: bool = True
+) -> dict[str, ServerInfo]:
+    """`fetch_servers` for async callers; `latest=False` only for a node's first read (see `_get`)."""
+    future = dht.run_coroutine(partial(_get, keys=roster_keys(prefix), latest=latest), return_future=True)
     return parse_server_records(await future, _limits(limits))
 
 
