@@ -27,13 +27,13 @@ from client.routing import (
     probe_shortlist,
     uncovered_blocks,
 )
-from client.scheduler_link import SchedulerLink
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_servers_async
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
+from swarm.scheduler_link import SchedulerLink
 from swarm.server_info import ServerInfo
 from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
 
@@ -139,10 +139,10 @@ class SwarmConnection:
                 self.dht,
                 prefix,
                 options.scheduler_key,
-                options.scheduler_timeout,
-                options.scheduler_retry,
-                options.scheduler_distrust,
-                options.swarm_secret,
+                timeout=options.scheduler_timeout,
+                retry_after=options.scheduler_retry,
+                distrust_for=options.scheduler_distrust,
+                swarm_secret=options.swarm_secret,
             )
             if options.use_scheduler and options.scheduler_key is not None
             else None

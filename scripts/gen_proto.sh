@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the scheduler's gRPC modules from scheduler/service/proto/scheduler.proto.
+# Regenerate the scheduler's gRPC modules from swarm/scheduler_api/scheduler.proto.
 # The generated files are checked in (so installs need no code generation); run this after
 # editing the .proto and commit the result.
 set -euo pipefail
@@ -8,5 +8,5 @@ python=${PYTHON:-.venv/bin/python}
 "$python" -m grpc_tools.protoc \
   -I . \
   --python_out=. --pyi_out=. --grpc_python_out=. \
-  scheduler/service/proto/scheduler.proto
-echo "regenerated scheduler/service/proto/scheduler_pb2{,_grpc}.py"
+  swarm/scheduler_api/scheduler.proto
+echo "regenerated swarm/scheduler_api/scheduler_pb2{,_grpc}.py"

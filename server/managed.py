@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 from server.block_choice import BlockChoice, choose_blocks, petals_model_spec, served_spans
 from server.handler import BlockServicer
 from server.memory import CacheBudget
-from server.scheduler_link import Assignment
 from server.throughput import cached_block_timings
 from swarm.cost import dtype_bytes
 from swarm.dht_records import fetch_servers_async
 from swarm.models.span import TransformerSpan, load_span, rebuild_span
+from swarm.scheduler_api.scheduler_pb2 import Assignment
 from swarm.server_info import ServerState
 
 if TYPE_CHECKING:

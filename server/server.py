@@ -22,7 +22,6 @@ from server.joining import JoinOptions, current_relay_state, join_dht
 from server.managed import ManagedSpan
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
-from server.scheduler_link import SchedulerLink
 from server.throughput import BlockTimings, cached_block_timings
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
@@ -31,6 +30,7 @@ from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 from swarm.models.span import TransformerSpan, load_span
 from swarm.reachability import DialBackService
+from swarm.scheduler_link import SchedulerLink
 from swarm.server_info import Reachability, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,11 @@ class SwarmServer(ManagedSpan):
                 self.config.dht_prefix,
                 self.config.scheduler_key,
                 timeout=self.config.scheduler_rpc_timeout,
+                retry_after=0.0,  # the managed loop paces its own questions
+                refresh_period=10.0,  # a scheduler that restarted elsewhere is found within this
+                distrust_for=120.0,
                 swarm_secret=self.config.swarm_secret,
+                log_outages=False,  # the managed loop says what it does without one
             )
         try:
             if self.config.managed:

@@ -24,10 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
-from scheduler.service.proto import scheduler_pb2 as pb
-from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from swarm.local_swarm import LocalSwarm
 from swarm.models.span import load_span
+from swarm.scheduler_api import scheduler_pb2 as pb
+from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 
 L_IN, L_OUT = 16, 48  # the scheduler's planned session: 64 tokens = one cache slot

@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client import AutoDistributedModelForCausalLM
 from scheduler.algorithms import petals
 from scheduler.algorithms.problem import ModelSpec
-from scheduler.service.proto import scheduler_pb2, scheduler_pb2_grpc
 from server.block_choice import ServedSpan, block_throughput, choose_blocks, petals_model_spec, served_spans
 from server.cli import build_parser, config_from_args
 from swarm.dht_keys import default_prefix
@@ -33,6 +32,7 @@ from swarm.identity import owner_subkey
 from swarm.local_swarm import PYTHON, LocalSwarm
 from swarm.models import load_span
 from swarm.models.span import rebuild_span
+from swarm.scheduler_api import scheduler_pb2, scheduler_pb2_grpc
 from swarm.server_info import ServerInfo, ServerState
 from tests.conftest import NUM_BLOCKS
 

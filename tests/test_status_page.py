@@ -16,10 +16,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
-from scheduler.service.proto import scheduler_pb2 as pb
-from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm, prometheus_sample
+from swarm.scheduler_api import scheduler_pb2 as pb
+from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"

@@ -25,12 +25,12 @@ from hivemind.utils.timed_storage import get_dht_time
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
-from scheduler.service.proto import scheduler_pb2 as pb
-from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from swarm.dht_keys import block_key, default_prefix, roster_keys, scheduler_key
 from swarm.dht_records import publish_scheduler
 from swarm.identity import owner_subkey, peer_id_of_key, public_key_text
 from swarm.local_swarm import LocalSwarm
+from swarm.scheduler_api import scheduler_pb2 as pb
+from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200]])

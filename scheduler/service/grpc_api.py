@@ -15,9 +15,9 @@ import grpc
 
 from scheduler.service.core import RouteRefused, SchedulerCore
 from scheduler.service.metrics import SchedulerMetrics
-from scheduler.service.proto import scheduler_pb2 as pb
-from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from scheduler.service.request_stats import SUMMARY_KEYS
+from swarm.scheduler_api import scheduler_pb2 as pb
+from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 
 MAX_AWAIT_S = 30.0  # one AwaitAdmission blocks at most this long; clients call again
 MAX_TOKENS = 1 << 20

@@ -22,13 +22,13 @@ from scheduler.service.auth import SwarmProofInterceptor
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.grpc_api import SchedulerApi
 from scheduler.service.metrics import SchedulerMetrics
-from scheduler.service.proto import scheduler_pb2_grpc as pb_grpc
 from scheduler.service.view import ModelShape
 from scheduler.service.web import make_app, start_web
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
 from swarm.dht_records import RosterReader, publish_scheduler
 from swarm.model_limits import ModelLimits
+from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

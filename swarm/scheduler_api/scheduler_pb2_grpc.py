@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from scheduler.service.proto import scheduler_pb2 as scheduler_dot_service_dot_proto_dot_scheduler__pb2
+from swarm.scheduler_api import scheduler_pb2 as swarm_dot_scheduler__api_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in scheduler/service/proto/scheduler_pb2_grpc.py depends on'
+        + ' but the generated code in swarm/scheduler_api/scheduler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class SchedulerStub:
         """
         self.GetAssignment = channel.unary_unary(
                 '/llmswarm.scheduler.v1.Scheduler/GetAssignment',
-                request_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.AssignmentRequest.SerializeToString,
-                response_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.Assignment.FromString,
+                request_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.AssignmentRequest.SerializeToString,
+                response_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.Assignment.FromString,
                 _registered_method=True)
         self.Route = channel.unary_unary(
                 '/llmswarm.scheduler.v1.Scheduler/Route',
-                request_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteRequest.SerializeToString,
-                response_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteReply.FromString,
+                request_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.RouteRequest.SerializeToString,
+                response_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.RouteReply.FromString,
                 _registered_method=True)
         self.AwaitAdmission = channel.unary_unary(
                 '/llmswarm.scheduler.v1.Scheduler/AwaitAdmission',
-                request_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.AwaitRequest.SerializeToString,
-                response_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteReply.FromString,
+                request_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.AwaitRequest.SerializeToString,
+                response_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.RouteReply.FromString,
                 _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/llmswarm.scheduler.v1.Scheduler/KeepAlive',
-                request_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.SessionRef.SerializeToString,
-                response_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.LeaseReply.FromString,
+                request_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.SessionRef.SerializeToString,
+                response_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.LeaseReply.FromString,
                 _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/llmswarm.scheduler.v1.Scheduler/EndSession',
-                request_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.SessionRef.SerializeToString,
-                response_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.EndReply.FromString,
+                request_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.SessionRef.SerializeToString,
+                response_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.EndReply.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/llmswarm.scheduler.v1.Scheduler/GetStatus',
-                request_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.StatusRequest.SerializeToString,
-                response_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.Status.FromString,
+                request_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.StatusRequest.SerializeToString,
+                response_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.Status.FromString,
                 _registered_method=True)
 
 
@@ -117,33 +117,33 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetAssignment': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAssignment,
-                    request_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.AssignmentRequest.FromString,
-                    response_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.Assignment.SerializeToString,
+                    request_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.AssignmentRequest.FromString,
+                    response_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.Assignment.SerializeToString,
             ),
             'Route': grpc.unary_unary_rpc_method_handler(
                     servicer.Route,
-                    request_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteRequest.FromString,
-                    response_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteReply.SerializeToString,
+                    request_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.RouteRequest.FromString,
+                    response_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.RouteReply.SerializeToString,
             ),
             'AwaitAdmission': grpc.unary_unary_rpc_method_handler(
                     servicer.AwaitAdmission,
-                    request_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.AwaitRequest.FromString,
-                    response_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteReply.SerializeToString,
+                    request_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.AwaitRequest.FromString,
+                    response_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.RouteReply.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
-                    request_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.SessionRef.FromString,
-                    response_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.LeaseReply.SerializeToString,
+                    request_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.SessionRef.FromString,
+                    response_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.LeaseReply.SerializeToString,
             ),
             'EndSession': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSession,
-                    request_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.SessionRef.FromString,
-                    response_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.EndReply.SerializeToString,
+                    request_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.SessionRef.FromString,
+                    response_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.EndReply.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.StatusRequest.FromString,
-                    response_serializer=scheduler_dot_service_dot_proto_dot_scheduler__pb2.Status.SerializeToString,
+                    request_deserializer=swarm_dot_scheduler__api_dot_scheduler__pb2.StatusRequest.FromString,
+                    response_serializer=swarm_dot_scheduler__api_dot_scheduler__pb2.Status.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -171,8 +171,8 @@ class Scheduler:
             request,
             target,
             '/llmswarm.scheduler.v1.Scheduler/GetAssignment',
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.AssignmentRequest.SerializeToString,
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.Assignment.FromString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.AssignmentRequest.SerializeToString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.Assignment.FromString,
             options,
             channel_credentials,
             insecure,
@@ -198,8 +198,8 @@ class Scheduler:
             request,
             target,
             '/llmswarm.scheduler.v1.Scheduler/Route',
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteRequest.SerializeToString,
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteReply.FromString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.RouteRequest.SerializeToString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.RouteReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -225,8 +225,8 @@ class Scheduler:
             request,
             target,
             '/llmswarm.scheduler.v1.Scheduler/AwaitAdmission',
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.AwaitRequest.SerializeToString,
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.RouteReply.FromString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.AwaitRequest.SerializeToString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.RouteReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -252,8 +252,8 @@ class Scheduler:
             request,
             target,
             '/llmswarm.scheduler.v1.Scheduler/KeepAlive',
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.SessionRef.SerializeToString,
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.LeaseReply.FromString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.SessionRef.SerializeToString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -279,8 +279,8 @@ class Scheduler:
             request,
             target,
             '/llmswarm.scheduler.v1.Scheduler/EndSession',
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.SessionRef.SerializeToString,
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.EndReply.FromString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.SessionRef.SerializeToString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.EndReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -306,8 +306,8 @@ class Scheduler:
             request,
             target,
             '/llmswarm.scheduler.v1.Scheduler/GetStatus',
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.StatusRequest.SerializeToString,
-            scheduler_dot_service_dot_proto_dot_scheduler__pb2.Status.FromString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.StatusRequest.SerializeToString,
+            swarm_dot_scheduler__api_dot_scheduler__pb2.Status.FromString,
             options,
             channel_credentials,
             insecure,
