@@ -29,10 +29,7 @@ from swarm.models.checkpoint import load_config
 from swarm.models.family import family_for
 from swarm.models.span import validate_span
 from swarm.quantization import QUANT_CHOICES, check_quant_device
-from swarm.record_validator import MAX_RECORD_TTL
 from swarm.units import parse_bytes
-
-MAX_ANNOUNCE_PERIOD = (MAX_RECORD_TTL - 1) / 2  # records live 2 periods + 1 s; validators allow no more
 
 EXAMPLES = """examples:
   swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --blocks 0:3 --memory 1GB
@@ -202,26 +199,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model_config = load_config(args.model_dir)
     if args.blocks is not None:
         validate_span(start, end, family_for(model_config).num_blocks(model_config))
-    for name in ("max_length", "slot_tokens", "max_batch_size"):
-        if getattr(args, name) < 1:
-            raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
-    if not 0 < args.announce_period <= MAX_ANNOUNCE_PERIOD or not args.session_timeout > 0:
-        raise SwarmUserError(
-            f"--announce-period must be in (0, {MAX_ANNOUNCE_PERIOD:.0f}] and --session-timeout positive"
-        )
-    if args.max_sessions_per_peer < 1 or not 0 < args.max_peer_cache_fraction <= 1:
-        raise SwarmUserError("--max-sessions-per-peer must be >= 1 and --max-peer-cache-fraction in (0, 1]")
-    if not args.max_session_lifetime > 0:
-        raise SwarmUserError("--max-session-lifetime must be positive")
-    if args.compute_delay < 0 or args.drain_timeout < 0:
-        raise SwarmUserError("--compute-delay and --drain-timeout must be >= 0")
-    if not args.batch_wait_ms >= 0:  # also rejects nan
-        raise SwarmUserError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}")
-    for name in ("scheduler_timeout", "assignment_poll"):
-        if not getattr(args, name) > 0:  # also rejects nan
-            raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        raise SwarmUserError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    # numbers are checked by ServerConfig itself (so code that builds one gets the same checks); the
+    # ones that need the checkpoint or the hardware are checked here, before anything is loaded
     dht_options: dict = {}
     if args.announce_host:
         if args.port == 0:

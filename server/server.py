@@ -18,7 +18,7 @@ from hivemind.dht import DHT
 from tqdm import tqdm
 
 from server.handler import BlockServicer, PeerLimits
-from server.joining import JoinOptions, current_relay_state, join_dht
+from server.joining import RELAY_MODES, JoinOptions, current_relay_state, join_dht
 from server.managed import ManagedSpan
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
@@ -26,10 +26,12 @@ from server.throughput import BlockTimings, cached_block_timings
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
 from swarm.dht_records import announce
+from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 from swarm.models.span import TransformerSpan, load_span
 from swarm.reachability import DialBackService
+from swarm.record_validator import MAX_RECORD_TTL
 from swarm.scheduler_link import SchedulerLink
 from swarm.server_info import Reachability, ServerInfo, ServerState
 
@@ -39,6 +41,9 @@ try:
     PACKAGE_VERSION = version("llm-swarm")
 except PackageNotFoundError:  # running from a source tree without installing
     PACKAGE_VERSION = "0+unknown"
+
+
+MAX_ANNOUNCE_PERIOD = (MAX_RECORD_TTL - 1) / 2  # records live 2 periods + 1 s; validators allow no more
 
 
 @dataclass
@@ -82,6 +87,40 @@ class ServerConfig:
     # also write the legacy roster and per-block records that clients and schedulers before the sharded
     # roster read (they grow with the swarm); turn off once every reader of the swarm is current
     legacy_records: bool = True
+
+    def __post_init__(self) -> None:
+        """Every value checked where the config is made, whoever makes it (messages name the CLI flags)."""
+        if (self.start is None) != (self.end is None) or (
+            self.start is not None and not 0 <= self.start < self.end
+        ):
+            raise SwarmUserError(f"blocks {self.start}:{self.end} are not a span (start < end, or both None)")
+        for name in ("max_length", "slot_tokens", "max_batch_size", "max_sessions_per_peer"):
+            if getattr(self, name) < 1:
+                raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 < self.announce_period <= MAX_ANNOUNCE_PERIOD or not self.session_idle_timeout > 0:
+            raise SwarmUserError(
+                f"--announce-period must be in (0, {MAX_ANNOUNCE_PERIOD:.0f}] and --session-timeout positive"
+            )
+        if not 0 < self.max_peer_cache_fraction <= 1:
+            fraction = self.max_peer_cache_fraction
+            raise SwarmUserError(f"--max-peer-cache-fraction must be in (0, 1], got {fraction}")
+        # `not x > 0` and `not x >= 0` also reject nan
+        for name in ("max_session_lifetime", "scheduler_timeout", "assignment_poll", "scheduler_rpc_timeout"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not self.compute_delay >= 0 or not self.drain_timeout >= 0:
+            raise SwarmUserError("--compute-delay and --drain-timeout must be >= 0")
+        if not self.batch_wait_ms >= 0:
+            raise SwarmUserError(f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise SwarmUserError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if not 0 <= self.port < 65536 or self.memory_bytes <= 0:
+            raise SwarmUserError(
+                f"--port must be in 0..65535 and --memory positive, got {self.port} and {self.memory_bytes}"
+            )
+        if self.relay not in RELAY_MODES:
+            raise SwarmUserError(f"--relay must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}")
 
     @property
     def managed(self) -> bool:

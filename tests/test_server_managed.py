@@ -25,6 +25,7 @@ from scheduler.algorithms import petals
 from scheduler.algorithms.problem import ModelSpec
 from server.block_choice import ServedSpan, block_throughput, choose_blocks, petals_model_spec, served_spans
 from server.cli import build_parser, config_from_args
+from server.server import ServerConfig
 from swarm.dht_keys import default_prefix
 from swarm.dht_records import fetch_roster_async, publish_scheduler
 from swarm.errors import SpanError, SwarmUserError
@@ -204,6 +205,25 @@ def test_cli_blocks_are_optional(llama_dir):
 def test_cli_rejects_non_positive_scheduler_options(llama_dir, flag, value):
     with pytest.raises(SwarmUserError, match=f"^{flag} must be positive"):
         _config(llama_dir, flag, value)
+
+
+def test_a_config_built_in_code_gets_the_same_checks_as_the_command_line(llama_dir):
+    good = dict(model_dir=str(llama_dir), initial_peers=[], start=0, end=3, memory_bytes=10**9)
+    good["dht_prefix"] = "checked"
+    assert not ServerConfig(**good).managed
+    assert ServerConfig(**{**good, "start": None, "end": None}).managed
+    for bad, message in [
+        ({"max_length": 0}, "--max-length must be at least 1"),
+        ({"announce_period": float("nan")}, "--announce-period must be in"),
+        ({"start": 3, "end": 1}, "not a span"),
+        ({"start": None}, "not a span"),
+        ({"relay": "sometimes"}, "--relay must be one of"),
+        ({"metrics_port": 70000}, "--metrics-port must be in"),
+        ({"max_peer_cache_fraction": 1.5}, "--max-peer-cache-fraction"),
+        ({"drain_timeout": -1.0}, "--drain-timeout must be >= 0"),
+    ]:
+        with pytest.raises(SwarmUserError, match=message):
+            ServerConfig(**{**good, **bad})
 
 
 # --- (c) real processes -------------------------------------------------------------------------
