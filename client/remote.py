@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
-from client.routing import RouteHop, SessionShape, chain_problem
+from client.routing import RouteHop, chain_problem
 from client.sequence_rpc import SequenceFunction
 from client.stream import FATAL_CODES, ServerStream, StepInput
 from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
+from swarm.route_request import RouteRequest, SessionShape
 from swarm.wire import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
@@ -126,10 +127,7 @@ class RemoteBlockSession:
         link, options = self.connection.scheduler, self.connection.options
         candidates = await self.connection.candidates()
         rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
-        shape = self.shape
-        reply = await link.route(
-            self.connection.client_id, rtts, shape.l_in, shape.l_out, shape.batch_size, shape.max_length
-        )
+        reply = await link.route(RouteRequest(self.connection.client_id, rtts, self.shape))
         if reply is None or reply.error:
             if reply is not None:
                 logger.info("the scheduler has no route (%s): routing locally", reply.error)

@@ -18,6 +18,7 @@ import numpy as np
 from scheduler.algorithms.problem import Span
 from scheduler.algorithms.routing_graph import RoutingGraph
 from scheduler.algorithms.wsrr import link_request_time
+from swarm.route_request import SessionShape
 from swarm.server_info import ServerInfo
 
 
@@ -33,14 +34,6 @@ class RouteHop:
     peer_id: str
     start: int  # blocks [start, end) this server processes for the session
     end: int
-
-
-@dataclass(frozen=True)
-class SessionShape:
-    batch_size: int
-    max_length: int  # positions each server reserves cache for
-    l_in: int  # expected prompt tokens (the prefill part of eq. 1)
-    l_out: int  # expected generated tokens
 
 
 def _usable(candidate: Candidate, start: int, end: int) -> bool:

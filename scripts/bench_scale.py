@@ -41,10 +41,10 @@ from tqdm import tqdm  # noqa: E402
 
 from client import AutoDistributedModelForCausalLM, ClientOptions  # noqa: E402
 from client.connection import run_sync  # noqa: E402
-from client.routing import SessionShape  # noqa: E402
 from swarm.dht_keys import default_prefix, roster_keys  # noqa: E402
 from swarm.local_swarm import LocalSwarm, cpu_seconds_by_group  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+from swarm.route_request import SessionShape  # noqa: E402
 from swarm.standin_records import new_keys, publish_standins, standin_info, start_standin_dht  # noqa: E402
 
 LAYERS = 24

@@ -28,6 +28,7 @@ from hivemind.dht import DHT
 
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_records import fetch_scheduler_async
+from swarm.route_request import RouteRequest
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 
@@ -75,18 +76,8 @@ class SchedulerLink:
             self.last_error = str(error)
             return None
 
-    async def route(
-        self, client_id: str, rtts: dict[str, float], l_in: int, l_out: int, batch_size: int, max_length: int
-    ) -> pb.RouteReply | None:
-        request = pb.RouteRequest(
-            client_id=client_id,
-            rtts=[pb.ServerRtt(peer_id=peer, rtt=rtt) for peer, rtt in rtts.items()],
-            l_in=l_in,
-            l_out=l_out,
-            batch_size=batch_size,
-            max_length=max_length,
-        )
-        return await self._call("Route", request)
+    async def route(self, request: RouteRequest) -> pb.RouteReply | None:
+        return await self._call("Route", request.to_proto())
 
     async def await_admission(self, session_id: str, timeout: float) -> pb.RouteReply | None:
         request = pb.AwaitRequest(session_id=session_id, timeout=timeout)

@@ -10,8 +10,15 @@ from scheduler.plan_io import parse_problem
 from scheduler.service.chain_routing import queue_start_times, timings_moved
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings
+from swarm.route_request import RouteRequest, SessionShape
 from swarm.server_info import ServerState
 from tests.test_scheduler_core import BLOCK, SERVERS, SHAPE, SLOT, L, info
+
+
+def _request(
+    client_id: str, rtts: dict, l_in: int, l_out: int, batch_size: int, max_length: int
+) -> RouteRequest:
+    return RouteRequest(client_id, rtts, SessionShape(batch_size, max_length, l_in, l_out))
 
 
 def chains_core(**plan) -> SchedulerCore:
@@ -41,7 +48,7 @@ def test_jffc_takes_the_fastest_free_chain_and_queues_first_come_first_served():
     chains = core.book.chains
     assert [(c.hops[0].peer, c.capacity) for c in chains] == [("fast", 1), ("slow", 2)]
     rtts = {"fast": 0.001, "slow": 0.001}
-    decisions = [core.route("c", rtts, 4, 6, 1, 10, now=1.0) for _ in range(5)]
+    decisions = [core.route(_request("c", rtts, 4, 6, 1, 10), now=1.0) for _ in range(5)]
     sessions = [core.book.sessions[d.session.session_id] for d in decisions]
     assert [s.admitted for s in sessions] == [True, True, True, False, False]
     assert [s.hops[0].peer for s in sessions[:3]] == ["fast", "slow", "slow"]
@@ -65,7 +72,7 @@ def test_a_server_leaving_recomposes_the_chains_and_waiting_sessions_keep_their_
     records = {"fast": pinned(1, 0.001), "slow": pinned(1, 0.004)}
     core.update_roster(records, 0.0)
     rtts = {"fast": 0.001, "slow": 0.001}
-    first, second, third = (core.route("c", rtts, 4, 6, 1, 10, now=1.0) for _ in range(3))
+    first, second, third = (core.route(_request("c", rtts, 4, 6, 1, 10), now=1.0) for _ in range(3))
     assert not core.book.sessions[third.session.session_id].admitted
     del records["fast"]
     core.update_roster(records, 2.0)
@@ -80,22 +87,24 @@ def test_a_server_leaving_recomposes_the_chains_and_waiting_sessions_keep_their_
 def test_no_chain_means_no_route():
     core = chains_core(num_requests=1)
     core.update_roster({"half": info(L * BLOCK, 0.001, span=(0, L // 2), state=ServerState.ONLINE)}, 0.0)
-    assert core.route("c", {"half": 0.001}, 4, 6, 1, 10, now=1.0) is None  # the client routes locally
+    assert (
+        core.route(_request("c", {"half": 0.001}, 4, 6, 1, 10), now=1.0) is None
+    )  # the client routes locally
 
 
 def test_a_session_no_chain_can_hold_is_not_queued():
     core = chains_core(num_requests=1)
     core.update_roster({"one": pinned(1, 0.001)}, 0.0)  # one chain of capacity 1
-    assert core.route("c", {"one": 0.001}, 4, 6, 2, 10, now=1.0) is None  # 2 slots: never fits
+    assert core.route(_request("c", {"one": 0.001}, 4, 6, 2, 10), now=1.0) is None  # 2 slots: never fits
     assert not core.book.sessions
-    assert core.route("c", {"one": 0.001}, 4, 6, 1, 10, now=1.0) is not None
+    assert core.route(_request("c", {"one": 0.001}, 4, 6, 1, 10), now=1.0) is not None
 
 
 def test_a_new_clients_round_trips_recompose_the_chains():
     core = chains_core(num_requests=1)
     core.update_roster({"near": pinned(1, 0.004), "far": pinned(1, 0.001)}, 0.0)
     assert core.book.chains[0].hops[0].peer == "far"  # no client known yet: compute time only
-    core.route("c", {"near": 0.001, "far": 0.5}, 4, 6, 1, 10, now=1.0)
+    core.route(_request("c", {"near": 0.001, "far": 0.5}, 4, 6, 1, 10), now=1.0)
     assert core.book.chains[0].hops[0].peer == "near"  # 0.5 s per token to `far` outweighs its speed
 
 

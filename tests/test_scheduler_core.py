@@ -12,6 +12,7 @@ from scheduler.plan_io import parse_problem
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings, r_changed
 from scheduler.service.view import ModelShape
+from swarm.route_request import RouteRequest, SessionShape
 from swarm.server_info import Reachability, ServerInfo, ServerState
 
 L = 8
@@ -19,6 +20,12 @@ BLOCK = 1000
 TOKEN = 10  # cache bytes per token per block
 SLOT = TOKEN * (4 + 6)  # s_c for l_in=4, l_out=6
 SHAPE = ModelShape(num_blocks=L, hidden_size=16, kv_dim=16)
+
+
+def _request(
+    client_id: str, rtts: dict, l_in: int, l_out: int, batch_size: int, max_length: int
+) -> RouteRequest:
+    return RouteRequest(client_id, rtts, SessionShape(batch_size, max_length, l_in, l_out))
 
 
 def info(memory, tau, span=None, state=ServerState.JOINING, managed=True, used_slots=0):
@@ -120,7 +127,7 @@ def test_waiting_sessions_are_admitted_in_ws_rr_order_and_never_overfill():
     core.update_roster(servers, 0.0)
     core.review(0.1)
     core.update_roster(serving(core.assignment, servers), 0.2)
-    decisions = [core.route(f"c{k}", {"peer-a": 0.001}, 4, 6, 1, 10, now=1.0) for k in range(4)]
+    decisions = [core.route(_request(f"c{k}", {"peer-a": 0.001}, 4, 6, 1, 10), now=1.0) for k in range(4)]
     admitted = [core.book.sessions[d.session.session_id].admitted for d in decisions]
     assert admitted == [True, True, False, False]
     waits = [d.wait for d in decisions]
@@ -140,11 +147,11 @@ def test_announced_use_blocks_admission_and_leases_expire():
     core.review(0.1)
     # the server says sessions routed without the scheduler hold its whole cache
     core.update_roster(serving(core.assignment, servers, used={"peer-a": 2 * L}), 0.2)
-    first = core.route("c1", {"peer-a": 0.001}, 4, 6, 1, 10, now=1.0)
+    first = core.route(_request("c1", {"peer-a": 0.001}, 4, 6, 1, 10), now=1.0)
     assert not core.book.sessions[first.session.session_id].admitted
     core.update_roster(serving(core.assignment, servers, used={"peer-a": L}), 2.0)  # one of them ended
     assert core.tick(2.0) == [first.session.session_id]
-    second = core.route("c2", {"peer-a": 0.001}, 4, 6, 1, 10, now=2.0)
+    second = core.route(_request("c2", {"peer-a": 0.001}, 4, 6, 1, 10), now=2.0)
     assert core.book.renew(first.session.session_id, 4.0)
     assert core.tick(7.5) == []
     assert first.session.session_id in core.book.sessions  # renewed at 4.0: lease until 9.0
@@ -192,7 +199,7 @@ def test_an_unreachable_server_is_shown_but_never_routed_to():
     records["peer-fast"] = records["peer-fast"].model_copy(update={"reachability": Reachability.UNREACHABLE})
     records["peer-slow"] = records["peer-slow"].model_copy(update={"reachability": Reachability.RELAY})
     core.update_roster(records, 0.2)
-    decision = core.route("client", {"peer-fast": 0.001, "peer-slow": 0.05}, 4, 6, 1, 10, now=1.0)
+    decision = core.route(_request("client", {"peer-fast": 0.001, "peer-slow": 0.05}, 4, 6, 1, 10), now=1.0)
     assert [hop.peer for hop in decision.session.hops] == ["peer-slow"]
     shown = {server["peer_id"]: server["reachability"] for server in core.status(1.0)["servers"]}
     assert shown == {"peer-fast": "unreachable", "peer-slow": "relay"}

@@ -16,11 +16,12 @@ from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.backend import LocalSpans
 from client.connection import run_sync
 from client.remote import RemoteBlockSession
-from client.routing import RouteHop, SessionShape
+from client.routing import RouteHop
 from client.stream import ServerStream
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import CHILD_ENV, LocalSwarm, child_pids
 from swarm.models.span import load_span
+from swarm.route_request import SessionShape
 from swarm.wire import ErrorCode, RemoteError
 from tests.conftest import NUM_BLOCKS
 

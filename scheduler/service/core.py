@@ -36,6 +36,7 @@ from scheduler.service.request_stats import RequestStats
 from scheduler.service.sessions import RouteDecision, SessionBook
 from scheduler.service.status import describe_servers
 from scheduler.service.view import ModelShape, SwarmView
+from swarm.route_request import RouteRequest
 from swarm.server_info import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -197,16 +198,9 @@ class SchedulerCore:
         return Assignment(True, span, self.epoch)
 
     # --- routing --------------------------------------------------------------------------------------
-    def route(
-        self,
-        client_id: str,
-        rtts: Mapping[str, float],
-        l_in: int,
-        l_out: int,
-        batch_size: int,
-        max_length: int,
-        now: float,
-    ) -> RouteDecision | None:
+    def route(self, request: RouteRequest, now: float) -> RouteDecision | None:
+        client_id, rtts, shape = request.client_id, request.rtts, request.shape
+        batch_size, max_length, l_out = shape.batch_size, shape.max_length, shape.l_out
         self.book.expire(now)
         self._check_admissible(client_id, batch_size, max_length)
         self.rate.record(now)

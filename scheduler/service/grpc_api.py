@@ -16,6 +16,7 @@ import grpc
 from scheduler.service.core import RouteRefused, SchedulerCore
 from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.request_stats import SUMMARY_KEYS
+from swarm.route_request import RouteRequest
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 
@@ -70,22 +71,12 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be in 1..{MAX_TOKENS}")
         if len(request.rtts) > MAX_RTTS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_RTTS} rtts")
-        rtts = {}
         for entry in request.rtts:
             if not (math.isfinite(entry.rtt) and entry.rtt >= 0) or len(entry.peer_id) > ID_LIMIT:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rtts must be finite, >= 0 seconds")
-            rtts[entry.peer_id] = entry.rtt
         now = self.clock()
         try:
-            decision = self.core.route(
-                request.client_id,
-                rtts,
-                request.l_in,
-                request.l_out,
-                request.batch_size,
-                request.max_length,
-                now,
-            )
+            decision = self.core.route(RouteRequest.from_proto(request), now)
         except RouteRefused as refusal:
             self.metrics.routes.labels(outcome="refused").inc()
             return pb.RouteReply(error=str(refusal))

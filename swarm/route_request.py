@@ -1,0 +1,43 @@
+"""What a client asks the scheduler for, as one typed object from the client's link to the core.
+
+A route request is a client's id, its measured round trips to the servers it pinged, and the
+session's shape; it crosses the wire as `scheduler.proto`'s `RouteRequest` and is rebuilt from it
+(after the service checked its bounds) before the core sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from swarm.scheduler_api import scheduler_pb2 as pb
+
+
+@dataclass(frozen=True)
+class SessionShape:
+    batch_size: int
+    max_length: int  # positions each server reserves cache for
+    l_in: int  # expected prompt tokens (the prefill part of eq. 1)
+    l_out: int  # expected generated tokens
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    client_id: str  # how the scheduler tells one client's round-trip reports and sessions apart
+    rtts: Mapping[str, float]  # seconds, by server peer id
+    shape: SessionShape
+
+    def to_proto(self) -> pb.RouteRequest:
+        return pb.RouteRequest(
+            client_id=self.client_id,
+            rtts=[pb.ServerRtt(peer_id=peer, rtt=rtt) for peer, rtt in self.rtts.items()],
+            l_in=self.shape.l_in,
+            l_out=self.shape.l_out,
+            batch_size=self.shape.batch_size,
+            max_length=self.shape.max_length,
+        )
+
+    @classmethod
+    def from_proto(cls, request: pb.RouteRequest) -> RouteRequest:
+        shape = SessionShape(request.batch_size, request.max_length, request.l_in, request.l_out)
+        return cls(request.client_id, {entry.peer_id: entry.rtt for entry in request.rtts}, shape)
