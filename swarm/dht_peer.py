@@ -76,6 +76,7 @@ DHT_START_TIMEOUT = 30.0  # a peer is normally ready in about a second
 DHT_START_ATTEMPTS = 3
 CLIENT_BOOTSTRAP_WAIT = 0.0  # seconds a reader waits for the routing-table traversal before starting
 STACK_DUMP_WAIT = 1.0  # seconds a stuck DHT process gets to write its threads' stacks
+EXIT_WAIT = 5.0  # seconds a DHT process that reported a failure gets to exit by itself
 
 
 class _DiagnosableDHT(DHT):
@@ -139,8 +140,13 @@ def start_dht(
             return dht
         except Exception as error:
             if not isinstance(error, TimeoutError):
+                # it reported the error and leaves by itself; killing it at once could take a lock it
+                # still holds (hivemind's futures share them between processes) with it
+                dht.join(EXIT_WAIT)
                 if dht.is_alive():
                     dht.kill()
+                    dht.join(5)
+                    MPFuture.reset_backend()
                 closed = " (a closed swarm refuses peers without its secret)" if secret is None else ""
                 raise SwarmUserError(
                     f"could not join the swarm's DHT at {initial_peers}: {error}{closed}"

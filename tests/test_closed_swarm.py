@@ -11,7 +11,7 @@ import uuid
 import grpc
 import pytest
 import torch
-from hivemind.dht import DHT, DHTNode
+from hivemind.dht import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 from transformers import AutoModelForCausalLM
@@ -21,7 +21,7 @@ from client.connection import run_sync
 from server.handler import BlockServicer
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_keys import block_key, default_prefix
-from swarm.dht_peer import dht_options
+from swarm.dht_peer import start_dht
 from swarm.errors import SwarmUserError
 from swarm.identity import peer_id_of_subkey
 from swarm.local_swarm import PYTHON, LocalSwarm
@@ -109,7 +109,7 @@ def test_holders_generate_and_outsiders_are_refused(closed_swarm, llama_dir):
 
     _stored_locally, found = asyncio.run(announce_and_discover())
     assert found is None
-    member = DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True, **dht_options(None, secret))
+    member = start_dht(swarm.initial_peers, secret=secret)
     try:  # what it stored reached no member: the block's entries are still the server's record
         entries = member.get(block_key(prefix, 0), latest=True).value
         assert [peer_id_of_subkey(subkey) for subkey in entries] == [server_peer]
