@@ -11,16 +11,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.plan_commands import (
-    Infeasible,
-    compose_chains,
-    place_cg_bp,
-    place_gbp_cr,
-    place_petals,
-    route_petals,
-    route_ws_rr,
-)
-from scheduler.plan_io import PlanInputError, dumps, parse_problem
+from scheduler.algorithms.placing import PLACEMENTS, Infeasible, PlanInputError
+from scheduler.plan_commands import compose_chains, place, route_petals, route_ws_rr
+from scheduler.plan_io import dumps, parse_problem
 
 EXIT_INVALID_INPUT = 2
 EXIT_INFEASIBLE = 3
@@ -118,15 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{place,route,compose}")
 
-    place = commands.add_parser(
+    place_parser = commands.add_parser(
         "place",
         help="place blocks",
         description=_PLACE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    place.add_argument("--algo", required=True, choices=["cg-bp", "petals", "gbp-cr"])
-    handlers = {"cg-bp": place_cg_bp, "petals": place_petals, "gbp-cr": place_gbp_cr}
-    place.set_defaults(run=lambda args, text: handlers[args.algo](parse_problem(text)))
+    place_parser.add_argument("--algo", required=True, choices=list(PLACEMENTS))
+    place_parser.set_defaults(run=lambda args, text: place(parse_problem(text), args.algo))
 
     route = commands.add_parser(
         "route",

@@ -1,8 +1,8 @@
 """The `swarm-plan` commands as pure functions: parsed problem in, output document out (SPEC section 4).
 
-`scheduler.plan_cli` wraps them with stdin/stdout and exit codes; the scheduler service calls them
-directly, so a placement it publishes is exactly what `swarm-plan place` computes from the same
-problem document.
+`scheduler.plan_cli` wraps them with stdin/stdout and exit codes. The algorithms are reached through
+`scheduler.algorithms.placing`, typed, which the scheduler service calls too: a placement it
+publishes is exactly what `swarm-plan place` computes from the problem document it records.
 """
 
 from __future__ import annotations
@@ -10,99 +10,41 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.algorithms import petals
-from scheduler.algorithms.cgbp import cg_bp, choose_num_requests
-from scheduler.algorithms.chains import gbp_cr
-from scheduler.algorithms.problem import uncovered_blocks
-from scheduler.algorithms.tuning import Composition, compose, tune_capacity
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.plan_io import (
-    PlanInputError,
+from scheduler.algorithms.placing import (
+    PLACEMENTS,
+    Infeasible,
+    PlacedServers,
     PlanProblem,
-    RoutingProblem,
-    chain_json,
-    json_number,
-    parse_routing,
-    placement_json,
+    fixed_capacity,
     require_server_fields,
+    tuned_composition,
 )
+from scheduler.algorithms.problem import uncovered_blocks
+from scheduler.algorithms.tuning import compose
+from scheduler.algorithms.wsrr import RoutingState
+from scheduler.plan_io import RoutingProblem, chain_json, json_number, parse_routing, placement_json
 
-
-class Infeasible(Exception):
-    """The input is valid but no plan serves the whole model (exit status 3)."""
-
-    def __init__(self, message: str, uncovered: list[int]):
-        super().__init__(message)
-        self.uncovered = uncovered
+__all__ = ["Infeasible", "compose_chains", "place", "placement_output", "route_petals", "route_ws_rr"]
 
 
 # -- place ---------------------------------------------------------------------------------------
 
 
-def place_cg_bp(problem: PlanProblem) -> dict[str, Any]:
-    require_server_fields(problem, ["tau", "rtt"], "cg-bp")
-    requests = problem.num_requests
-    if requests is None:
-        requests = _choose_requests(problem)
-    result = cg_bp(problem.servers, problem.model, requests)
-    if not result.feasible:
-        raise Infeasible(
-            f"CG-BP with R={requests} leaves blocks with capacity below R: lower num_requests or add servers",
-            list(result.uncovered_blocks),
-        )
-    return {
-        "placement": placement_json(problem.servers, result.spans),
-        "num_requests": requests,
-        "bound": result.bound,
-        "order": [problem.servers[j].name for j in result.order],
-    }
+def placement_output(problem: PlanProblem, placed: PlacedServers) -> dict[str, Any]:
+    """`swarm-plan place`'s output document (SPEC 4) for a computed placement."""
+    output: dict[str, Any] = {"placement": placement_json(problem.servers, placed.spans)}
+    if placed.num_requests is not None:
+        output["num_requests"] = placed.num_requests
+        output["bound"] = placed.bound
+    if placed.capacity is not None:
+        output["c"] = placed.capacity
+    output["order"] = [problem.servers[j].name for j in placed.order]
+    return output
 
 
-def _choose_requests(problem: PlanProblem) -> int:
-    if problem.arrival_rate is None or problem.l_out is None:
-        raise PlanInputError("num_requests: missing (or give arrival_rate and l_out to choose it)")
-    require_server_fields(problem, ["tau_prefill", "rtt_prefill"], "choosing num_requests from arrival_rate")
-    requests = choose_num_requests(problem.servers, problem.model, problem.arrival_rate, problem.l_out)
-    if requests is None:
-        single = cg_bp(problem.servers, problem.model, 1)
-        raise Infeasible(
-            "CG-BP cannot serve even one request: add servers or memory", list(single.uncovered_blocks)
-        )
-    return requests
-
-
-def place_petals(problem: PlanProblem) -> dict[str, Any]:
-    if problem.model.hidden_size is None:
-        raise PlanInputError(
-            "model.hidden_size: required for petals (its block count reserves memory by width)"
-        )
-    require_server_fields(problem, [("tau", "forward_rps")], "petals")
-    result = petals.place(problem.servers, problem.model)
-    if not result.feasible:
-        raise Infeasible("PETALS' placement leaves blocks on no server", list(result.uncovered_blocks))
-    return {
-        "placement": placement_json(problem.servers, result.spans),
-        "order": [problem.servers[j].name for j in result.order],
-    }
-
-
-def place_gbp_cr(problem: PlanProblem) -> dict[str, Any]:
-    require_server_fields(problem, ["tau_c", "tau_p"], "gbp-cr")
-    if problem.capacity == "auto":
-        composition = _tuned(problem, objective="lower-bound")
-        capacity, placement = composition.capacity, composition.placement
-    else:
-        capacity = _fixed_capacity(problem)
-        placement = gbp_cr(problem.servers, problem.model, capacity, problem.arrival_rate, problem.rho_bar)
-    if not placement.chains:
-        raise Infeasible(
-            f"GBP-CR with c={capacity} completes no chain",
-            uncovered_blocks(placement.spans, problem.model.num_blocks),
-        )
-    return {
-        "placement": placement_json(problem.servers, placement.spans),
-        "c": capacity,
-        "order": [problem.servers[j].name for j in placement.order],
-    }
+def place(problem: PlanProblem, algo: str) -> dict[str, Any]:
+    """`swarm-plan place --algo ALGO` on a parsed problem."""
+    return placement_output(problem, PLACEMENTS[algo](problem))
 
 
 # -- compose -------------------------------------------------------------------------------------
@@ -111,10 +53,10 @@ def place_gbp_cr(problem: PlanProblem) -> dict[str, Any]:
 def compose_chains(problem: PlanProblem, objective: str) -> dict[str, Any]:
     require_server_fields(problem, ["tau_c", "tau_p"], "compose")
     if problem.capacity == "auto":
-        composition = _tuned(problem, objective)
+        composition = tuned_composition(problem, objective)
     else:
         composition = compose(
-            problem.servers, problem.model, _fixed_capacity(problem), problem.arrival_rate, problem.rho_bar
+            problem.servers, problem.model, fixed_capacity(problem), problem.arrival_rate, problem.rho_bar
         )
     if not composition.chains:
         raise Infeasible(
@@ -138,28 +80,6 @@ def compose_chains(problem: PlanProblem, objective: str) -> dict[str, Any]:
         bounds = composition.response_time_bounds(problem.arrival_rate)
         output["response_time_bounds"] = [json_number(bound) for bound in bounds]
     return output
-
-
-def _tuned(problem: PlanProblem, objective: str) -> Composition:
-    """c* for "c": "auto" (SPEC 3.4), with the chains composed for it."""
-    if problem.arrival_rate is None:
-        raise PlanInputError('arrival_rate: required with "c": "auto"')
-    composition = tune_capacity(
-        problem.servers, problem.model, problem.arrival_rate, problem.rho_bar, objective
-    )
-    if composition is None:
-        single = gbp_cr(problem.servers, problem.model, 1)
-        raise Infeasible(
-            f"no capacity c gives a stable system at arrival_rate={problem.arrival_rate}",
-            uncovered_blocks(single.spans, problem.model.num_blocks),
-        )
-    return composition
-
-
-def _fixed_capacity(problem: PlanProblem) -> int:
-    if not isinstance(problem.capacity, int):
-        raise PlanInputError('c: missing (a positive integer, or "auto" with arrival_rate)')
-    return problem.capacity
 
 
 # -- route ---------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Validation is strict because a planner fed a typo silently plans for the wrong swarm: unknown or
 duplicate keys, wrong types, missing, negative or non-finite values all raise `PlanInputError`
 with a one-line message naming the offending field (e.g. `servers[2] (mig1).tau: must be >= 0`).
-Which optional server fields a command needs is checked by `require_server_fields`.
+Which optional server fields a command needs is checked by `placing.require_server_fields`.
+`problem_json` writes a typed problem back as problem.json (the scheduler's record for operators).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.algorithms.chains import DEFAULT_RHO_BAR
+from scheduler.algorithms.placing import PlanInputError, PlanProblem, server_where
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from scheduler.algorithms.routing_graph import ChainHop
 
@@ -25,23 +27,6 @@ SERVER_KEYS = {
 }  # fmt: skip
 PROBLEM_KEYS = {"model", "servers", "num_requests", "arrival_rate", "l_out", "c", "rho_bar"}
 ROUTING_KEYS = PROBLEM_KEYS | {"placement", "client", "l_in", "active"}
-
-
-class PlanInputError(ValueError):
-    """The input is not a valid problem; the message is one line meant for the user."""
-
-
-@dataclass(frozen=True)
-class PlanProblem:
-    """A parsed problem.json."""
-
-    model: ModelSpec
-    servers: tuple[ServerSpec, ...]
-    num_requests: int | None = None  # R for CG-BP
-    arrival_rate: float | None = None  # lambda, requests/s
-    l_out: int | None = None  # output tokens per request (to estimate T1 when choosing R)
-    capacity: int | str | None = None  # paper 001's c, or "auto"
-    rho_bar: float = DEFAULT_RHO_BAR
 
 
 @dataclass(frozen=True)
@@ -77,20 +62,34 @@ def parse_routing(text: str | bytes) -> RoutingProblem:
     return RoutingProblem(problem, placement, client, l_out, l_in, active)
 
 
-def require_server_fields(
-    problem: PlanProblem, fields: Sequence[str | tuple[str, ...]], purpose: str
-) -> None:
-    """Raise unless every server carries `fields` (e.g. `tau` for CG-BP); a tuple means any one of them."""
-    for j, server in enumerate(problem.servers):
-        for alternatives in fields:
-            names = (alternatives,) if isinstance(alternatives, str) else alternatives
-            if not any(_present(getattr(server, name)) for name in names):
-                raise PlanInputError(
-                    f"{_server_where(j, server.name)}.{' or '.join(names)}: required for {purpose}"
-                )
-
-
 # -- output shapes -----------------------------------------------------------------------------
+
+
+def problem_json(problem: PlanProblem) -> dict[str, Any]:
+    """problem.json for a typed problem, exact floats: `parse_problem` of it gives the same problem."""
+    model = problem.model
+    document: dict[str, Any] = {
+        "model": {key: getattr(model, key) for key in sorted(MODEL_KEYS) if getattr(model, key) is not None},
+        "servers": [_server_json(server) for server in problem.servers],
+    }
+    optional = {
+        "num_requests": problem.num_requests,
+        "arrival_rate": problem.arrival_rate,
+        "l_out": problem.l_out,
+        "c": problem.capacity,
+        "rho_bar": problem.rho_bar if problem.rho_bar != DEFAULT_RHO_BAR else None,
+    }
+    document.update({key: value for key, value in optional.items() if value is not None})
+    return document
+
+
+def _server_json(server: ServerSpec) -> dict[str, Any]:
+    document: dict[str, Any] = {"name": server.name, "memory_bytes": server.memory_bytes}
+    for key in sorted(SERVER_KEYS - {"name", "memory_bytes"}):
+        value = getattr(server, key)
+        if value is not None:
+            document[key] = dict(value) if isinstance(value, Mapping) else value
+    return document
 
 
 def placement_json(servers: Sequence[ServerSpec], spans: Sequence[Span | None]) -> list[dict[str, Any]]:
@@ -185,7 +184,7 @@ def _server_from(raw: Any, j: int) -> ServerSpec:
     name = _required(document, "name", where)
     if not isinstance(name, str) or not name:
         raise PlanInputError(f"{where}.name: must be a non-empty string")
-    where = _server_where(j, name)
+    where = server_where(j, name)
     return ServerSpec(
         name=name,
         memory_bytes=_number(document, "memory_bytes", where, required=True),
@@ -324,15 +323,8 @@ def _check_integer(value: Any, where: str, minimum: int) -> int:
     return value
 
 
-def _present(value: Any) -> bool:
-    """A field counts as given unless None or an empty mapping (e.g. `"rtt": {}`)."""
-    return value is not None and not (isinstance(value, Mapping) and not value)
-
-
 def _at(where: str, key: str) -> str:
     """A field's path for messages: `servers[0] (mig1).tau`, or just `num_requests` at the top level."""
     return f"{where}.{key}" if where else key
 
 
-def _server_where(j: int, name: str) -> str:
-    return f"servers[{j}] ({name})"

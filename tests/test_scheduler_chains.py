@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from scheduler.algorithms.problem import ServerSpec
-from scheduler.plan_commands import place_gbp_cr
+from scheduler.plan_commands import place
 from scheduler.plan_io import parse_problem
 from scheduler.service.chain_routing import queue_start_times, timings_moved
 from scheduler.service.core import CoreSettings, SchedulerCore
@@ -36,7 +36,7 @@ def test_placement_equals_swarm_plan_gbp_cr_with_tuned_c():
     core.update_roster(SERVERS, now=0.0)
     assert core.review(now=0.1)
     assert core.plan.plan_input["c"] == "auto" and core.plan.plan_input["arrival_rate"] == 0.5
-    output = place_gbp_cr(parse_problem(json.dumps(core.plan.plan_input)))
+    output = place(parse_problem(json.dumps(core.plan.plan_input)), "gbp-cr")
     expected = {entry["name"]: (entry["start"], entry["end"]) for entry in output["placement"]}
     got = {peer: (span.start, span.end) if span else (None, None) for peer, span in core.assignment.items()}
     assert got == expected

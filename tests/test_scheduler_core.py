@@ -7,8 +7,8 @@ import json
 import pytest
 
 from scheduler.algorithms.problem import Span
-from scheduler.plan_commands import place_cg_bp
-from scheduler.plan_io import parse_problem
+from scheduler.plan_commands import place
+from scheduler.plan_io import dumps, parse_problem, problem_json
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings, r_changed
 from scheduler.service.view import ModelShape
@@ -84,16 +84,25 @@ def test_placement_waits_to_settle_then_equals_swarm_plan():
     core.update_roster(SERVERS, now=0.0)
     assert not core.review(now=0.5)  # servers are still arriving
     assert core.review(now=1.2)
-    plan_output = place_cg_bp(parse_problem(json.dumps(core.plan.plan_input)))
+    plan_output = place(parse_problem(json.dumps(core.plan.plan_input)), "cg-bp")
     expected = {entry["name"]: (entry["start"], entry["end"]) for entry in plan_output["placement"]}
     got = {peer: (span.start, span.end) if span else (None, None) for peer, span in core.assignment.items()}
     assert got == expected
     assert core.assignment_for("peer-a").assigned and core.epoch == 1
     assert core.status(2.0)["bound"] == pytest.approx(plan_output["bound"])
+    assert core.plan.plan_output == plan_output  # the record is what `swarm-plan place` prints
     # nothing changed: later reviews keep the placement
     core.update_roster(serving(core.assignment), now=2.0)
     assert not core.review(now=100.0)
     assert core.epoch == 1
+
+
+def test_the_recorded_problem_reads_back_as_the_problem_the_algorithms_got():
+    core = core_with()
+    core.update_roster(SERVERS, now=0.0)
+    for parameters in ({"num_requests": 3}, {"capacity": "auto", "arrival_rate": 0.5}, {"capacity": 2}):
+        problem = core.view.plan_problem(sorted(SERVERS), **parameters)
+        assert parse_problem(dumps(problem_json(problem))) == problem
 
 
 def test_restarted_scheduler_adopts_the_live_spans():

@@ -18,9 +18,8 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from scheduler.algorithms.placing import Infeasible, PlanInputError
 from scheduler.algorithms.problem import Span
-from scheduler.plan_commands import Infeasible
-from scheduler.plan_io import PlanInputError
 from scheduler.service.planner import (
     ArrivalRate,
     Plan,

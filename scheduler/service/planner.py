@@ -26,9 +26,10 @@ from scheduler.algorithms.cgbp import (
     session_capacity,
     slowest_client_request_time,
 )
+from scheduler.algorithms.placing import PLACEMENTS
 from scheduler.algorithms.problem import Span
-from scheduler.plan_commands import place_cg_bp, place_gbp_cr, place_petals
-from scheduler.plan_io import dumps, parse_problem
+from scheduler.plan_commands import placement_output
+from scheduler.plan_io import problem_json
 from scheduler.service.view import SwarmView
 
 POLICIES = ("cg-bp", "gbp-cr", "chains", "petals")
@@ -50,7 +51,8 @@ class PlanSettings:
 
 @dataclass(frozen=True)
 class Plan:
-    """One computed placement, with the documents that reproduce it."""
+    """One computed placement, with the `swarm-plan` documents that reproduce it (a record for
+    operators: `swarm-plan place` on `plan_input` prints `plan_output`)."""
 
     spans: dict[str, Span | None]  # peer id -> span (None: no blocks)
     num_requests: int
@@ -93,20 +95,19 @@ def compute_plan(
 
     `gbp-cr` places for capacity `c = R`; `chains` tunes c for the arrival rate (SPEC 3.4's c
     tuning, paper 001's full design) when one is known, else uses `c = R` too."""
-    document = view.problem_document(peers, num_requests if settings.policy == "cg-bp" else None)
     rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate
-    if settings.policy == "chains" and rate:
-        document["c"], document["arrival_rate"] = "auto", rate
+    if settings.policy == "cg-bp":
+        problem = view.plan_problem(peers, num_requests=num_requests)
+    elif settings.policy == "chains" and rate:
+        problem = view.plan_problem(peers, capacity="auto", arrival_rate=rate)
     elif settings.policy in ("gbp-cr", "chains"):
-        document["c"] = num_requests
-    problem = parse_problem(dumps(document))  # the very path `swarm-plan place` takes
-    place = {"cg-bp": place_cg_bp, "gbp-cr": place_gbp_cr, "chains": place_gbp_cr, "petals": place_petals}
-    output = place[settings.policy](problem)
-    spans = {
-        entry["name"]: Span(entry["start"], entry["end"]) if entry["start"] is not None else None
-        for entry in output["placement"]
-    }
-    return Plan(spans, num_requests, output.get("bound"), document, output)
+        problem = view.plan_problem(peers, capacity=num_requests)
+    else:
+        problem = view.plan_problem(peers)
+    algorithm = "gbp-cr" if settings.policy == "chains" else settings.policy
+    placed = PLACEMENTS[algorithm](problem)
+    record = problem_json(problem), placement_output(problem, placed)
+    return Plan(placed.by_name(problem), num_requests, placed.bound, *record)
 
 
 def choose_requests(
@@ -118,9 +119,7 @@ def choose_requests(
     rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate
     if not rate or not peers:
         return 1
-    document = view.problem_document(peers)
-    document["arrival_rate"] = rate
-    problem = parse_problem(dumps(document))
+    problem = view.plan_problem(peers, arrival_rate=rate)
     chosen = choose_num_requests(problem.servers, problem.model, rate, view.l_out)
     return chosen if chosen is not None else 1
 

@@ -23,6 +23,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scheduler.algorithms.placing import PlanProblem
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from swarm.models.family import family_for
 from swarm.server_info import ServerInfo, ServerState
@@ -148,39 +149,26 @@ class SwarmView:
             )
         return specs
 
-    def problem_document(self, peers: Sequence[str], num_requests: int | None = None) -> dict:
-        """The `swarm-plan` problem.json (SPEC 4) for placing `peers`; exact floats, so re-running
-        `swarm-plan place` on it gives the same placement."""
+    def plan_problem(
+        self,
+        peers: Sequence[str],
+        num_requests: int | None = None,
+        capacity: int | str | None = None,
+        arrival_rate: float | None = None,
+    ) -> PlanProblem:
+        """Placing `peers` as the algorithms see it: the announced model and server specs, this
+        swarm's `l_out`, and the policy's parameters (R for CG-BP; c and lambda for GBP-CR)."""
         model = self.model_spec()
         if model is None:
             raise ValueError("no server has announced its block and cache sizes yet")
-        document: dict = {
-            "model": {
-                "num_blocks": model.num_blocks,
-                "block_bytes": model.block_bytes,
-                "cache_bytes": model.cache_bytes,
-                "hidden_size": model.hidden_size,
-                "kv_dim": model.kv_dim,
-                "dtype_bytes": model.dtype_bytes,
-            },
-            "servers": [
-                {
-                    "name": spec.name,
-                    "memory_bytes": spec.memory_bytes,
-                    "tau": spec.tau,
-                    "tau_prefill": spec.tau_prefill,
-                    "rtt": dict(spec.rtt),
-                    "rtt_prefill": dict(spec.rtt_prefill),
-                    "tau_c": spec.tau_c,
-                    "tau_p": spec.tau_p,
-                }
-                for spec in self.server_specs(peers)
-            ],
-            "l_out": self.l_out,
-        }
-        if num_requests is not None:
-            document["num_requests"] = num_requests
-        return document
+        return PlanProblem(
+            model,
+            tuple(self.server_specs(peers)),
+            num_requests=num_requests,
+            arrival_rate=arrival_rate,
+            l_out=self.l_out,
+            capacity=capacity,
+        )
 
     def used_units(self, peer: str, model: ModelSpec) -> int:
         """Cache slots (units of `s_c`) the server says are in use, from its free cache bytes."""
