@@ -32,7 +32,7 @@ from scheduler.service.planner import (
     r_changed,
 )
 from scheduler.service.request_stats import RequestStats
-from scheduler.service.sessions import RouteDecision, SessionBook
+from scheduler.service.sessions import RouteDecision, SessionBook, SessionRecord
 from scheduler.service.status import describe_servers
 from scheduler.service.view import ModelShape, SwarmView
 from swarm.route_request import RouteRequest
@@ -259,6 +259,26 @@ class SchedulerCore:
             session = self.book.sessions[session_id]
             self.requests.record_wait(now - session.routed_at)
         return admitted
+
+    # --- sessions, as the API sees them -------------------------------------------------------------
+    def session(self, session_id: str) -> SessionRecord | None:
+        """The routed session (admitted or waiting), or None if it ended or was never routed."""
+        return self.book.sessions.get(session_id)
+
+    def renew_lease(self, session_id: str, now: float) -> bool:
+        """Keep the session for another lease; False if it is unknown (ended or expired)."""
+        return self.book.renew(session_id, now)
+
+    def expected_wait(self, session_id: str, now: float) -> float:
+        """Seconds until the session is expected to be admitted (0 once admitted)."""
+        return self.book.expected_wait(session_id, now)
+
+    def end_if_unroutable(self, session_id: str) -> bool:
+        """End the session if a server of its chain left (the client must route again); True if so."""
+        if self.book.routable(session_id):
+            return False
+        self.book.end(session_id)
+        return True
 
     # --- status --------------------------------------------------------------------------------------
     def end_session(self, session_id: str, ttft: float = 0.0, tpot: float = 0.0, tokens: int = 0) -> bool:

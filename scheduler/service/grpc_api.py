@@ -36,7 +36,7 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
     # --- called by the runner when the core admitted sessions ---------------------------------
     def notify_admitted(self, session_ids: list[str]) -> None:
         for session_id in session_ids:
-            session = self.core.book.sessions.get(session_id)
+            session = self.core.session(session_id)
             if session is not None and session.admitted_at is not None:
                 self.metrics.wait.observe(session.admitted_at - session.routed_at)
             event = self._admitted.get(session_id)
@@ -95,20 +95,18 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
         await _check_id(context, request.session_id, "session_id")
         if not math.isfinite(request.timeout) or request.timeout < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout must be finite and >= 0")
-        book = self.core.book
-        if request.session_id not in book.sessions:
+        core = self.core
+        if not core.renew_lease(request.session_id, self.clock()):
             return pb.RouteReply(session_id=request.session_id, error="unknown session: route again")
-        book.renew(request.session_id, self.clock())
         event = self._admitted.setdefault(request.session_id, asyncio.Event())
-        if not book.sessions[request.session_id].admitted:
+        if not core.session(request.session_id).admitted:
             try:
                 await asyncio.wait_for(event.wait(), timeout=min(request.timeout, MAX_AWAIT_S))
             except TimeoutError:
                 pass
-        if request.session_id not in book.sessions:
+        if core.session(request.session_id) is None:
             return pb.RouteReply(session_id=request.session_id, error="the session expired: route again")
-        if not book.routable(request.session_id):
-            book.end(request.session_id)
+        if core.end_if_unroutable(request.session_id):
             self._admitted.pop(request.session_id, None)
             return pb.RouteReply(
                 session_id=request.session_id, error="a server of the chain left: route again"
@@ -117,7 +115,7 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
 
     async def KeepAlive(self, request: pb.SessionRef, context) -> pb.LeaseReply:
         await _check_id(context, request.session_id, "session_id")
-        known = self.core.book.renew(request.session_id, self.clock())
+        known = self.core.renew_lease(request.session_id, self.clock())
         return pb.LeaseReply(known=known, lease=self.core.settings.lease)
 
     async def EndSession(self, request: pb.SessionRef, context) -> pb.EndReply:
@@ -136,9 +134,8 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
     def _reply(
         self, session_id: str, now: float, completion: float | None = None, cost: float = 0.0
     ) -> pb.RouteReply:
-        book = self.core.book
-        session = book.sessions[session_id]
-        wait = book.expected_wait(session_id, now)
+        session = self.core.session(session_id)
+        wait = self.core.expected_wait(session_id, now)
         if session.admitted:
             self._admitted.pop(session_id, None)
         return pb.RouteReply(
