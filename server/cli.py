@@ -10,10 +10,16 @@ import argparse
 
 from server.joining import RELAY_MODES
 from server.server import ServerConfig, run_server
-from swarm.cli.args import add_swarm_secret_argument, span_argument, swarm_secret_from_args
+from swarm.cli.args import (
+    add_swarm_secret_argument,
+    command_parser,
+    dht_prefix_from_args,
+    span_argument,
+    swarm_secret_from_args,
+)
+from swarm.cli.dataclass_args import add_field_options, dataclass_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.dtypes import dtype_name
 from swarm.errors import SwarmUserError
 from swarm.hardware import (
@@ -41,14 +47,11 @@ EXAMPLES = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="swarm-server",
-        description="Load blocks of a local checkpoint and serve them to the swarm: the span given by "
-        "--blocks, or (without it) the span the scheduler assigns, chosen PETALS-style if no scheduler "
-        "answers.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        fromfile_prefix_chars="@",  # arguments from a file: swarm-server @server.args
+    parser = command_parser(
+        "swarm-server",
+        "Load blocks of a local checkpoint and serve them to the swarm: the span given by --blocks, or "
+        "(without it) the span the scheduler assigns, chosen PETALS-style if no scheduler answers.",
+        EXAMPLES,
     )
     parser.add_argument("model_dir")
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
@@ -117,20 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the file swarm-scheduler wrote); without it, choose blocks PETALS-style",
     )
     add_swarm_secret_argument(parser)
-    parser.add_argument(
-        "--max-sessions-per-peer", type=int, default=64, help="open sessions one client peer may hold"
-    )
-    parser.add_argument(
-        "--max-peer-cache-fraction",
-        type=float,
-        default=0.5,
-        help="share of the attention-cache memory one client peer may reserve (0-1]",
-    )
-    parser.add_argument(
-        "--max-session-lifetime",
-        type=float,
-        default=24 * 3600.0,
-        help="close a session after this many seconds however active (its client replays elsewhere)",
+    add_field_options(  # types and defaults: ServerConfig's
+        parser,
+        ServerConfig,
+        {
+            "--max-sessions-per-peer": "open sessions one client peer may hold",
+            "--max-peer-cache-fraction": "share of the attention-cache memory one client peer may reserve "
+            "(0-1]",
+            "--max-session-lifetime": "close a session after this many seconds however active (its client "
+            "replays elsewhere)",
+        },
     )
     parser.add_argument(
         "--metrics-port",
@@ -141,53 +140,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dht-prefix", help="swarm namespace of the model (default: the model directory's name)"
     )
-    parser.add_argument("--max-length", type=int, default=2048, help="longest session accepted, in tokens")
-    parser.add_argument(
-        "--slot-tokens", type=int, default=2048, help="session length cache slots are counted for"
-    )
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument(
-        "--announce-period", type=float, default=10.0, help="seconds between DHT announcements"
-    )
-    parser.add_argument(
-        "--session-timeout", type=float, default=300.0, help="close sessions idle this long (s)"
-    )
-    parser.add_argument(
-        "--compute-delay",
-        type=float,
-        default=0.0,
-        help="emulation: extra seconds per block per step, to make a CPU server behave like a slower GPU",
-    )
-    parser.add_argument(
-        "--compute-delay-overlap",
-        action="store_true",
-        help="emulation: concurrent sessions' delays overlap (an accelerator whose step time does not "
-        "depend on how many sessions it serves, paper 000's model); default: a delay holds the "
-        "compute thread",
-    )
-    parser.add_argument(
-        "--batch-wait-ms",
-        type=float,
-        default=2.0,
-        help="how long a decode step waits to be batched with other sessions' steps (0: no batching)",
-    )
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=10.0,
-        help="on SIGTERM or a move to a new span, seconds to let open sessions finish before closing them",
-    )
-    parser.add_argument(
-        "--scheduler-timeout",
-        type=float,
-        default=10.0,
-        help="managed: choose blocks PETALS-style if no scheduler answers for this many seconds",
-    )
-    parser.add_argument(
-        "--assignment-poll",
-        type=float,
-        default=2.0,
-        help="managed: seconds between asking the scheduler for our span while serving",
+    add_field_options(
+        parser,
+        ServerConfig,
+        {
+            "--max-length": "longest session accepted, in tokens",
+            "--slot-tokens": "session length cache slots are counted for",
+            "--max-batch-size": None,
+            "--announce-period": "seconds between DHT announcements",
+            "--session-timeout": "close sessions idle this long (s)",
+            "--compute-delay": "emulation: extra seconds per block per step, to make a CPU server behave "
+            "like a slower GPU",
+            "--compute-delay-overlap": "emulation: concurrent sessions' delays overlap (an accelerator whose "
+            "step time does not depend on how many sessions it serves, paper 000's model); default: a "
+            "delay holds the compute thread",
+            "--batch-wait-ms": "how long a decode step waits to be batched with other sessions' steps (0: "
+            "no batching)",
+            "--drain-timeout": "on SIGTERM or a move to a new span, seconds to let open sessions finish "
+            "before closing them",
+            "--scheduler-timeout": "managed: choose blocks PETALS-style if no scheduler answers for this "
+            "many seconds",
+            "--assignment-poll": "managed: seconds between asking the scheduler for our span while serving",
+        },
+        field_names={"--session-timeout": "session_idle_timeout"},
     )
     parser.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's choice)")
     add_log_level_argument(parser)
@@ -211,39 +186,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     dtype = resolve_dtype(args.dtype, device, facts, checkpoint_dtype_name(model_config))
     check_quant_device(args.quant, device)
     requested = None if args.memory.strip().lower() == "auto" else parse_bytes(args.memory)
-    return ServerConfig(
-        model_dir=args.model_dir,
-        initial_peers=args.initial_peers,
+    return dataclass_from_args(
+        ServerConfig,
+        args,
         start=start,
         end=end,
         memory_bytes=server_memory_budget(requested, device),
-        dht_prefix=validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir),
+        dht_prefix=dht_prefix_from_args(args),
         dtype=dtype_name(dtype),
         device=str(device),
-        quant=args.quant,
-        host=args.host,
-        port=args.port,
-        public_name=args.public_name,
-        max_length=args.max_length,
-        slot_tokens=args.slot_tokens,
-        max_batch_size=args.max_batch_size,
-        announce_period=args.announce_period,
         session_idle_timeout=args.session_timeout,
-        compute_delay=args.compute_delay,
-        compute_delay_overlap=args.compute_delay_overlap,
-        batch_wait_ms=args.batch_wait_ms,
-        drain_timeout=args.drain_timeout,
-        scheduler_timeout=args.scheduler_timeout,
-        assignment_poll=args.assignment_poll,
-        metrics_port=args.metrics_port,
-        identity_path=args.identity_path,
         scheduler_key=read_public_key(args.scheduler_key) if args.scheduler_key else None,
         swarm_secret=swarm_secret_from_args(args),
-        max_sessions_per_peer=args.max_sessions_per_peer,
-        max_peer_cache_fraction=args.max_peer_cache_fraction,
-        max_session_lifetime=args.max_session_lifetime,
         extra_dht_options=dht_options,
-        relay=args.relay,
         relay_peers=validate_relay_peers(args.relay_peers),
         serve_as_relay=args.relay_service,
         legacy_records=not args.no_legacy_records,

@@ -31,21 +31,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from server.step_scheduler import (
-    Action,
-    CostModel,
-    LinearCost,
-    LinearFit,
-    QueueView,
-    SchedulerPolicy,
-    decide,
-)
+from server import step_scheduler
 from swarm.models.cache import SpanCache
 from swarm.models.span import TransformerSpan
 
@@ -53,7 +46,20 @@ logger = logging.getLogger(__name__)
 
 # Until this thread has measured anything, a decode row and a prefill token cost the same (paper
 # 004 measured 0.21 vs 0.13 ms per token); only the ratio matters to the decision.
-DEFAULT_PRIOR = LinearCost(fixed=0.0, per_unit=1e-3)
+DEFAULT_PRIOR = step_scheduler.LinearCost(fixed=0.0, per_unit=1e-3)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _awaiting(submit: Callable[_P, Future[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """A coroutine method taking `submit`'s arguments that waits for the result of its future (`run`)."""
+
+    async def awaited(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """What `submit` with these arguments computes, awaited (or its exception, raised)."""
+        return await asyncio.wrap_future(submit(*args, **kwargs))
+
+    return awaited
 
 
 @dataclass(eq=False)
@@ -117,15 +123,18 @@ class BatchingEngine:
         batch_wait: float = 0.002,
         compute_delay: float = 0.0,
         max_batch_rows: int = 64,
-        policy: SchedulerPolicy | None = None,
-        decode_prior: LinearCost = DEFAULT_PRIOR,
-        prefill_prior: LinearCost = DEFAULT_PRIOR,
+        policy: step_scheduler.SchedulerPolicy | None = None,
+        decode_prior: step_scheduler.LinearCost = DEFAULT_PRIOR,
+        prefill_prior: step_scheduler.LinearCost = DEFAULT_PRIOR,
         clock: Callable[[], float] = time.monotonic,
         active_horizon: float = 0.25,
     ):
-        self.policy = policy or SchedulerPolicy(batch_wait=batch_wait, max_batch_rows=max_batch_rows)
+        self.policy = policy or step_scheduler.SchedulerPolicy(
+            batch_wait=batch_wait, max_batch_rows=max_batch_rows
+        )
         self.compute_delay = compute_delay
-        self.decode_fit, self.prefill_fit = LinearFit(decode_prior), LinearFit(prefill_prior)
+        self.decode_fit = step_scheduler.LinearFit(decode_prior)
+        self.prefill_fit = step_scheduler.LinearFit(prefill_prior)
         self.stats = EngineStats()
         self._clock = clock
         self._condition = threading.Condition()
@@ -172,15 +181,7 @@ class BatchingEngine:
                     del self._decoders[group]
             self._condition.notify()  # a batch waiting for this session may now be complete
 
-    async def run(
-        self,
-        span: TransformerSpan,
-        cache: SpanCache,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return await asyncio.wrap_future(self.submit(span, cache, hidden, position, padding_mask))
+    run = _awaiting(submit)
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop the thread; steps not started yet are cancelled (like `executor.shutdown(cancel_futures)`)."""
@@ -203,22 +204,22 @@ class BatchingEngine:
                     if self._stopped:
                         return
                     view, batch = self._view()
-                    decision = decide(view, self.costs(), self.policy)
-                    if decision.action is Action.IDLE:
+                    decision = step_scheduler.decide(view, self.costs(), self.policy)
+                    if decision.action is step_scheduler.Action.IDLE:
                         self._condition.wait()
-                    elif decision.action is Action.WAIT:
+                    elif decision.action is step_scheduler.Action.WAIT:
                         self._condition.wait(decision.wait)
                     else:
                         break
                 self.stats.decisions[decision.rule] = self.stats.decisions.get(decision.rule, 0) + 1
-                if decision.action is Action.DECODE:
+                if decision.action is step_scheduler.Action.DECODE:
                     work = self._take_decodes(batch)
                 else:
                     work = [self._prefills.popleft()]
                 # a step whose caller went away (cancelled future) is dropped here, not computed
                 work = [step for step in work if step.future.set_running_or_notify_cancel()]
             try:
-                if decision.action is Action.DECODE:
+                if decision.action is step_scheduler.Action.DECODE:
                     self._run_decode(work)
                 else:
                     self._run_prefill(work)
@@ -228,10 +229,10 @@ class BatchingEngine:
                     if not step.future.done():
                         step.future.set_exception(error)
 
-    def costs(self) -> CostModel:
-        return CostModel(decode=self.decode_fit.cost(), prefill=self.prefill_fit.cost())
+    def costs(self) -> step_scheduler.CostModel:
+        return step_scheduler.CostModel(decode=self.decode_fit.cost(), prefill=self.prefill_fit.cost())
 
-    def _view(self) -> tuple[QueueView, list[_Step]]:
+    def _view(self) -> tuple[step_scheduler.QueueView, list[_Step]]:
         """The queue as the scheduler sees it, and the decode batch that would run next: the steps
         of the oldest waiting decode step's block range, oldest first, up to `max_batch_rows`."""
         now = self._clock()
@@ -248,7 +249,7 @@ class BatchingEngine:
                 rows += step.rows
             expected = len(self._recent_decoders(now).get(group, {}))
         prefill = self._prefills[0] if self._prefills else None
-        view = QueueView(
+        view = step_scheduler.QueueView(
             now=now,
             decode_rows=sum(step.rows for step in batch),
             decode_oldest=batch[0].arrived if batch else None,

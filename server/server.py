@@ -2,7 +2,8 @@
 
 A *pinned* server (`--blocks A:B`) loads and serves that span. A *managed* server (no `--blocks`)
 gets its span from the scheduler, or chooses one itself without a scheduler, and moves when the
-placement changes: that part lives in `server.managed`.
+placement changes: those decisions live in `server.managed.SpanManager`; the server carries them
+out. What is served right now is one `server.served_span.ServedSpan`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
@@ -19,9 +21,10 @@ from tqdm import tqdm
 
 from server.handler import BlockServicer, PeerLimits
 from server.joining import RELAY_MODES, JoinOptions, current_relay_state, join_dht
-from server.managed import ManagedSpan
+from server.managed import SpanManager
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
+from server.served_span import ServedSpan, run_bounded
 from server.throughput import BlockTimings, cached_block_timings
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
@@ -29,10 +32,9 @@ from swarm.dht_records import announce
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
-from swarm.models.span import TransformerSpan, load_span
+from swarm.models.span import TransformerSpan, load_span, rebuild_span
 from swarm.reachability import DialBackService
 from swarm.record_validator import MAX_RECORD_TTL
-from swarm.scheduler_link import SchedulerLink
 from swarm.server_info import Reachability, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
@@ -127,33 +129,26 @@ class ServerConfig:
         return self.start is None
 
 
-class SwarmServer(ManagedSpan):
+class SwarmServer:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.state = ServerState.JOINING
         self.dht: DHT | None = None
-        self.start_block: int | None = None  # the span served now; None while a managed server waits
-        self.end_block: int | None = None
-        self.span: TransformerSpan | None = None
-        self.budget: CacheBudget | None = None
+        self.served: ServedSpan | None = None  # the blocks loaded (and, once installed, served) now
         self.timings: BlockTimings | None = None
-        self.servicer: BlockServicer | None = None
         # the same for every block and span of the model, so they stay valid across moves
         self.block_bytes = 0
         self.cache_token_bytes = 0
-        self.link: SchedulerLink | None = None
-        self.epoch: int | None = None  # placement epoch of the span we serve; None: not the scheduler's
+        self.manager: SpanManager | None = None  # managed servers: where to serve, from the scheduler
         self._probe: TransformerSpan | None = None  # managed: block 0, measured, until a span is loaded
-        self._ignored_epoch: int | None = None  # an assignment we could not follow (logged once)
-        self._chose_locally = False  # no scheduler answered at start-up (already logged)
         self._failure: BaseException | None = None
         self.metrics = ServerMetrics()  # one per server: counters survive moves between spans
         self.metrics.watch_cache(
-            free_slots=lambda: self.budget.slots_left(self.slot_bytes) if self.budget else 0,
-            total_slots=lambda: self.budget.total_bytes // self.slot_bytes if self.budget else 0,
-            free_bytes=lambda: self.budget.bytes_left if self.budget else 0,
+            free_slots=lambda: self._budget.slots_left(self.slot_bytes) if self._budget else 0,
+            total_slots=lambda: self._budget.total_bytes // self.slot_bytes if self._budget else 0,
+            free_bytes=lambda: self._budget.bytes_left if self._budget else 0,
         )
-        self._stop = asyncio.Event()
+        self.stopped = asyncio.Event()
         self._sessions_changed = asyncio.Event()
         self.identity: PeerIdentity | None = None
         self.reachability = Reachability.DIRECT  # decided when joining (server.joining)
@@ -161,18 +156,22 @@ class SwarmServer(ManagedSpan):
 
     # --- what we announce -----------------------------------------------------------------------
     @property
+    def _budget(self) -> CacheBudget | None:
+        return self.served.budget if self.served is not None else None
+
+    @property
     def slot_bytes(self) -> int:
         """Cache bytes of one slot: a session of `slot_tokens` on one block (at least 1)."""
         return max(self.cache_token_bytes * self.config.slot_tokens, 1)
 
     def info(self) -> ServerInfo:
-        config, timings = self.config, self.timings
-        num_blocks = self.end_block - self.start_block if self.start_block is not None else 0
+        config, timings, served, budget = self.config, self.timings, self.served, self._budget
+        num_blocks = served.end - served.start if served is not None else 0
         slot_bytes = self.slot_bytes
         return ServerInfo(
             state=self.state,
-            start=self.start_block,
-            end=self.end_block,
+            start=served.start if served is not None else None,
+            end=served.end if served is not None else None,
             managed=config.managed,
             public_name=config.public_name,
             dtype=config.quant if config.quant != "none" else config.dtype,
@@ -180,8 +179,8 @@ class SwarmServer(ManagedSpan):
             memory_bytes=config.memory_bytes,
             block_bytes=self.block_bytes,
             cache_token_bytes=self.cache_token_bytes,
-            cache_bytes_left=self.budget.bytes_left if self.budget else 0,
-            cache_slots_left=self.budget.slots_left(slot_bytes) if self.budget else 0,
+            cache_bytes_left=budget.bytes_left if budget else 0,
+            cache_slots_left=budget.slots_left(slot_bytes) if budget else 0,
             slot_tokens=config.slot_tokens,
             max_length=config.max_length,
             tau=timings.tau if timings else None,
@@ -190,7 +189,7 @@ class SwarmServer(ManagedSpan):
             throughput=1.0 / (timings.tau * num_blocks)
             if timings and num_blocks and timings.tau > 0
             else None,
-            active_sessions=len(self.servicer.sessions) if self.servicer else 0,
+            active_sessions=served.open_sessions if served is not None else 0,
             reachability=self.reachability,
         )
 
@@ -212,7 +211,17 @@ class SwarmServer(ManagedSpan):
 
     @property
     def span_text(self) -> str:
-        return f"{self.start_block}:{self.end_block}" if self.start_block is not None else "none"
+        return self.served.text if self.served is not None else "none"
+
+    @property
+    def model_blocks(self) -> int:
+        """`L`, the model's number of blocks."""
+        span = self.model_span()
+        return span.family.num_blocks(span.config)
+
+    def model_span(self) -> TransformerSpan:
+        """Whatever blocks we hold (the probe until a span is loaded): they know the model's shape."""
+        return self.served.span if self.served is not None else self._probe
 
     # --- start-up -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -244,17 +253,61 @@ class SwarmServer(ManagedSpan):
         if config.metrics_port is not None:
             self.metrics.serve(config.host, config.metrics_port)
         if config.managed:
-            self._measure_probe()
+            self._load_probe()
         else:
             self._load_pinned_span()
 
+    def _load_probe(self) -> None:
+        """Managed: measure on block 0 alone what the scheduler needs to place us (tau, tau_prefill,
+        s_m, cache bytes per token); blocks are alike, so one block tells it for any span."""
+        config = self.config
+        started = time.perf_counter()
+        self._probe, _files = load_span(
+            config.model_dir, 0, 1, dtype=config.dtype, device=config.device, quant=config.quant
+        )
+        self.block_bytes = self._probe.block_bytes
+        self.cache_token_bytes = self._probe.cache_bytes(num_tokens=1)
+        self.timings = cached_block_timings(self._probe, config.prefill_tokens, config.compute_delay)
+        self._announce()  # JOINING without blocks: the scheduler can place us from now on
+        logger.info(
+            "managed: probe on block 0 in %.0f ms: %d bytes per block, tau %.2f ms/block/token, "
+            "tau_prefill(%d) %.2f ms/block, memory %d bytes; waiting for a span",
+            (time.perf_counter() - started) * 1e3,
+            self.block_bytes,
+            self.timings.tau * 1e3,
+            self.timings.prefill_tokens,
+            self.timings.tau_prefill * 1e3,
+            config.memory_bytes,
+        )
+
+    async def _load_assigned_span(self, start: int, end: int) -> None:
+        """Managed: load the span, keeping the probe's block 0 if the span holds it (timings stay the
+        probe's: blocks are alike)."""
+        started = time.perf_counter()
+        model_dir = self.config.model_dir
+        span, reused, loaded = await asyncio.to_thread(rebuild_span, self._probe, model_dir, start, end)
+        self._probe = None
+        self.served = ServedSpan(span, start, end, self._new_budget(span))
+        logger.info(
+            "blocks %d:%d loaded in %.0f ms (%d reused from the probe, %d read); %d cache bytes for sessions",
+            start,
+            end,
+            (time.perf_counter() - started) * 1e3,
+            len(reused),
+            len(loaded),
+            self.served.budget.total_bytes,
+        )
+
+    def _new_budget(self, span: TransformerSpan) -> CacheBudget:
+        """The memory budget less the span's blocks is what sessions' caches may use."""
+        return CacheBudget(self.config.memory_bytes, self.block_bytes * span.num_blocks)
+
     def _load_pinned_span(self) -> None:
         config = self.config
-        self.start_block, self.end_block = config.start, config.end
         with tqdm(
             total=config.end - config.start, desc=f"loading blocks {config.start}:{config.end}", unit="block"
         ) as progress:
-            self.span, _files = load_span(
+            span, _files = load_span(
                 config.model_dir,
                 config.start,
                 config.end,
@@ -263,70 +316,64 @@ class SwarmServer(ManagedSpan):
                 on_block_loaded=lambda _index: progress.update(),
                 quant=config.quant,
             )
-        self.block_bytes, self.cache_token_bytes = self.span.block_bytes, self.span.cache_bytes(num_tokens=1)
-        self.budget = CacheBudget(config.memory_bytes, self.span.block_bytes * self.span.num_blocks)
+        self.block_bytes, self.cache_token_bytes = span.block_bytes, span.cache_bytes(num_tokens=1)
+        self.served = ServedSpan(span, config.start, config.end, self._new_budget(span))
         self._announce()  # JOINING: visible while measuring
-        self.timings = cached_block_timings(self.span, config.prefill_tokens, config.compute_delay)
+        self.timings = cached_block_timings(span, config.prefill_tokens, config.compute_delay)
         logger.info(
             "blocks %d:%d loaded (%d bytes each); tau %.2f ms/block/token, tau_prefill(%d) %.2f ms/block; "
             "%d cache bytes for sessions",
             config.start,
             config.end,
-            self.span.block_bytes,
+            span.block_bytes,
             self.timings.tau * 1e3,
             self.timings.prefill_tokens,
             self.timings.tau_prefill * 1e3,
-            self.budget.total_bytes,
+            self.served.budget.total_bytes,
         )
 
     # --- serving --------------------------------------------------------------------------------
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self.stopped.set)
         if self.config.managed:
-            self.link = SchedulerLink(
-                self.dht,
-                self.config.dht_prefix,
-                self.config.scheduler_key,
-                timeout=self.config.scheduler_rpc_timeout,
-                retry_after=0.0,  # the managed loop paces its own questions
-                refresh_period=10.0,  # a scheduler that restarted elsewhere is found within this
-                distrust_for=120.0,
-                swarm_secret=self.config.swarm_secret,
-                log_outages=False,  # the managed loop says what it does without one
-            )
+            self.manager = SpanManager(self)
         try:
-            if self.config.managed:
-                span = await self._wait_for_span()
+            if self.manager is not None:
+                span = await self.manager.wait_for_span()
                 if span is None:  # stopped while waiting: nothing to drain
                     self.state = ServerState.OFFLINE
-                    await self._bounded("announcing OFFLINE", self._announce(wait=False), 5.0)
+                    await run_bounded("announcing OFFLINE", self._announce(wait=False), 5.0)
                     return
-                await self._load_managed_span(*span)
+                await self._load_assigned_span(*span)
             await self._serve_span()
         finally:
-            if self.link is not None:
-                await self.link.close()
+            if self.manager is not None:
+                await self.manager.close()
         if self._failure is not None:
             raise self._failure
 
+    def fail(self, error: BaseException) -> None:
+        """Stop serving because of `error`; `serve` raises it once the server has left."""
+        self._failure = error
+        self.stopped.set()
+
     async def _serve_span(self) -> None:
         p2p = await self.dht.replicate_p2p()
-        self.servicer = self._new_servicer()
-        await self.servicer.add_p2p_handlers(p2p, namespace=self.config.dht_prefix)
+        await self.served.install(p2p, self.config.dht_prefix, self._new_servicer)
         if self.reachability == Reachability.DIRECT:
             await DialBackService(p2p).add_p2p_handlers(p2p)  # check other servers' reachability too
         self.state = ServerState.ONLINE
         await self._announce(wait=False)
         logger.info("online: serving blocks %s as %s", self.span_text, self.peer_id)
-        follower = asyncio.create_task(self._follow_scheduler(p2p)) if self.config.managed else None
+        follower = asyncio.create_task(self.manager.follow(p2p)) if self.manager is not None else None
         try:
             await self._announce_until_stopped()
         finally:
-            self._stop.set()  # also when announcing failed: the follower must not outlive serving
+            self.stopped.set()  # also when announcing failed: the follower must not outlive serving
             if follower is not None:
-                await self._stop_follower(follower)
+                await _stop_follower(follower)
             await self._leave(p2p)
 
     async def _follow_relay_state(self) -> None:
@@ -343,10 +390,10 @@ class SwarmServer(ManagedSpan):
             logger.warning("reachability: %s -> %s", self.reachability.value, state.value)
             self.reachability = state
 
-    def _new_servicer(self) -> BlockServicer:
+    def _new_servicer(self, span: TransformerSpan, budget: CacheBudget) -> BlockServicer:
         return BlockServicer(
-            self.span,
-            self.budget,
+            span,
+            budget,
             max_length=self.config.max_length,
             max_batch_size=self.config.max_batch_size,
             session_idle_timeout=self.config.session_idle_timeout,
@@ -370,14 +417,14 @@ class SwarmServer(ManagedSpan):
         period = self.config.announce_period
         loop = asyncio.get_running_loop()
         next_periodic = loop.time() + period
-        while not self._stop.is_set():
+        while not self.stopped.is_set():
             timeout = max(next_periodic - loop.time(), 0)
-            stop = asyncio.ensure_future(self._stop.wait())
+            stop = asyncio.ensure_future(self.stopped.wait())
             changed = asyncio.ensure_future(self._sessions_changed.wait())
             await asyncio.wait([stop, changed], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
             changed.cancel()
-            if self._stop.is_set():
+            if self.stopped.is_set():
                 return
             if self._sessions_changed.is_set():
                 await asyncio.sleep(0.2)  # coalesce bursts of opens/closes into one announcement
@@ -385,17 +432,17 @@ class SwarmServer(ManagedSpan):
             else:
                 next_periodic = loop.time() + period
                 await self._follow_relay_state()
-            await self._announce_quietly()
+            await self.announce_quietly()
 
-    async def _announce_quietly(self) -> None:
+    async def announce_quietly(self) -> None:
         try:
             await self._announce(wait=False)
         except Exception as error:  # a flaky DHT must not take the server down; retry next period
             logger.warning("announcement failed: %s", error)
 
-    async def _sleep_unless_stopped(self, seconds: float) -> None:
+    async def sleep_unless_stopped(self, seconds: float) -> None:
         try:
-            await asyncio.wait_for(self._stop.wait(), timeout=max(seconds, 0.0))
+            await asyncio.wait_for(self.stopped.wait(), timeout=max(seconds, 0.0))
         except TimeoutError:
             pass
 
@@ -403,32 +450,62 @@ class SwarmServer(ManagedSpan):
         """Drain, then stop serving: announce OFFLINE (no new sessions), let open sessions finish for up
         to `drain_timeout`, then close. Every step is bounded: when the whole process group got the
         signal, the DHT process and p2pd may already be gone, and leaving must not hang on them."""
+        served = self.served
         self.state = ServerState.OFFLINE
-        self.servicer.accepting = False
-        await self._bounded("announcing OFFLINE", self._announce(wait=False), 5.0)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout
-        if self.servicer.sessions:
-            logger.info(
-                "draining: %d sessions open, waiting up to %.0f s",
-                len(self.servicer.sessions),
-                self.config.drain_timeout,
-            )
-        while self.servicer.sessions and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-        if self.servicer.sessions:
-            logger.info("drain time is over: closing %d sessions", len(self.servicer.sessions))
-        await self._bounded(
-            "removing handlers", self.servicer.remove_p2p_handlers(p2p, namespace=self.config.dht_prefix), 2.0
-        )
-        self.servicer.shutdown()
+        served.stop_accepting()
+        await run_bounded("announcing OFFLINE", self._announce(wait=False), 5.0)
+        if served.open_sessions:
+            timeout = self.config.drain_timeout
+            logger.info("draining: %d sessions open, waiting up to %.0f s", served.open_sessions, timeout)
+        if await served.drain(self.config.drain_timeout):
+            logger.info("drain time is over: closing %d sessions", served.open_sessions)
+        await served.uninstall(p2p, self.config.dht_prefix)
 
-    @staticmethod
-    async def _bounded(what: str, step, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(step, timeout=timeout)
-        except Exception as error:  # leaving must not fail because a peer process is unhappy
-            logger.warning("while leaving, %s failed: %s", what, error or type(error).__name__)
+    async def move_to(self, p2p, start: int, end: int, why: str) -> bool:
+        """Serve blocks `start:end` instead: refuse new sessions (MOVING), drain open ones for up to
+        `drain_timeout`, stop the old servicer, keep the shared blocks and load the missing ones, then
+        serve them with a fresh servicer and cache budget. False if stopped while draining (leaving
+        then drains what is left)."""
+        config, loop, old = self.config, asyncio.get_running_loop(), self.served
+        began = loop.time()
+        self.state = ServerState.MOVING
+        old.stop_accepting()
+        await run_bounded("announcing MOVING", self._announce(wait=False), 5.0)
+        logger.info(
+            "moving from blocks %s to %d:%d (%s): draining %d sessions for up to %.0f s",
+            old.text,
+            start,
+            end,
+            why,
+            old.open_sessions,
+            config.drain_timeout,
+        )
+        unfinished = await old.drain(config.drain_timeout, self.stopped)
+        if self.stopped.is_set():
+            logger.info("stopping while moving: the move to %d:%d is abandoned", start, end)
+            return False
+        switch_began = loop.time()
+        await old.uninstall(p2p, config.dht_prefix)
+        span, reused, loaded = await asyncio.to_thread(rebuild_span, old.span, config.model_dir, start, end)
+        self.served = ServedSpan(span, start, end, self._new_budget(span))
+        await self.served.install(p2p, config.dht_prefix, self._new_servicer)
+        self.state = ServerState.ONLINE
+        self.metrics.span_changes.inc()
+        await self.announce_quietly()
+        logger.info(
+            "moved blocks %s -> %d:%d (%s): %d blocks reused, %d loaded; drain %.0f ms "
+            "(%d sessions cut), switch %.0f ms",
+            old.text,
+            start,
+            end,
+            why,
+            len(reused),
+            len(loaded),
+            (switch_began - began) * 1e3,
+            unfinished,
+            (loop.time() - switch_began) * 1e3,
+        )
+        return True
 
     def shutdown(self) -> None:
         if self.dht is not None:
@@ -436,6 +513,15 @@ class SwarmServer(ManagedSpan):
             self.dht = None
         if self.identity is not None and self.config.identity_path is None:
             forget_identity(self.identity)  # a per-run key: nobody needs it after us
+
+
+async def _stop_follower(follower: asyncio.Task) -> None:
+    """Let the scheduler follower reach a safe point (it checks `stopped`; a move under way finishes
+    loading), then cancel it if it still runs, so leaving never races a half-done move."""
+    done, _pending = await asyncio.wait({follower}, timeout=60.0)
+    if not done:
+        follower.cancel()
+        logger.warning("the scheduler follower did not stop within 60 s: cancelled")
 
 
 def run_server(config: ServerConfig, torch_threads: int | None = None) -> None:
