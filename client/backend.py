@@ -2,18 +2,33 @@
 
 The client keeps embeddings and the LM head; a *backend* turns the first block's input into the
 last block's output for a session. `LocalSpans` runs spans in this process (checks and the
-single-machine demo); the swarm backend runs a chain of remote servers. Both speak this protocol.
+single-machine demo); the swarm backend runs a chain of remote servers. Both implement the two
+abstract classes here: `BlockBackend` and the `BlockSession`s it opens.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import abc
+from dataclasses import dataclass
 
 import torch
 
 
-class BlockSession(Protocol):
-    """A stateful run of all blocks for one batch of sequences, holding attention caches somewhere."""
+@dataclass(frozen=True)
+class SessionStep:
+    """The arguments of one `BlockSession.step` call (see there)."""
+
+    hidden: torch.Tensor
+    position: int
+    padding_mask: torch.Tensor | None
+    hypo_ids: torch.Tensor | None = None
+    prompts: torch.Tensor | None = None
+
+
+class BlockSession(abc.ABC):
+    """A stateful run of all blocks for one batch of sequences, holding attention caches somewhere.
+
+    Implementations define `run_step` (and `close`); callers use `step`."""
 
     def step(
         self,
@@ -27,13 +42,25 @@ class BlockSession(Protocol):
         `hypo_ids` (beam search): first, sequence i continues what sequence hypo_ids[i] held.
         `prompts` (deep prompt tuning, `[blocks, batch or 1, prefix, hidden]`): added to each block's
         input at positions below `prefix`."""
-        ...
+        return self.run_step(SessionStep(hidden, position, padding_mask, hypo_ids, prompts))
 
-    def close(self) -> None: ...
+    @abc.abstractmethod
+    def run_step(self, step: SessionStep) -> torch.Tensor:
+        """`step` through every block of the session: the last block's output."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """End the session: its caches are freed."""
 
 
-class BlockBackend(Protocol):
-    def open_session(self, batch_size: int, max_length: int) -> BlockSession: ...
+class BlockBackend(abc.ABC):
+    """Runs every block: in sessions (`open_session`) or on whole sequences (`forward_sequence`).
+
+    Implementations define `open_session` and `run_sequence`."""
+
+    @abc.abstractmethod
+    def open_session(self, batch_size: int, max_length: int) -> BlockSession:
+        """A session for `batch_size` sequences of up to `max_length` positions."""
 
     def forward_sequence(
         self,
@@ -42,10 +69,21 @@ class BlockBackend(Protocol):
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every block on whole sequences, no cache, differentiable in `hidden` and `prompts`."""
-        ...
+        return self.run_sequence(hidden, padding_mask, prompts)
+
+    @abc.abstractmethod
+    def run_sequence(
+        self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What `forward_sequence` returns for these arguments."""
 
 
-class LocalSpans:
+def _span_prompts(prompts: torch.Tensor | None, span) -> torch.Tensor | None:
+    """The deep prompts of `span`'s blocks, out of prompts for every block (None: no prompts)."""
+    return prompts[span.start : span.end] if prompts is not None else None
+
+
+class LocalSpans(BlockBackend):
     """Consecutive in-process spans that together cover every block."""
 
     def __init__(self, spans: list):
@@ -57,35 +95,26 @@ class LocalSpans:
     def open_session(self, batch_size: int, max_length: int) -> _LocalSession:
         return _LocalSession([span.new_cache(batch_size, max_length) for span in self.spans], self.spans)
 
-    def forward_sequence(
-        self,
-        hidden: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        prompts: torch.Tensor | None = None,
+    def run_sequence(
+        self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None
     ) -> torch.Tensor:
         for span in self.spans:
-            span_prompts = prompts[span.start : span.end] if prompts is not None else None
-            hidden = span.forward_sequence(hidden, span.start, span.end, padding_mask, span_prompts)
+            hidden = span.forward_sequence(
+                hidden, span.start, span.end, padding_mask, _span_prompts(prompts, span)
+            )
         return hidden
 
 
-class _LocalSession:
+class _LocalSession(BlockSession):
     def __init__(self, caches: list, spans: list):
         self.caches, self.spans = caches, spans
 
-    def step(
-        self,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
-        hypo_ids: torch.Tensor | None = None,
-        prompts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def run_step(self, step: SessionStep) -> torch.Tensor:
+        hidden = step.hidden
         for span, cache in zip(self.spans, self.caches, strict=True):
-            if hypo_ids is not None:
-                cache.reorder(hypo_ids)
-            span_prompts = prompts[span.start : span.end] if prompts is not None else None
-            hidden = span(hidden, cache, position, padding_mask, span_prompts)
+            if step.hypo_ids is not None:
+                cache.reorder(step.hypo_ids)
+            hidden = span(hidden, cache, step.position, step.padding_mask, _span_prompts(step.prompts, span))
         return hidden
 
     def close(self) -> None:

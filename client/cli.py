@@ -10,7 +10,13 @@ from transformers import AutoTokenizer, TextStreamer
 from client.backend import LocalSpans
 from client.connection import ClientOptions
 from client.model import DistributedModelForCausalLM
-from swarm.cli.args import add_swarm_secret_argument, span_list_argument, swarm_secret_from_args
+from swarm.cli.args import (
+    add_swarm_secret_argument,
+    command_parser,
+    span_list_argument,
+    swarm_secret_from_args,
+)
+from swarm.cli.dataclass_args import dataclass_from_args
 from swarm.cli.errors import run_cli
 from swarm.errors import SwarmUserError
 from swarm.hardware import DTYPE_CHOICES, checkpoint_dtype_name, probe_device, resolve_device, resolve_dtype
@@ -24,12 +30,8 @@ EXAMPLES = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
-        prog="swarm-generate",
-        description="Generate text through a chain of transformer-block spans.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = command_parser(
+        "swarm-generate", "Generate text through a chain of transformer-block spans.", EXAMPLES
     )
     parser.add_argument("model_dir", help="local checkpoint directory (client-side modules and tokenizer)")
     parser.add_argument("--prompt", required=True)
@@ -86,11 +88,7 @@ def generate(args: argparse.Namespace) -> None:
             args.model_dir, backend, dtype=dtype, device=device
         )
     else:
-        options = ClientOptions(
-            scheduler_key=args.scheduler_key,
-            swarm_secret=swarm_secret_from_args(args),
-            verify_fraction=args.verify_fraction,
-        )
+        options = dataclass_from_args(ClientOptions, args, swarm_secret=swarm_secret_from_args(args))
         model = DistributedModelForCausalLM.from_pretrained(
             args.model_dir,
             args.initial_peers,

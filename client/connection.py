@@ -19,20 +19,14 @@ from hivemind.dht import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
-from client.routing import (
-    Candidate,
-    RouteHop,
-    SessionShape,
-    choose_chain,
-    probe_shortlist,
-    uncovered_blocks,
-)
+from client.routing import Candidate, choose_chain, probe_shortlist, uncovered_blocks
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_servers_async
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
+from swarm.route_request import RouteHop, SessionShape
 from swarm.scheduler_link import SchedulerLink
 from swarm.server_info import ServerInfo
 from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode

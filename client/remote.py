@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from client.backend import BlockBackend, BlockSession, SessionStep
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
-from client.routing import RouteHop, chain_problem
+from client.routing import chain_problem
 from client.sequence_rpc import SequenceFunction
 from client.stream import FATAL_CODES, ServerStream, StepInput
 from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
-from swarm.route_request import RouteRequest, SessionShape
+from swarm.route_request import RouteHop, RouteRequest, SessionShape
 from swarm.wire import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ class Admission:
     admitted_at: float | None = None
 
 
-class RemoteBlockSession:
-    """A session over a chain of servers covering every block (the `BlockSession` protocol).
+class RemoteBlockSession(BlockSession):
+    """A session over a chain of servers covering every block.
 
     With a scheduler, the chain is the scheduler's WS-RR route, opened once the scheduler admits
     the session (it waits there, not by retrying servers), kept alive with a lease and ended at
@@ -128,13 +129,7 @@ class RemoteBlockSession:
         candidates = await self.connection.candidates()
         rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
         reply = await link.route(RouteRequest(self.connection.client_id, rtts, self.shape))
-        if reply is None or reply.error:
-            if reply is not None:
-                logger.info("the scheduler has no route (%s): routing locally", reply.error)
-            return None
-        if not _plausible(reply):
-            await link.end_session(reply.session_id)
-            link.distrust(f"answered a wait of {reply.expected_wait} s and a lease of {reply.lease} s")
+        if not await _usable_reply(link, reply, "the scheduler has no route (%s): routing locally"):
             return None
         admission = Admission(reply.session_id, time.monotonic(), reply.expected_wait)
         self.admission = admission
@@ -152,16 +147,12 @@ class RemoteBlockSession:
                 )
             timeout = min(max(reply.expected_wait + 1.0, 1.0), 10.0)
             reply = await link.await_admission(admission.scheduler_session, timeout)
-            if reply is None or reply.error:
-                if reply is not None:
-                    logger.info("scheduler: %s; routing locally", reply.error)
-                return None
-            if not _plausible(reply):
-                await link.end_session(admission.scheduler_session)
-                link.distrust(f"answered a wait of {reply.expected_wait} s and a lease of {reply.lease} s")
+            if not await _usable_reply(
+                link, reply, "scheduler: %s; routing locally", admission.scheduler_session
+            ):
                 return None
         admission.admitted_at = time.monotonic()
-        hops = [RouteHop(hop.peer_id, hop.start, hop.end) for hop in reply.chain]
+        hops = [RouteHop.from_proto(hop) for hop in reply.chain]
         problem = chain_problem(hops, await self.connection.servers(refresh=True), self.connection.num_blocks)
         if problem is not None:
             await link.end_session(admission.scheduler_session)
@@ -198,26 +189,19 @@ class RemoteBlockSession:
             await asyncio.sleep(max(lease / 3, 0.5))
             await self.connection.scheduler.keep_alive(scheduler_session)
 
-    def step(
-        self,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
-        hypo_ids: torch.Tensor | None = None,
-        prompts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`prompts`: deep prompts for this session's blocks (`[blocks, batch or 1, prefix, hidden]`)."""
+    def run_step(self, step: SessionStep) -> torch.Tensor:
+        """`step.prompts`: deep prompts for this session's blocks (`[blocks, batch or 1, prefix, hidden]`)."""
         started = time.monotonic()
-        device = hidden.device  # the client's modules may sit on a GPU; the wire and history are CPU
-        step = StepInput(
-            hidden.cpu(),
-            position,
-            padding_mask.cpu() if padding_mask is not None else None,
-            tuple(int(i) for i in hypo_ids) if hypo_ids is not None else None,
-            prompts.detach().cpu() if prompts is not None else None,
+        device = step.hidden.device  # the client's modules may sit on a GPU; the wire and history are CPU
+        sent = StepInput(
+            step.hidden.cpu(),
+            step.position,
+            step.padding_mask.cpu() if step.padding_mask is not None else None,
+            tuple(int(i) for i in step.hypo_ids) if step.hypo_ids is not None else None,
+            step.prompts.detach().cpu() if step.prompts is not None else None,
             self.start,
         )
-        output = run_sync(self._step(step)).to(device)
+        output = run_sync(self._step(sent)).to(device)
         self.steps_done += 1
         if self.first_step_done_at is None:
             self.first_step_done_at = time.monotonic()
@@ -455,7 +439,7 @@ class RemoteBlockSession:
                 )
 
 
-class RemoteBlocks:
+class RemoteBlocks(BlockBackend):
     """The swarm as a `BlockBackend`."""
 
     def __init__(self, connection: SwarmConnection):
@@ -464,11 +448,8 @@ class RemoteBlocks:
     def open_session(self, batch_size: int, max_length: int) -> RemoteBlockSession:
         return RemoteBlockSession(self.connection, batch_size, max_length)
 
-    def forward_sequence(
-        self,
-        hidden: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        prompts: torch.Tensor | None = None,
+    def run_sequence(
+        self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None
     ) -> torch.Tensor:
         """Every block on whole sequences, differentiable (training through the swarm)."""
         return SequenceFunction.apply(
@@ -487,6 +468,21 @@ def _failed_peer(streams: list[ServerStream]) -> str:
 def _plausible(reply) -> bool:
     """The numbers of a scheduler's route reply that the client acts on are usable."""
     return math.isfinite(reply.expected_wait) and reply.expected_wait >= 0 and 1.0 <= reply.lease <= 86400.0
+
+
+async def _usable_reply(link, reply, refusal_note: str, session_id: str | None = None) -> bool:
+    """Whether the client can act on the scheduler's route `reply` (None: no trusted scheduler
+    answered). A refusal (`reply.error`) is logged as `refusal_note % error`; implausible numbers end
+    the scheduler's session (`session_id`, by default the reply's own) and make `link` distrust it."""
+    if reply is None or reply.error:
+        if reply is not None:
+            logger.info(refusal_note, reply.error)
+        return False
+    if not _plausible(reply):
+        await link.end_session(reply.session_id if session_id is None else session_id)
+        link.distrust(f"answered a wait of {reply.expected_wait} s and a lease of {reply.lease} s")
+        return False
+    return True
 
 
 async def _replay_then_step(

@@ -18,7 +18,7 @@ import numpy as np
 from scheduler.algorithms.problem import Span
 from scheduler.algorithms.routing_graph import RoutingGraph
 from scheduler.algorithms.wsrr import link_request_time
-from swarm.route_request import SessionShape
+from swarm.route_request import RouteHop, SessionShape
 from swarm.server_info import ServerInfo
 
 
@@ -27,13 +27,6 @@ class Candidate:
     peer_id: str
     info: ServerInfo
     rtt: float  # measured per-token round trip, seconds
-
-
-@dataclass(frozen=True)
-class RouteHop:
-    peer_id: str
-    start: int  # blocks [start, end) this server processes for the session
-    end: int
 
 
 def _usable(candidate: Candidate, start: int, end: int) -> bool:

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
-from client.routing import RouteHop
 from client.stream import FATAL_CODES, StreamFailure
-from swarm.route_request import SessionShape
+from swarm.route_request import RouteHop, SessionShape
 from swarm.wire import (
     Backward,
     Computed,

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from client.connection import SwarmConnection
-from client.routing import RouteHop
-from swarm.route_request import SessionShape
+from swarm.route_request import RouteHop, SessionShape
 from swarm.wire import (
     Error,
     ErrorCode,

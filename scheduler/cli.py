@@ -8,10 +8,16 @@ from scheduler.service.core import CoreSettings
 from scheduler.service.planner import POLICIES, PlanSettings
 from scheduler.service.runner import SchedulerConfig, run_scheduler
 from scheduler.service.view import ModelShape
-from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
+from swarm.cli.args import (
+    add_model_config_arguments,
+    add_swarm_secret_argument,
+    command_parser,
+    dht_prefix_from_args,
+    swarm_secret_from_args,
+)
+from swarm.cli.dataclass_args import add_field_options, dataclass_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
@@ -29,16 +35,12 @@ written to --public-key-file), and fall back to local decisions when it is unrea
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
-        prog="swarm-scheduler",
-        description="Place the model's blocks on the swarm's servers periodically and route sessions.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = command_parser(
+        "swarm-scheduler",
+        "Place the model's blocks on the swarm's servers periodically and route sessions.",
+        EXAMPLES,
     )
-    parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
-    parser.add_argument("--model-dir", required=True, help="the model's directory (only its config is read)")
-    parser.add_argument("--dht-prefix", help="swarm namespace of the model (default: the directory's name)")
+    add_model_config_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     parser.add_argument("--announce-host", help="address published in the DHT (default: --host)")
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="placement and routing: cg-bp (CG-BP + WS-RR, paper 000), gbp-cr (GBP-CR + WS-RR), "
         "chains (GBP-CR + GCA chains + JFFC queue, paper 001), petals (PETALS' own rules)",
     )
-    parser.add_argument("--period", type=float, default=30.0, help="seconds between placement reviews")
+    # the settings' types and defaults are those of CoreSettings and PlanSettings
+    add_field_options(parser, CoreSettings, {"--period": "seconds between placement reviews"})
     parser.add_argument(
         "--arrival-rate",
         default="auto",
@@ -61,20 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="fix R instead of choosing it from the arrival rate (gbp-cr, and chains without an arrival "
         "rate: the capacity c per chain)",
     )
-    parser.add_argument("--l-in", type=int, default=20, help="prompt tokens a request is planned for")
-    parser.add_argument("--l-out", type=int, default=128, help="generated tokens a request is planned for")
-    parser.add_argument(
-        "--settle",
-        type=float,
-        default=2.0,
-        help="after servers join or leave, wait this long before re-placing",
+    add_field_options(
+        parser,
+        CoreSettings,
+        {
+            "--l-in": "prompt tokens a request is planned for",
+            "--l-out": "generated tokens a request is planned for",
+            "--settle": "after servers join or leave, wait this long before re-placing",
+            "--lease": "seconds a session lives without KeepAlive",
+        },
     )
-    parser.add_argument("--lease", type=float, default=60.0, help="seconds a session lives without KeepAlive")
-    parser.add_argument(
-        "--min-gain",
-        type=float,
-        default=0.1,
-        help="re-place a working swarm only if this much faster (0.1 = 10%%)",
+    add_field_options(
+        parser, PlanSettings, {"--min-gain": "re-place a working swarm only if this much faster (0.1 = 10%%)"}
     )
     parser.add_argument("--address-file", help="write the gRPC address (host:port) here once serving")
     parser.add_argument(
@@ -85,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--public-key-file", help="write the public key here (what --scheduler-key of clients/servers reads)"
     )
-    parser.add_argument(
-        "--max-sessions-per-client", type=int, default=64, help="sessions one client may have routed at once"
+    add_field_options(
+        parser, CoreSettings, {"--max-sessions-per-client": "sessions one client may have routed at once"}
     )
     add_swarm_secret_argument(parser)
     parser.add_argument("--http-host", help="address of the status page and /metrics (default: --host)")
@@ -126,34 +127,15 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             ) from None
         if not arrival_rate > 0 or arrival_rate == float("inf"):
             raise SwarmUserError("--arrival-rate must be a positive number of requests per second")
-    core = CoreSettings(
-        plan=PlanSettings(
-            policy=args.policy,
-            num_requests=args.num_requests,
-            arrival_rate=arrival_rate,
-            min_gain=args.min_gain,
-        ),
-        l_in=args.l_in,
-        l_out=args.l_out,
-        period=args.period,
-        settle=args.settle,
-        lease=args.lease,
-        max_sessions_per_client=args.max_sessions_per_client,
-    )
-    return SchedulerConfig(
-        initial_peers=args.initial_peers,
-        dht_prefix=validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir),
+    plan = dataclass_from_args(PlanSettings, args, arrival_rate=arrival_rate)
+    return dataclass_from_args(
+        SchedulerConfig,
+        args,
+        dht_prefix=dht_prefix_from_args(args),
         shape=shape,
-        core=core,
-        host=args.host,
-        port=args.port,
-        announce_host=args.announce_host,
-        address_file=args.address_file,
-        http_host=args.http_host,
+        core=dataclass_from_args(CoreSettings, args, plan=plan),
         http_port=None if args.http_port == -1 else args.http_port,
         limits=ModelLimits.from_config(model_config),
-        identity_path=args.identity_path,
-        public_key_file=args.public_key_file,
         swarm_secret=swarm_secret_from_args(args),
     )
 

@@ -18,10 +18,15 @@ from hivemind.dht import DHT
 from scheduler.service.status import announced_capacity, describe_servers
 from scheduler.service.view import ModelShape, SwarmView
 from scheduler.service.web import make_app, start_web
-from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
+from swarm.cli.args import (
+    add_model_config_arguments,
+    add_swarm_secret_argument,
+    command_parser,
+    dht_prefix_from_args,
+    swarm_secret_from_args,
+)
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_roster_async
 from swarm.errors import SwarmUserError
@@ -37,16 +42,10 @@ EXAMPLES = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
-        prog="swarm-health",
-        description="Serve a status page (and /api/status JSON) of a swarm, read from its DHT.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = command_parser(
+        "swarm-health", "Serve a status page (and /api/status JSON) of a swarm, read from its DHT.", EXAMPLES
     )
-    parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
-    parser.add_argument("--model-dir", required=True, help="the model's directory (only its config is read)")
-    parser.add_argument("--dht-prefix", help="swarm namespace of the model (default: the directory's name)")
+    add_model_config_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address the page is served on")
     parser.add_argument("--port", type=int, default=8080, help="port (0 = any free port)")
     parser.add_argument("--refresh", type=float, default=2.0, help="seconds between DHT reads")
@@ -130,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SwarmUserError("--refresh must be positive and --port in 0..65535")
         model_config = load_config(args.model_dir)
         shape, limits = ModelShape.from_config(model_config), ModelLimits.from_config(model_config)
-        prefix = validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(args.model_dir)
-        asyncio.run(serve(args, prefix, shape, limits))
+        asyncio.run(serve(args, dht_prefix_from_args(args), shape, limits))
 
     run_cli("swarm-health", run)
 

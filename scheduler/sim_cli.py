@@ -25,6 +25,7 @@ from scheduler.sim.metrics import goodput
 from scheduler.sim.policies import POLICIES
 from scheduler.sim.runner import SCENARIOS, CellConfig, run_cell
 from scheduler.sim.sweeps import SWEEP_POLICIES, SWEEPS, sweep, sweep_points, write_csv
+from swarm.cli.dataclass_args import dataclass_from_args
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -91,23 +92,9 @@ def _config(args: argparse.Namespace) -> CellConfig:
     if args.goodput and args.slo_ttft is None and args.slo_tpot is None:
         raise ValueError("--goodput needs --slo-ttft and/or --slo-tpot")
     setup = args.setup or ("none" if args.scenario == "ripe" else "paper")
-    return CellConfig(
-        scenario=args.scenario,
-        policy=args.policy,
-        client_cluster=args.client_cluster,
-        rate=args.rate,
-        l_in=args.l_in,
-        l_out=args.l_out,
-        requests=args.requests,
-        num_servers=args.servers,
-        fast_fraction=args.eta,
-        arrivals=args.arrivals,
-        setup=setup,
-        max_l_in=args.max_l_in,
-        max_l_out=args.max_l_out,
-        compute_scale=args.compute_scale,
-        slo_ttft=args.slo_ttft,
-        slo_tpot=args.slo_tpot,
+    # --servers and --eta name what the figures call C and eta; the other flags are CellConfig's fields
+    return dataclass_from_args(
+        CellConfig, args, num_servers=args.servers, fast_fraction=args.eta, setup=setup
     )
 
 

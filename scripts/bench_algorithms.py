@@ -12,11 +12,12 @@ servers < 50 ms; a WS-RR query < 5 ms (p50) with 1,000 servers and 5,000 active 
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
 from collections.abc import Callable
+
+from _bench_common import bench_parser
 
 from scheduler.algorithms.cgbp import cg_bp
 from scheduler.algorithms.chains import gbp_cr, gca
@@ -140,10 +141,7 @@ def bench_gca(sizes: list[int], rng: random.Random) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seed", type=int, default=0)
+    parser = bench_parser(__doc__, seed=0)
     parser.add_argument("--quick", action="store_true", help="skip the largest sizes")
     args = parser.parse_args()
     big = [] if args.quick else [10_000]

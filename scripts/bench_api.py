@@ -13,7 +13,6 @@ token; time per output token is per request, after the first.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -27,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai  # noqa: E402
+from _bench_common import parse_bench_args, publish_table, run_concurrently, serving_swarm  # noqa: E402
 from bench_timing import percentile  # noqa: E402
-from benchmarks_md import write_section  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
@@ -39,6 +38,7 @@ from swarm.local_swarm import LocalSwarm  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 
 PROMPT = "Once upon a time there was"
+SERVERS = {"first": "0:3", "second": "3:6"}
 
 
 class FirstToken(BaseStreamer):
@@ -58,54 +58,31 @@ class FirstToken(BaseStreamer):
 
 def run_level(clients: int, requests: int, one_request) -> tuple[float, list[float], list[float]]:
     """(requests/s, TTFTs, times per output token) of `clients` threads doing `requests` each."""
-    ttfts, tpots, errors = [], [], []
+    ttfts, tpots = [], []
     lock = threading.Lock()
 
     def worker() -> None:
-        try:
-            for _ in range(requests):
-                started = time.perf_counter()
-                first, tokens, ended = one_request()
-                with lock:
-                    ttfts.append(first - started)
-                    if tokens > 1:
-                        tpots.append((ended - first) / (tokens - 1))
-        except BaseException as error:  # reported below
-            errors.append(error)
+        for _ in range(requests):
+            started = time.perf_counter()
+            first, tokens, ended = one_request()
+            with lock:
+                ttfts.append(first - started)
+                if tokens > 1:
+                    tpots.append((ended - first) / (tokens - 1))
 
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return clients * requests / (time.perf_counter() - started), ttfts, tpots
+    seconds = run_concurrently([worker] * clients)
+    return clients * requests / seconds, ttfts, tpots
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--levels", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
+    args = parse_bench_args(__doc__, levels="1,4,16", requests=3, tokens=32, rounds=2)
     levels = [int(level) for level in args.levels.split(",")]
     results: dict[tuple[str, int], list] = {}
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(scratch) / "bench-llama"
         build_tiny_model(model_dir, TinyModelSpec(family="llama", num_layers=6, num_kv_heads=2))
-        swarm = LocalSwarm(Path(scratch))
-        try:
-            swarm.start_dht()
-            for name, blocks in (("first", "0:3"), ("second", "3:6")):
-                swarm.start_server(name, model_dir, blocks)
+        with serving_swarm(LocalSwarm(Path(scratch)), model_dir, SERVERS, 6) as swarm:
             prefix = default_prefix(str(model_dir))
-            swarm.wait_online(prefix, 6, ["first", "second"])
             url = swarm.start_api("api", model_dir, "--max-concurrent", str(max(levels)))
             api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
             model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers)
@@ -146,11 +123,6 @@ def main() -> None:
                                 bar.update()
             finally:
                 model.shutdown()
-        except BaseException:
-            print(swarm.log_tails(), file=sys.stderr)
-            raise
-        finally:
-            swarm.close()
 
     lines = [
         "| clients | way | requests/s | TTFT p50 (ms) | TTFT p95 (ms) | per token p50 (ms) "
@@ -167,25 +139,18 @@ def main() -> None:
                 f"{statistics.median(ttfts) * 1e3:.1f} | {percentile(ttfts, 95) * 1e3:.1f} | "
                 f"{tpot * 1e3:.2f} | {tpot / base_tpot:.2f}x |"
             )
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        header = "## The OpenAI-compatible API (issue 22)"
-        command = (
-            f".venv/bin/python scripts/bench_api.py --levels {args.levels} --requests {args.requests} "
-            f"--tokens {args.tokens} --rounds {args.rounds} --write"
-        )
-        body = (
-            f"{header}\n\nCommand: `{command}`\n\nA DHT, two servers (0:3, 3:6) of a tiny LLaMA-GQA and a "
-            "`swarm-api` process on loopback on this shared 2-core machine; the benchmark process is the "
-            f"client. At each level, N threads each run {args.requests} greedy generations of {args.tokens} "
-            "tokens in turn: through the API with the `openai` package (streaming), and with `generate()` "
-            "on a client model in the benchmark process, alternating which goes first over "
-            f"{args.rounds} rounds. The API's overhead is the HTTP hop, JSON chunks and incremental "
-            "detokenization on top of the same client code.\n\n"
-            f"{table}\n"
-        )
-        write_section(header, body)
+    publish_table(
+        __file__,
+        args,
+        lines,
+        "## The OpenAI-compatible API (issue 22)",
+        "A DHT, two servers (0:3, 3:6) of a tiny LLaMA-GQA and a `swarm-api` process on loopback on this "
+        "shared 2-core machine; the benchmark process is the client. At each level, N threads each run "
+        f"{args.requests} greedy generations of {args.tokens} tokens in turn: through the API with the "
+        "`openai` package (streaming), and with `generate()` on a client model in the benchmark process, "
+        f"alternating which goes first over {args.rounds} rounds. The API's overhead is the HTTP hop, JSON "
+        "chunks and incremental detokenization on top of the same client code.",
+    )
 
 
 if __name__ == "__main__":

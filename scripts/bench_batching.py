@@ -40,11 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks_md import write_section  # noqa: E402
 
 from client.connection import ClientOptions, SwarmConnection, run_sync  # noqa: E402
-from client.routing import RouteHop  # noqa: E402
 from client.stream import ServerStream, StepInput  # noqa: E402
 from swarm.dht_keys import default_prefix  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
-from swarm.route_request import SessionShape  # noqa: E402
+from swarm.route_request import (
+    RouteHop,  # noqa: E402
+    SessionShape,  # noqa: E402
+)
 
 HEADER = "## Batching concurrent sessions on one server (issue 10)"
 GPU_HEADER = "## Batching concurrent sessions on one server, on a GPU (issue 10)"

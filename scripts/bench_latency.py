@@ -11,7 +11,6 @@ table into BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -22,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _bench_common import parse_bench_args, publish_table  # noqa: E402
 from bench_timing import TokenClock, percentile  # noqa: E402
-from benchmarks_md import write_section  # noqa: E402
 
 from client.backend import LocalSpans  # noqa: E402
 from client.model import DistributedModelForCausalLM  # noqa: E402
@@ -47,15 +46,7 @@ def decode_latencies(model: DistributedModelForCausalLM, tokens: int, runs: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
+    args = parse_bench_args(__doc__, tokens=64, runs=3, hidden=64, layers=6)
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -94,26 +85,16 @@ def main() -> None:
         hops = int(name.split()[0]) if name != "local" else 0
         overhead = f"{(p50 - local_p50) / hops * 1e3:.2f}" if hops else "-"
         lines.append(f"| {name} | {p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {overhead} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        write_latency_section(table, args)
-
-
-def write_latency_section(table: str, args: argparse.Namespace) -> None:
-    header = "## Per-token latency through a chain (issue 3)"
-    command = (
-        f".venv/bin/python scripts/bench_latency.py --tokens {args.tokens} --runs {args.runs} "
-        f"--hidden {args.hidden} --layers {args.layers} --write"
-    )
-    body = (
-        f"{header}\n\nCommand: `{command}`\n\nTiny LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}), "
+    publish_table(
+        __file__,
+        args,
+        lines,
+        "## Per-token latency through a chain (issue 3)",
+        f"Tiny LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}), "
         "greedy decoding, servers and client on loopback on this 2-core machine, one torch thread each. "
         "`local` runs the same blocks in-process through the same client code; the overhead per hop is "
-        "(chain p50 - local p50) / servers. Target: <= 3 ms per hop per token (PETALS budgets 18 ms).\n\n"
-        f"{table}\n"
+        "(chain p50 - local p50) / servers. Target: <= 3 ms per hop per token (PETALS budgets 18 ms).",
     )
-    write_section(header, body)
 
 
 if __name__ == "__main__":

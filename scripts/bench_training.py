@@ -13,7 +13,6 @@ Ratios are of medians measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,11 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks_md import write_section  # noqa: E402
+from _bench_common import parse_bench_args, publish_table, serving_swarm  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from client import AutoDistributedModelForCausalLM  # noqa: E402
-from swarm.dht_keys import default_prefix  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
 from swarm.models.span import load_span  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
@@ -48,14 +46,7 @@ def timed(run) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
+    args = parse_bench_args(__doc__, rounds=10, tokens=128, hidden=512)
     torch.set_num_threads(1)
     times: dict[str, list[tuple[float, float]]] = {"local": [], "swarm": []}
     with tempfile.TemporaryDirectory() as scratch:
@@ -63,12 +54,8 @@ def main() -> None:
         spec = TinyModelSpec(family="llama", num_layers=NUM_BLOCKS, hidden_size=args.hidden, num_heads=8)
         build_tiny_model(model_dir, spec)
         local = load_span(model_dir, 0, NUM_BLOCKS)[0]
-        swarm = LocalSwarm(Path(scratch))
-        try:
-            swarm.start_dht()
-            for name, blocks in SERVERS.items():
-                swarm.start_server(name, model_dir, blocks, "4GB", "--max-length", str(args.tokens))
-            swarm.wait_online(default_prefix(str(model_dir)), NUM_BLOCKS, list(SERVERS))
+        server_args = ("4GB", "--max-length", str(args.tokens))
+        with serving_swarm(LocalSwarm(Path(scratch)), model_dir, SERVERS, NUM_BLOCKS, *server_args) as swarm:
             model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers)
             try:
                 for round_index in tqdm(range(args.rounds + 1), desc="forward+backward rounds", unit="round"):
@@ -86,11 +73,6 @@ def main() -> None:
                             times[name].append(measured)
             finally:
                 model.shutdown()
-        except BaseException:
-            print(swarm.log_tails(), file=sys.stderr)
-            raise
-        finally:
-            swarm.close()
 
     def median(name: str, index: int) -> float:
         return statistics.median(sample[index] for sample in times[name])
@@ -100,26 +82,20 @@ def main() -> None:
     for name in ("local", "swarm"):
         forward, both = median(name, 0), median(name, 1)
         lines.append(f"| {name} | {forward * 1e3:.1f} | {both * 1e3:.1f} | {both / base:.2f}x |")
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        header = "## Training through the swarm (issue 19)"
-        command = (
-            f".venv/bin/python scripts/bench_training.py --rounds {args.rounds} --tokens {args.tokens} "
-            f"--hidden {args.hidden} --write"
-        )
-        body = (
-            f"{header}\n\nCommand: `{command}`\n\nForward+backward of one sequence of {args.tokens} tokens "
-            f"through {NUM_BLOCKS} LLaMA-shaped blocks (hidden {args.hidden}, 8 heads, float32) with deep "
-            "prompts of 4 positions, gradients to the input and the prompts. Swarm: a 2-server chain (0:4, "
-            "4:8) on loopback on this shared 2-core machine, one torch thread per server; local: the same "
-            "blocks in the client's process, one thread. Medians of "
-            f"{args.rounds} alternating rounds after a warm-up. The swarm's backward recomputes each "
-            "server's forward (servers keep no activations between calls), so its compute is about "
-            "forward x 2 + backward, plus four round trips carrying the hidden states.\n\n"
-            f"{table}\n"
-        )
-        write_section(header, body)
+    publish_table(
+        __file__,
+        args,
+        lines,
+        "## Training through the swarm (issue 19)",
+        f"Forward+backward of one sequence of {args.tokens} tokens "
+        f"through {NUM_BLOCKS} LLaMA-shaped blocks (hidden {args.hidden}, 8 heads, float32) with deep "
+        "prompts of 4 positions, gradients to the input and the prompts. Swarm: a 2-server chain (0:4, "
+        "4:8) on loopback on this shared 2-core machine, one torch thread per server; local: the same "
+        "blocks in the client's process, one thread. Medians of "
+        f"{args.rounds} alternating rounds after a warm-up. The swarm's backward recomputes each "
+        "server's forward (servers keep no activations between calls), so its compute is about "
+        "forward x 2 + backward, plus four round trips carrying the hidden states.",
+    )
 
 
 if __name__ == "__main__":

@@ -12,12 +12,10 @@ rotating order, so that load from elsewhere on this shared machine hits all leve
 
 from __future__ import annotations
 
-import argparse
+import functools
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -25,12 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _bench_common import parse_bench_args, publish_table, run_concurrently, serving_swarm  # noqa: E402
 from bench_timing import TokenClock, percentile  # noqa: E402
-from benchmarks_md import write_section  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from client import AutoDistributedModelForCausalLM, ClientOptions  # noqa: E402
-from swarm.dht_keys import default_prefix  # noqa: E402
 from swarm.local_swarm import LocalSwarm  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 
@@ -47,47 +44,23 @@ def latency(model, tokens: int) -> list[float]:
 
 
 def throughput(model, sessions: int, tokens: int) -> float:
-    errors: list[BaseException] = []
-
     def run(seed: int) -> None:
-        try:
-            prompt = torch.tensor([[5 + seed, 17, 99, 200]])
-            model.generate(prompt, max_new_tokens=tokens, do_sample=False)
-        except BaseException as error:  # reported below
-            errors.append(error)
+        prompt = torch.tensor([[5 + seed, 17, 99, 200]])
+        model.generate(prompt, max_new_tokens=tokens, do_sample=False)
 
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(sessions)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return sessions * (tokens - 1) / (time.perf_counter() - started)
+    seconds = run_concurrently([functools.partial(run, index) for index in range(sessions)])
+    return sessions * (tokens - 1) / seconds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
+    args = parse_bench_args(__doc__, rounds=2, tokens=64, sessions=4)
     torch.set_num_threads(1)
     steps = {level: [] for level in LEVELS}
     rates = {level: [] for level in LEVELS}
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(scratch) / "bench-llama"
         build_tiny_model(model_dir, TinyModelSpec(family="llama", num_layers=6, num_kv_heads=2))
-        swarm = LocalSwarm(Path(scratch))
-        try:
-            swarm.start_dht()
-            for name, blocks in SERVERS.items():
-                swarm.start_server(name, model_dir, blocks)
-            swarm.wait_online(default_prefix(str(model_dir)), 6, list(SERVERS))
+        with serving_swarm(LocalSwarm(Path(scratch)), model_dir, SERVERS, 6) as swarm:
             with tqdm(total=args.rounds * len(LEVELS), desc="verify levels", unit="run") as progress:
                 for round_index in range(args.rounds):
                     shift = round_index % len(LEVELS)
@@ -104,11 +77,6 @@ def main() -> None:
                         finally:
                             model.shutdown()
                         progress.update()
-        except BaseException:
-            print(swarm.log_tails(), file=sys.stderr)
-            raise
-        finally:
-            swarm.close()
 
     base_p50, base_rate = statistics.median(steps[0.0]), statistics.median(rates[0.0])
     lines = [
@@ -126,25 +94,19 @@ def main() -> None:
             f"| {level:g} | {p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {p50 / base_p50:.2f}x | {rate:.1f} | "
             f"{rate / base_rate:.2f}x |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.write:
-        header = "## What replica verification costs (issue 18)"
-        command = (
-            f".venv/bin/python scripts/bench_verify.py --rounds {args.rounds} --tokens {args.tokens} "
-            f"--sessions {args.sessions} --write"
-        )
-        body = (
-            f"{header}\n\nCommand: `{command}`\n\nOne swarm on loopback on this shared 2-core machine: a DHT "
-            "and two replicas of each of two spans (0:3, 0:3, 3:6, 3:6) of a tiny LLaMA-GQA (6 blocks, "
-            f"hidden 64), one torch thread each. Each of {args.rounds} rounds runs every level with a fresh "
-            "client, in a rotating order. Latency: one session, greedy, per decode step. Throughput: "
-            f"{args.sessions} concurrent sessions of {args.tokens // 2} tokens; the replicas' extra work "
-            "comes out of the same CPU, as it would out of the same swarm. A verified step waits for both "
-            "replicas (they run in parallel), so its latency is the slower of the two.\n\n"
-            f"{table}\n"
-        )
-        write_section(header, body)
+    publish_table(
+        __file__,
+        args,
+        lines,
+        "## What replica verification costs (issue 18)",
+        "One swarm on loopback on this shared 2-core machine: a DHT and two replicas of each of two spans "
+        "(0:3, 0:3, 3:6, 3:6) of a tiny LLaMA-GQA (6 blocks, hidden 64), one torch thread each. Each of "
+        f"{args.rounds} rounds runs every level with a fresh client, in a rotating order. Latency: one "
+        "session, greedy, per decode step. Throughput: "
+        f"{args.sessions} concurrent sessions of {args.tokens // 2} tokens; the replicas' extra work "
+        "comes out of the same CPU, as it would out of the same swarm. A verified step waits for both "
+        "replicas (they run in parallel), so its latency is the slower of the two.",
+    )
 
 
 if __name__ == "__main__":

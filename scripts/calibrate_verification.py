@@ -14,7 +14,6 @@ liar changes (the test liar adds noise of half the output's norm: relative diffe
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import parse_bench_args, publish_table  # noqa: E402
 
 from client.verification import TOLERANCE, relative_difference  # noqa: E402
 from swarm.models import load_span  # noqa: E402
@@ -74,12 +75,7 @@ def measure(model_dir: Path, tokens: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
+    args = parse_bench_args(__doc__, tokens=32)
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -91,31 +87,25 @@ def main() -> None:
                 f"| {name} | {results['prefill catch-up']:.1e} | {results['batched']:.1e} | "
                 f"{results['bfloat16']:.1e} | {results['float16']:.1e} |"
             )
-    table = "\n".join(
-        [
-            "| blocks (3) | float32: prefill catch-up | float32: batched | bfloat16 vs float32 "
-            "| float16 vs float32 |",
-            "|---|---|---|---|---|",
-            *rows,
-            f"| tolerance used | {TOLERANCE['float32']:.0e} | {TOLERANCE['float32']:.0e} | "
-            f"{TOLERANCE['bfloat16']:.0e} | {TOLERANCE['float16']:.0e} |",
-        ]
+    lines = [
+        "| blocks (3) | float32: prefill catch-up | float32: batched | bfloat16 vs float32 "
+        "| float16 vs float32 |",
+        "|---|---|---|---|---|",
+        *rows,
+        f"| tolerance used | {TOLERANCE['float32']:.0e} | {TOLERANCE['float32']:.0e} | "
+        f"{TOLERANCE['bfloat16']:.0e} | {TOLERANCE['float16']:.0e} |",
+    ]
+    publish_table(
+        __file__,
+        args,
+        lines,
+        "## Replica verification: how much honest servers disagree (issue 18)",
+        "The largest relative difference "
+        f"`|a - b| / max(|a|, |b|)` of 3 blocks' outputs over {args.tokens} decode steps between two "
+        "honest ways of computing them, on this machine's CPU. A verified step passes when the "
+        "difference is within the tolerance of the coarser dtype of the two servers "
+        "(`client/verification.py`); the test liar's noise is 0.5.",
     )
-    print(table)
-    if args.write:
-        from benchmarks_md import write_section
-
-        header = "## Replica verification: how much honest servers disagree (issue 18)"
-        command = f".venv/bin/python scripts/calibrate_verification.py --tokens {args.tokens} --write"
-        body = (
-            f"{header}\n\nCommand: `{command}`\n\nThe largest relative difference "
-            f"`|a - b| / max(|a|, |b|)` of 3 blocks' outputs over {args.tokens} decode steps between two "
-            "honest ways of computing them, on this machine's CPU. A verified step passes when the "
-            "difference is within the tolerance of the coarser dtype of the two servers "
-            "(`client/verification.py`); the test liar's noise is 0.5.\n\n"
-            f"{table}\n"
-        )
-        write_section(header, body)
 
 
 if __name__ == "__main__":

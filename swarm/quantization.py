@@ -52,26 +52,14 @@ def quantize_block(
                 continue
             weight = child.weight.data.to(compute_dtype)
             if quant == "int8":
-                layer = bnb.nn.Linear8bitLt(
-                    child.in_features,
-                    child.out_features,
-                    bias=child.bias is not None,
-                    has_fp16_weights=False,
-                    threshold=INT8_THRESHOLD,
+                layer = _quantized_like(
+                    child, bnb.nn.Linear8bitLt, has_fp16_weights=False, threshold=INT8_THRESHOLD
                 )
                 layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
             else:
-                layer = bnb.nn.Linear4bit(
-                    child.in_features,
-                    child.out_features,
-                    bias=child.bias is not None,
-                    compute_dtype=compute_dtype,
-                    compress_statistics=True,
-                    quant_type="nf4",
-                )
-                layer.weight = bnb.nn.Params4bit(
-                    weight, requires_grad=False, compress_statistics=True, quant_type="nf4"
-                )
+                nf4 = dict(compress_statistics=True, quant_type="nf4")  # double quantization of the scales
+                layer = _quantized_like(child, bnb.nn.Linear4bit, compute_dtype=compute_dtype, **nf4)
+                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, **nf4)
             if child.bias is not None:
                 layer.bias = nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)
             setattr(parent, child_name, layer)
@@ -93,3 +81,9 @@ def quantization_state_bytes(parameter: torch.Tensor) -> int:
     if torch.is_tensor(scales):
         total += scales.numel() * scales.element_size()
     return total
+
+
+def _quantized_like(linear: nn.Linear, layer_class: type[nn.Module], **options) -> nn.Module:
+    """An empty `layer_class` (a bitsandbytes linear layer) with `linear`'s sizes and a bias iff it has
+    one; `options` are the quantization's own arguments."""
+    return layer_class(linear.in_features, linear.out_features, bias=linear.bias is not None, **options)

@@ -1,8 +1,10 @@
-"""What a client asks the scheduler for, as one typed object from the client's link to the core.
+"""What a client asks the scheduler for and what a route is, as typed objects from the client's link
+to the scheduler's core and back.
 
 A route request is a client's id, its measured round trips to the servers it pinged, and the
 session's shape; it crosses the wire as `scheduler.proto`'s `RouteRequest` and is rebuilt from it
-(after the service checked its bounds) before the core sees it.
+(after the service checked its bounds) before the core sees it. A route is a chain of `RouteHop`s,
+whoever chose it (the scheduler, or the client routing by itself).
 """
 
 from __future__ import annotations
@@ -19,6 +21,26 @@ class SessionShape:
     max_length: int  # positions each server reserves cache for
     l_in: int  # expected prompt tokens (the prefill part of eq. 1)
     l_out: int  # expected generated tokens
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """One server of a session's chain and the blocks `[start, end)` it processes for the session."""
+
+    peer_id: str
+    start: int
+    end: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+    def to_proto(self) -> pb.Hop:
+        return pb.Hop(peer_id=self.peer_id, start=self.start, end=self.end)
+
+    @classmethod
+    def from_proto(cls, hop: pb.Hop) -> RouteHop:
+        return cls(hop.peer_id, hop.start, hop.end)
 
 
 @dataclass(frozen=True)

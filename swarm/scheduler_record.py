@@ -7,15 +7,17 @@ reader's memory or hand it an unusable address.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
+
+from swarm.versioned_record import VersionedRecord
 
 SCHEDULER_RECORD_VERSION = 1
 MAX_PLACEMENT_ENTRIES = 100_000
 _PEER_ID_CHARS = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
 
-class SchedulerRecord(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+class SchedulerRecord(VersionedRecord):
+    current_schema_version = SCHEDULER_RECORD_VERSION
 
     schema_version: int
     address: str = Field(min_length=3, max_length=256, pattern=r"^[A-Za-z0-9.\-\[\]:_]+:[0-9]{1,5}$")
@@ -36,15 +38,3 @@ class SchedulerRecord(BaseModel):
             if span is not None and not 0 <= span[0] < span[1] <= 1 << 16:
                 raise ValueError("placement spans must be ordered block ranges")
         return placement
-
-    def to_wire(self) -> dict:
-        return self.model_dump(mode="json")
-
-    @classmethod
-    def from_wire(cls, value: object) -> SchedulerRecord | None:
-        if not isinstance(value, dict) or value.get("schema_version") != SCHEDULER_RECORD_VERSION:
-            return None
-        try:
-            return cls.model_validate(value)
-        except ValidationError:
-            return None

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
+
+from swarm.versioned_record import VersionedRecord
 
 SCHEMA_VERSION = 1
 
@@ -38,8 +40,8 @@ class Reachability(StrEnum):
     UNREACHABLE = "unreachable"  # neither: clients and the scheduler never route to it
 
 
-class ServerInfo(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+class ServerInfo(VersionedRecord):
+    current_schema_version = SCHEMA_VERSION
 
     schema_version: int = SCHEMA_VERSION
     state: ServerState
@@ -98,16 +100,3 @@ class ServerInfo(BaseModel):
     def cache_bytes_for(self, num_blocks: int, max_length: int, batch_size: int) -> int:
         """Cache bytes a session of `batch_size` x `max_length` tokens reserves on `num_blocks` blocks."""
         return self.cache_token_bytes * num_blocks * max_length * batch_size
-
-    def to_wire(self) -> dict:
-        return self.model_dump(mode="json")
-
-    @classmethod
-    def from_wire(cls, value: object) -> ServerInfo | None:
-        """Parse a DHT value; None if it is not a valid record of a schema we understand."""
-        if not isinstance(value, dict) or value.get("schema_version") != SCHEMA_VERSION:
-            return None
-        try:
-            return cls.model_validate(value)
-        except ValidationError:
-            return None

@@ -81,28 +81,30 @@ class StepDone(Message):
     position: int
 
 
-class Forward(Message):
+class _WholeSequenceCall(Message):
+    """What `Forward` and `Backward` share: the blocks, whether deep prompts come, the swarm's proof."""
+
+    type: str
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    prompts: bool = False
+    swarm_proof: str = Field(default="", max_length=128)
+
+
+class Forward(_WholeSequenceCall):
     """Blocks `[start, end)` on whole sequences, nothing kept. Tensors: hidden states `[batch, tokens,
     hidden]`, then a padding mask `[batch, tokens]` if the batch is padded, then the deep prompts
     `[end - start, batch or 1, prefix, hidden]` if `prompts`."""
 
     type: str = "forward"
-    start: int = Field(ge=0)
-    end: int = Field(gt=0)
-    prompts: bool = False
-    swarm_proof: str = Field(default="", max_length=128)
 
 
-class Backward(Message):
+class Backward(_WholeSequenceCall):
     """Gradients of a `Forward` (recomputed, nothing kept between calls). Tensors: hidden states, the
     gradient of the output (same shape), then the optional padding mask and prompts as in `Forward`.
     The reply holds the gradient of the hidden states, then of the prompts if `prompts`."""
 
     type: str = "backward"
-    start: int = Field(ge=0)
-    end: int = Field(gt=0)
-    prompts: bool = False
-    swarm_proof: str = Field(default="", max_length=128)
 
 
 class Computed(Message):

@@ -188,54 +188,25 @@ def with_change(base: dict, path: list, value: object) -> dict:
     return document
 
 
+def clustered_cg_bp(case: str, path: list, value: object, mentions: str) -> tuple:
+    """An `INVALID` case: `place --algo cg-bp` on CLUSTERED with the value at `path` set to `value`
+    (KeyError: removed), failing with a line that mentions `mentions`."""
+    return (case, ["place", "--algo", "cg-bp"], with_change(CLUSTERED, path, value), mentions)
+
+
 INVALID = [
     ("malformed JSON", ["place", "--algo", "cg-bp"], '{"model": {"num_blocks": 70,', "malformed JSON"),
     ("not an object", ["place", "--algo", "cg-bp"], "[1, 2]", "must be a JSON object"),
-    ("unknown top key", ["place", "--algo", "cg-bp"], with_change(CLUSTERED, ["requests"], 3), "'requests'"),
-    (
-        "unknown model key",
-        ["place", "--algo", "cg-bp"],
-        with_change(CLUSTERED, ["model", "layers"], 3),
-        "'layers'",
-    ),
-    (
-        "unknown server key",
-        ["place", "--algo", "cg-bp"],
-        with_change(CLUSTERED, ["servers", 0, "gpu"], "x"),
-        "'gpu'",
-    ),
-    (
-        "negative",
-        ["place", "--algo", "cg-bp"],
-        with_change(CLUSTERED, ["servers", 1, "tau"], -1),
-        "a100a).tau",
-    ),
-    (
-        "zero size",
-        ["place", "--algo", "cg-bp"],
-        with_change(CLUSTERED, ["model", "cache_bytes"], 0),
-        "cache_bytes",
-    ),
-    (
-        "missing",
-        ["place", "--algo", "cg-bp"],
-        with_change(CLUSTERED, ["model", "num_blocks"], KeyError),
-        "missing",
-    ),
-    (
-        "missing R",
-        ["place", "--algo", "cg-bp"],
-        with_change(CLUSTERED, ["num_requests"], KeyError),
-        "num_requests",
-    ),
-    ("wrong type", ["place", "--algo", "cg-bp"], with_change(CLUSTERED, ["num_requests"], "66"), "integer"),
-    (
-        "bool",
-        ["place", "--algo", "cg-bp"],
-        with_change(CLUSTERED, ["servers", 0, "memory_bytes"], True),
-        "number",
-    ),
-    ("fraction", ["place", "--algo", "cg-bp"], with_change(CLUSTERED, ["num_requests"], 6.5), "integer"),
+    clustered_cg_bp("unknown top key", ["requests"], 3, "'requests'"),
+    clustered_cg_bp("unknown model key", ["model", "layers"], 3, "'layers'"),
+    clustered_cg_bp("unknown server key", ["servers", 0, "gpu"], "x", "'gpu'"),
+    clustered_cg_bp("negative", ["servers", 1, "tau"], -1, "a100a).tau"),
+    clustered_cg_bp("zero size", ["model", "cache_bytes"], 0, "cache_bytes"),
+    clustered_cg_bp("missing", ["model", "num_blocks"], KeyError, "missing"),
+    clustered_cg_bp("missing R", ["num_requests"], KeyError, "num_requests"),
+    clustered_cg_bp("wrong type", ["num_requests"], "66", "integer"),
+    clustered_cg_bp("bool", ["servers", 0, "memory_bytes"], True, "number"),
+    clustered_cg_bp("fraction", ["num_requests"], 6.5, "integer"),
     ("NaN", ["place", "--algo", "cg-bp"], json.dumps(CLUSTERED).replace("0.055", "NaN"), "finite"),
     (
         "duplicate",

@@ -16,7 +16,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from client.routing import Candidate, RouteHop, chain_problem, choose_chain
+from client.routing import Candidate, chain_problem, choose_chain
 from swarm.local_swarm import LocalSwarm
 from swarm.reachability import (
     DialBackRequest,
@@ -26,7 +26,7 @@ from swarm.reachability import (
     has_circuit,
     peer_ids_of,
 )
-from swarm.route_request import SessionShape
+from swarm.route_request import RouteHop, SessionShape
 from swarm.server_info import Reachability, ServerInfo
 from swarm.wire import encode, parse
 from tests.test_record_validation import server_record

@@ -12,7 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from client.routing import RouteHop, chain_problem
+from client.routing import chain_problem
 from swarm.closed_swarm import SwarmSecret
 from swarm.identity import (
     load_identity,
@@ -25,6 +25,7 @@ from swarm.identity import (
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 from swarm.record_validator import MAX_RECORD_TTL, parse_record, swarm_validators
+from swarm.route_request import RouteHop
 from swarm.server_info import ServerInfo, ServerState
 
 

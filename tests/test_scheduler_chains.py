@@ -46,12 +46,12 @@ def test_jffc_takes_the_fastest_free_chain_and_queues_first_come_first_served():
     core = chains_core(num_requests=1)
     core.update_roster({"fast": pinned(1, 0.001), "slow": pinned(2, 0.004)}, 0.0)
     chains = core.book.chains
-    assert [(c.hops[0].peer, c.capacity) for c in chains] == [("fast", 1), ("slow", 2)]
+    assert [(c.hops[0].peer_id, c.capacity) for c in chains] == [("fast", 1), ("slow", 2)]
     rtts = {"fast": 0.001, "slow": 0.001}
     decisions = [core.route(_request("c", rtts, 4, 6, 1, 10), now=1.0) for _ in range(5)]
     sessions = [core.book.sessions[d.session.session_id] for d in decisions]
     assert [s.admitted for s in sessions] == [True, True, True, False, False]
-    assert [s.hops[0].peer for s in sessions[:3]] == ["fast", "slow", "slow"]
+    assert [s.hops[0].peer_id for s in sessions[:3]] == ["fast", "slow", "slow"]
     assert sessions[3].hops == () and 0 < decisions[3].wait <= decisions[4].wait
     assert core.book.granted("slow") == 2 * L and core.book.granted("fast") == L  # never over capacity
     # a slot frees on the slow chain: the queue's head takes it, even though the fast one is faster
@@ -76,12 +76,12 @@ def test_a_server_leaving_recomposes_the_chains_and_waiting_sessions_keep_their_
     assert not core.book.sessions[third.session.session_id].admitted
     del records["fast"]
     core.update_roster(records, 2.0)
-    assert [c.hops[0].peer for c in core.book.chains] == ["slow"]
+    assert [c.hops[0].peer_id for c in core.book.chains] == ["slow"]
     assert not core.book.routable(first.session.session_id)  # its client re-routes
     core.end_session(first.session.session_id)
     core.end_session(second.session.session_id)
     assert core.tick(3.0) == [third.session.session_id]
-    assert core.book.sessions[third.session.session_id].hops[0].peer == "slow"
+    assert core.book.sessions[third.session.session_id].hops[0].peer_id == "slow"
 
 
 def test_no_chain_means_no_route():
@@ -103,9 +103,9 @@ def test_a_session_no_chain_can_hold_is_not_queued():
 def test_a_new_clients_round_trips_recompose_the_chains():
     core = chains_core(num_requests=1)
     core.update_roster({"near": pinned(1, 0.004), "far": pinned(1, 0.001)}, 0.0)
-    assert core.book.chains[0].hops[0].peer == "far"  # no client known yet: compute time only
+    assert core.book.chains[0].hops[0].peer_id == "far"  # no client known yet: compute time only
     core.route(_request("c", {"near": 0.001, "far": 0.5}, 4, 6, 1, 10), now=1.0)
-    assert core.book.chains[0].hops[0].peer == "near"  # 0.5 s per token to `far` outweighs its speed
+    assert core.book.chains[0].hops[0].peer_id == "near"  # 0.5 s per token to `far` outweighs its speed
 
 
 def test_queue_start_times_and_timing_hysteresis():

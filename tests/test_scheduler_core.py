@@ -209,6 +209,6 @@ def test_an_unreachable_server_is_shown_but_never_routed_to():
     records["peer-slow"] = records["peer-slow"].model_copy(update={"reachability": Reachability.RELAY})
     core.update_roster(records, 0.2)
     decision = core.route(_request("client", {"peer-fast": 0.001, "peer-slow": 0.05}, 4, 6, 1, 10), now=1.0)
-    assert [hop.peer for hop in decision.session.hops] == ["peer-slow"]
+    assert [hop.peer_id for hop in decision.session.hops] == ["peer-slow"]
     shown = {server["peer_id"]: server["reachability"] for server in core.status(1.0)["servers"]}
     assert shown == {"peer-fast": "unreachable", "peer-slow": "relay"}

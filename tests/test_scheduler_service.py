@@ -29,6 +29,7 @@ from swarm.models.span import load_span
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
+from tests.swarm_processes import dht_started
 
 L_IN, L_OUT = 16, 48  # the scheduler's planned session: 64 tokens = one cache slot
 SLOT_TOKENS = L_IN + L_OUT
@@ -93,13 +94,8 @@ def scheduler_args(*policy: str, settle: int) -> tuple[str, ...]:
 def scheduled_swarm(directory, llama_dir, args: tuple[str, ...]):
     """A DHT and `swarm-scheduler ARGS`; yields (swarm, scheduler address) and stops every process
     it started (servers the caller adds included), asserting none is left running."""
-    swarm = LocalSwarm(directory)
-    try:
-        swarm.start_dht()
+    with dht_started(LocalSwarm(directory)) as swarm:
         yield swarm, swarm.start_scheduler("scheduler", llama_dir, *args)
-    finally:
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
 
 
 @pytest.fixture(scope="module")

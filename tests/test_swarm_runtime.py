@@ -16,14 +16,14 @@ from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.backend import LocalSpans
 from client.connection import run_sync
 from client.remote import RemoteBlockSession
-from client.routing import RouteHop
 from client.stream import ServerStream
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import CHILD_ENV, LocalSwarm, child_pids
 from swarm.models.span import load_span
-from swarm.route_request import SessionShape
+from swarm.route_request import RouteHop, SessionShape
 from swarm.wire import ErrorCode, RemoteError
 from tests.conftest import NUM_BLOCKS
+from tests.swarm_processes import dht_started
 
 # uneven spans plus a replica that overlaps two of them
 SERVERS = {"s1": "0:2", "s2": "2:5", "s3": "5:6", "replica": "1:4"}
@@ -39,16 +39,11 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def swarm(model_dir, tmp_path_factory):
-    swarm = LocalSwarm(tmp_path_factory.mktemp("swarm-logs"))
-    try:
-        swarm.start_dht()
+    with dht_started(LocalSwarm(tmp_path_factory.mktemp("swarm-logs"))) as swarm:
         for name, blocks in SERVERS.items():
             swarm.start_server(name, model_dir, blocks)
         swarm.wait_online(default_prefix(str(model_dir)), NUM_BLOCKS, list(SERVERS))
         yield swarm
-    finally:
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
 
 
 @pytest.fixture(scope="module")

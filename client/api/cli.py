@@ -15,11 +15,16 @@ from client.api.app import SwarmApi
 from client.api.config import ApiConfig
 from client.connection import ClientOptions
 from client.model import DistributedModelForCausalLM
-from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
+from swarm.cli.args import (
+    add_swarm_secret_argument,
+    command_parser,
+    dht_prefix_from_args,
+    swarm_secret_from_args,
+)
+from swarm.cli.dataclass_args import dataclass_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.cli.signals import terminate_like_interrupt
-from swarm.dht_keys import default_prefix, validate_prefix
 
 logger = logging.getLogger("swarm-api")
 
@@ -31,13 +36,11 @@ EXAMPLES = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        fromfile_prefix_chars="@",
-        prog="swarm-api",
-        description="An OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) "
+    parser = command_parser(
+        "swarm-api",
+        "An OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) "
         "and a chat page at /, generating through the swarm.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        EXAMPLES,
     )
     parser.add_argument("model_dir", type=Path, help="local checkpoint directory (client modules, tokenizer)")
     parser.add_argument(
@@ -67,27 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ApiConfig:
-    prefix = validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(str(args.model_dir))
+    prefix = dht_prefix_from_args(args)
     api_key = args.api_key
     if args.api_key_file is not None:
         api_key = args.api_key_file.read_text().strip()
-    options = ClientOptions(
-        scheduler_key=args.scheduler_key,
-        swarm_secret=swarm_secret_from_args(args),
-        verify_fraction=args.verify_fraction,
-    )
-    return ApiConfig(
-        model_dir=args.model_dir,
+    options = dataclass_from_args(ClientOptions, args, swarm_secret=swarm_secret_from_args(args))
+    return dataclass_from_args(
+        ApiConfig,
+        args,
         initial_peers=tuple(args.initial_peers),
         model_name=args.model_name or prefix,
         dht_prefix=prefix,
-        host=args.host,
-        port=args.port,
         api_key=api_key,
-        max_concurrent=args.max_concurrent,
-        max_queued=args.max_queued,
-        max_tokens=args.max_tokens,
-        max_context=args.max_context,
         options=options,
     )
 

@@ -4,34 +4,30 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from client.api.generation import GenerationResult
+from swarm.prometheus_metrics import PrometheusMetrics
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class ApiMetrics:
+class ApiMetrics(PrometheusMetrics):
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter(
-            "swarm_api_requests", "Requests answered, by route and status", ["route", "status"], registry=r
+        super().__init__()
+        self.requests = self.counter(
+            "swarm_api_requests", "Requests answered, by route and status", ["route", "status"]
         )
-        self.tokens = Counter(
-            "swarm_api_tokens", "Tokens processed, by kind (prompt, completion)", ["kind"], registry=r
+        self.tokens = self.counter(
+            "swarm_api_tokens", "Tokens processed, by kind (prompt, completion)", ["kind"]
         )
-        self.ttft = Histogram(
-            "swarm_api_ttft_seconds", "Time from admission to the first token", buckets=SECONDS, registry=r
+        self.ttft = self.histogram(
+            "swarm_api_ttft_seconds", "Time from admission to the first token", SECONDS
         )
-        self.tpot = Histogram(
+        self.tpot = self.histogram(
             "swarm_api_time_per_output_token_seconds",
             "Mean time per token after the first, per request",
-            buckets=SECONDS,
-            registry=r,
+            SECONDS,
         )
-        self.in_flight = Gauge(
-            "swarm_api_requests_in_flight", "Requests running or waiting for a slot", registry=r
-        )
+        self.in_flight = self.gauge("swarm_api_requests_in_flight", "Requests running or waiting for a slot")
 
     def count(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

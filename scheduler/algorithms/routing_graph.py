@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,12 @@ class Chain:
 
     hops: tuple[ChainHop, ...]
     cost: float
+
+
+def chain_fits(hops: Sequence[ChainHop], free_slots: Sequence[int]) -> bool:
+    """Whether every server on the chain has a free cache slot (`free_slots[server]`) per block it
+    processes (eq. 2 once the request starts)."""
+    return all(free_slots[hop.server] >= hop.num_blocks for hop in hops)
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 from scheduler.algorithms.chains import chain_hops, gca
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.service.session_records import Hop
+from swarm.route_request import RouteHop
 
 
 @dataclass(frozen=True)
 class LiveChain:
     """A GCA job server over live peers."""
 
-    hops: tuple[Hop, ...]
+    hops: tuple[RouteHop, ...]
     capacity: int  # c_k: concurrent sessions of one cache slot per block
     service_time: float  # T_k (eq. 2): seconds one request spends on the chain
 
@@ -36,7 +36,7 @@ def compose_live_chains(
     """GCA on the live spans (`specs` carry `tau_c`, `tau_p`); chains in GCA's order, fastest first."""
     return tuple(
         LiveChain(
-            tuple(Hop(peers[hop.server], hop.start, hop.end) for hop in chain_hops(chain, spans)),
+            tuple(RouteHop(peers[hop.server], hop.start, hop.end) for hop in chain_hops(chain, spans)),
             chain.capacity,
             chain.service_time,
         )

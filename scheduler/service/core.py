@@ -240,15 +240,15 @@ class SchedulerCore:
     def _chain_cannot_hold(self, hops, units: int, max_length: int) -> str | None:
         """Why a routed chain can never admit the session (None: it can, once its servers have room)."""
         for hop in hops:
-            capacity = self.book.capacity(hop.peer)
+            capacity = self.book.capacity(hop.peer_id)
             if capacity < hop.num_blocks * units:
                 return (
-                    f"server {hop.peer[-8:]} has {capacity} cache slots in all, the session needs "
+                    f"server {hop.peer_id[-8:]} has {capacity} cache slots in all, the session needs "
                     f"{hop.num_blocks * units}"
                 )
-            info = self.view.records.get(hop.peer)
+            info = self.view.records.get(hop.peer_id)
             if info is not None and info.max_length < max_length:
-                return f"server {hop.peer[-8:]} accepts sessions of at most {info.max_length} tokens"
+                return f"server {hop.peer_id[-8:]} accepts sessions of at most {info.max_length} tokens"
         return None
 
     def tick(self, now: float) -> list[str]:

@@ -140,7 +140,7 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
             self._admitted.pop(session_id, None)
         return pb.RouteReply(
             session_id=session_id,
-            chain=[pb.Hop(peer_id=hop.peer, start=hop.start, end=hop.end) for hop in session.hops],
+            chain=[hop.to_proto() for hop in session.hops],
             admitted=session.admitted,
             expected_wait=wait,
             expected_completion=completion if completion is not None else max(session.ends_at - now, 0.0),

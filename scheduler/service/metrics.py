@@ -6,53 +6,38 @@ A registry per service keeps tests (several schedulers in one process) apart.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from swarm.prometheus_metrics import PrometheusMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class SchedulerMetrics:
+class SchedulerMetrics(PrometheusMetrics):
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.servers = Gauge(
-            "swarm_servers", "Servers known to the scheduler, by state", ["state"], registry=r
+        super().__init__()
+        self.servers = self.gauge("swarm_servers", "Servers known to the scheduler, by state", ["state"])
+        self.sessions = self.gauge("swarm_sessions", "Sessions the scheduler tracks, by kind", ["kind"])
+        self.num_requests = self.gauge(
+            "swarm_guaranteed_sessions", "R: concurrent sessions the placement guarantees"
         )
-        self.sessions = Gauge(
-            "swarm_sessions", "Sessions the scheduler tracks, by kind", ["kind"], registry=r
+        self.bound = self.gauge("swarm_bound_seconds", "Eq. 17 guaranteed per-token time (-1 unknown)")
+        self.epoch = self.gauge("swarm_placement_epoch", "Version of the adopted placement")
+        self.uncovered = self.gauge("swarm_uncovered_blocks", "Blocks no online server holds")
+        self.placements = self.counter("swarm_placements", "Placements adopted")
+        self.routes = self.counter("swarm_routes", "Routing queries, by outcome", ["outcome"])
+        self.ended = self.counter("swarm_sessions_ended", "Sessions ended by their clients")
+        self.wait = self.histogram(
+            "swarm_admission_wait_seconds", "Time from routing to admission", LATENCY_BUCKETS
         )
-        self.num_requests = Gauge(
-            "swarm_guaranteed_sessions", "R: concurrent sessions the placement guarantees", registry=r
+        self.ttft = self.histogram(
+            "swarm_request_ttft_seconds", "Time to first token reported by clients", LATENCY_BUCKETS
         )
-        self.bound = Gauge("swarm_bound_seconds", "Eq. 17 guaranteed per-token time (-1 unknown)", registry=r)
-        self.epoch = Gauge("swarm_placement_epoch", "Version of the adopted placement", registry=r)
-        self.uncovered = Gauge("swarm_uncovered_blocks", "Blocks no online server holds", registry=r)
-        self.placements = Counter("swarm_placements", "Placements adopted", registry=r)
-        self.routes = Counter("swarm_routes", "Routing queries, by outcome", ["outcome"], registry=r)
-        self.ended = Counter("swarm_sessions_ended", "Sessions ended by their clients", registry=r)
-        self.wait = Histogram(
-            "swarm_admission_wait_seconds",
-            "Time from routing to admission",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.tpot = self.histogram(
+            "swarm_request_tpot_seconds", "Mean time per later token reported by clients", LATENCY_BUCKETS
         )
-        self.ttft = Histogram(
-            "swarm_request_ttft_seconds",
-            "Time to first token reported by clients",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "swarm_request_tpot_seconds",
-            "Mean time per later token reported by clients",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.refresh = Gauge(
+        self.refresh = self.gauge(
             "swarm_roster_refresh_seconds",
             "Last refresh: reading the roster keys due from the DHT, and reviewing the placement",
             ["part"],
-            registry=r,
         )
         self._last_epoch = 0
 
@@ -71,6 +56,3 @@ class SchedulerMetrics:
         if status["epoch"] > self._last_epoch:
             self.placements.inc(status["epoch"] - self._last_epoch)
             self._last_epoch = status["epoch"]
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)

@@ -4,23 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Hop:
-    peer: str
-    start: int  # blocks this server processes for the session
-    end: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.end - self.start
+from swarm.route_request import RouteHop
 
 
 @dataclass
 class SessionRecord:
     session_id: str
     client_id: str
-    hops: tuple[Hop, ...]  # empty while a `chains` session waits: JFFC picks its chain on admission
+    hops: tuple[RouteHop, ...]  # empty while a `chains` session waits: JFFC picks its chain on admission
     units: int  # cache slots per block
     expected_start: float  # absolute: routed_at + the predicted wait
     ends_at: float  # absolute expected end
@@ -32,7 +23,7 @@ class SessionRecord:
     chain: int | None = None  # `chains` policy: the index of the live chain it runs on
 
     def slots(self) -> dict[str, int]:
-        return {hop.peer: hop.num_blocks * self.units for hop in self.hops}
+        return {hop.peer_id: hop.num_blocks * self.units for hop in self.hops}
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from scheduler.service.chain_routing import (
     queue_start_times,
     timings_moved,
 )
-from scheduler.service.session_records import Hop, RouteDecision, SessionRecord
+from scheduler.service.session_records import RouteDecision, SessionRecord
+from swarm.route_request import RouteHop
 
 
 class SessionBook:
@@ -152,7 +153,7 @@ class SessionBook:
         if decision is None:
             return None
         chain, wait, completion, cost = decision
-        hops = tuple(Hop(self._peers[hop.server], hop.start, hop.end) for hop in chain.hops)
+        hops = tuple(RouteHop(self._peers[hop.server], hop.start, hop.end) for hop in chain.hops)
         session = SessionRecord(
             session_id=session_id,
             client_id=client_id,
@@ -239,13 +240,13 @@ class SessionBook:
         blocked: set[str] = set()
         admitted = []
         for session in waiting:
-            peers = [hop.peer for hop in session.hops]
-            fits = all(free.get(hop.peer, -1) >= hop.num_blocks * session.units for hop in session.hops)
+            peers = [hop.peer_id for hop in session.hops]
+            fits = all(free.get(hop.peer_id, -1) >= hop.num_blocks * session.units for hop in session.hops)
             if self.policy == "petals" or (fits and not blocked.intersection(peers)):
                 session.admitted, session.admitted_at = True, now
                 self._grant(session, +1)
                 for hop in session.hops:
-                    free[hop.peer] = free.get(hop.peer, 0) - hop.num_blocks * session.units
+                    free[hop.peer_id] = free.get(hop.peer_id, 0) - hop.num_blocks * session.units
                 admitted.append(session.session_id)
             else:
                 blocked.update(peers)  # later sessions must not overtake it on these servers
@@ -257,7 +258,7 @@ class SessionBook:
         for session in waiting:
 
             def has_room(chain: LiveChain, units: int = session.units) -> bool:
-                return all(free.get(hop.peer, -1) >= hop.num_blocks * units for hop in chain.hops)
+                return all(free.get(hop.peer_id, -1) >= hop.num_blocks * units for hop in chain.hops)
 
             k = fastest_free_chain(self._chains, load, session.units, has_room)
             if k is None:
@@ -269,7 +270,7 @@ class SessionBook:
             load[k] += session.units
             self._grant(session, +1)
             for hop in chain.hops:
-                free[hop.peer] -= hop.num_blocks * session.units
+                free[hop.peer_id] -= hop.num_blocks * session.units
             admitted.append(session.session_id)
         return admitted
 
@@ -280,7 +281,7 @@ class SessionBook:
     def routable(self, session_id: str) -> bool:
         """Whether every server of the session's chain still serves (else the client must re-route)."""
         live = set(self._peers)
-        return all(hop.peer in live for hop in self.sessions[session_id].hops)
+        return all(hop.peer_id in live for hop in self.sessions[session_id].hops)
 
     # --- the end of sessions ---------------------------------------------------------------------
     def renew(self, session_id: str, now: float) -> bool:

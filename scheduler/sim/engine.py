@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.algorithms.problem import ModelSpec, ServerSpec
-from scheduler.algorithms.routing_graph import ChainHop
+from scheduler.algorithms.routing_graph import ChainHop, chain_fits
 from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.workload import Request
 from swarm.cost import Hop, request_time
@@ -168,7 +168,7 @@ def simulate(
         heapq.heappush(events, (time, kind, next(order), payload))
 
     def start(request: Request, hops: tuple[ChainHop, ...], now: float) -> bool:
-        if any(used[h.server] + h.num_blocks > capacity[h.server] for h in hops):
+        if not chain_fits(hops, [c - u for c, u in zip(capacity, used, strict=True)]):
             return False
         for h in hops:
             used[h.server] += h.num_blocks

@@ -40,6 +40,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+# the emulator runs this file as a script (topology.DELAYER), so this folder is sys.path[0]
+from spec_args import read_spec_args
+
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
 MAX_QUEUED = 200_000  # packets per queue the kernel may hold for us (default 1024 is far too few)
@@ -218,11 +221,10 @@ def write_stats(path: str, stats: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: delayer.py SPEC.json", file=sys.stderr)
+    parsed = read_spec_args(argv, 1, "usage: delayer.py SPEC.json")
+    if parsed is None:
         return 2
-    spec = json.loads(open(args[0]).read())
+    spec, _ = parsed
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # never outlive the emulator
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RT_PRIORITY))

@@ -30,6 +30,8 @@ import traceback
 import numpy as np
 import torch
 
+from .spec_args import read_spec_args
+
 
 class TokenTimes:
     """A `generate()` streamer that only records when each new token appeared."""
@@ -158,14 +160,13 @@ def run(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m netem.loadgen SPEC.json OUT.json", file=sys.stderr)
+    parsed = read_spec_args(argv, 2, "usage: python -m netem.loadgen SPEC.json OUT.json")
+    if parsed is None:
         return 2
-    spec = json.loads(open(args[0]).read())
+    spec, (_, out_path) = parsed
     np.random.seed(int(spec.get("seed", 0)))
     summary = run(spec)
-    with open(args[1], "w") as handle:
+    with open(out_path, "w") as handle:
         json.dump(summary, handle, indent=1)
     failed = sum(1 for r in summary["requests"] if "error" in r)
     print(f"{len(summary['requests']) - failed} requests done, {failed} failed", flush=True)

@@ -4,7 +4,33 @@ from __future__ import annotations
 
 import argparse
 
+from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.errors import SwarmUserError
+
+
+def command_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """The parser a `swarm-*` command starts from: its examples (`epilog`) keep their line breaks, and
+    arguments may also come from a file, one per line (`swarm-... @args.txt`)."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        fromfile_prefix_chars="@",
+    )
+
+
+def add_model_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--initial-peers, --model-dir and --dht-prefix of the tools that join a swarm but read only the
+    model's config (not its weights)."""
+    parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
+    parser.add_argument("--model-dir", required=True, help="the model's directory (only its config is read)")
+    parser.add_argument("--dht-prefix", help="swarm namespace of the model (default: the directory's name)")
+
+
+def dht_prefix_from_args(args: argparse.Namespace) -> str:
+    """The model's swarm namespace: --dht-prefix (checked) if given, else the name of `args.model_dir`."""
+    return validate_prefix(args.dht_prefix) if args.dht_prefix else default_prefix(str(args.model_dir))
 
 
 def parse_span(text: str) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.bloom.modeling_bloom import BloomBlock, build_alibi_tensor
 
-from swarm.models.family import ModelFamily, StepInputs, attention_bias, register_family
+from swarm.models.family import ModelFamily, StepInputs, StepTokens, register_family
 from swarm.models.inplace_attention import use_inplace_bloom_attention
 
 
@@ -27,24 +27,15 @@ class BloomFamily(ModelFamily):
         use_inplace_bloom_attention(block.self_attention)  # batched decode reads caches in place
         return block
 
-    def step_inputs(
-        self,
-        config: PretrainedConfig,
-        helpers: nn.ModuleDict,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
+    def position_inputs(
+        self, config: PretrainedConfig, helpers: nn.ModuleDict, step: StepTokens
     ) -> StepInputs:
-        batch_size, num_new = hidden.shape[:2]
-        if padding_mask is None:
-            padding_mask = torch.ones(batch_size, position + num_new, device=hidden.device)
-            bias = attention_bias(hidden, position, None)
-        else:
-            bias = attention_bias(hidden, position, padding_mask)
-        alibi = build_alibi_tensor(
-            padding_mask[:, : position + num_new], self.num_heads(config), hidden.dtype
-        )
-        return {"alibi": alibi, "attention_mask": bias}
+        """ALiBi biases over the step's keys, from the padding mask (every key real without one)."""
+        hidden, total = step.hidden, step.position + step.hidden.shape[1]
+        key_mask = step.padding_mask
+        if key_mask is None:
+            key_mask = torch.ones(hidden.shape[0], total, device=hidden.device)
+        return {"alibi": build_alibi_tensor(key_mask[:, :total], self.num_heads(config), hidden.dtype)}
 
     def run_block(
         self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs

@@ -9,6 +9,7 @@ Everything else (loading, caching, stepping) is shared and lives in `span.py` / 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,15 @@ from transformers import PretrainedConfig
 from swarm.errors import UnsupportedModelError
 
 StepInputs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The new tokens of one step of a span, as a family's `position_inputs` sees them."""
+
+    hidden: torch.Tensor  # [batch, new, hidden] at absolute positions position .. position + new - 1
+    position: int
+    padding_mask: torch.Tensor | None  # [batch, position + new], 1 = real token; only for padded batches
 
 
 class ModelFamily(ABC):
@@ -54,7 +64,6 @@ class ModelFamily(ABC):
         """Modules a span needs besides its blocks (e.g. LLaMA's rotary embedding), not in the checkpoint."""
         return nn.ModuleDict()
 
-    @abstractmethod
     def step_inputs(
         self,
         config: PretrainedConfig,
@@ -63,10 +72,22 @@ class ModelFamily(ABC):
         position: int,
         padding_mask: torch.Tensor | None,
     ) -> StepInputs:
-        """Per-step inputs shared by every block of a span for a step of `hidden.shape[1]` tokens.
+        """Per-step inputs shared by every block of a span for a step of `hidden.shape[1]` tokens:
+        the family's `position_inputs` and the causal and padding `attention_mask` every family uses.
 
         `padding_mask` (`[batch, position + new]`, 1 = real token) is given only for padded batches.
         """
+        step = StepTokens(hidden, position, padding_mask)
+        return {
+            **self.position_inputs(config, helpers, step),
+            "attention_mask": attention_bias(hidden, position, padding_mask),
+        }
+
+    @abstractmethod
+    def position_inputs(
+        self, config: PretrainedConfig, helpers: nn.ModuleDict, step: StepTokens
+    ) -> StepInputs:
+        """The inputs that tell a block where the step's tokens stand (ALiBi, rotary embeddings)."""
 
     @abstractmethod
     def run_block(

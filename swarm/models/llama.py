@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from swarm.models.family import ModelFamily, StepInputs, attention_bias, register_family, token_positions
+from swarm.models.family import ModelFamily, StepInputs, StepTokens, register_family, token_positions
 
 
 class LlamaFamily(ModelFamily):
@@ -31,19 +31,12 @@ class LlamaFamily(ModelFamily):
         # the rotary tables are computed from the config, not stored in checkpoints
         return nn.ModuleDict({"rotary": LlamaRotaryEmbedding(config=config, device=device)})
 
-    def step_inputs(
-        self,
-        config: PretrainedConfig,
-        helpers: nn.ModuleDict,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
+    def position_inputs(
+        self, config: PretrainedConfig, helpers: nn.ModuleDict, step: StepTokens
     ) -> StepInputs:
-        position_ids = token_positions(hidden, position, padding_mask)
-        return {
-            "position_embeddings": helpers["rotary"](hidden, position_ids),
-            "attention_mask": attention_bias(hidden, position, padding_mask),
-        }
+        """Rotary embeddings of the tokens' positions (with left padding, real tokens count from 0)."""
+        position_ids = token_positions(step.hidden, step.position, step.padding_mask)
+        return {"position_embeddings": helpers["rotary"](step.hidden, position_ids)}
 
     def run_block(
         self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs

@@ -157,16 +157,9 @@ class TransformerSpan(nn.Module):
         """Run the cache's blocks on `hidden` (`[batch, new, hidden]`) placed at absolute `position`.
         `prompts` (deep prompt tuning, `[cache's blocks, batch or 1, prefix, hidden]`): block i's
         input at positions below `prefix` gets `prompts[i]` added."""
-        num_new = hidden.shape[1]
-        cache.begin_step(position, num_new)
-        hidden = hidden.to(device=self.device, dtype=self.dtype)
-        if padding_mask is not None:
-            padding_mask = padding_mask.to(self.device)
-        inputs = self.family.step_inputs(self.config, self.helpers, hidden, position, padding_mask)
-        for index, local in enumerate(range(cache.block_offset, cache.block_offset + cache.num_blocks)):
-            if prompts is not None:
-                hidden = add_prompt(hidden, prompts[index].to(hidden), position)
-            hidden = self.family.run_block(self.blocks[local], hidden, cache, inputs)
+        cache.begin_step(position, hidden.shape[1])
+        blocks = range(cache.block_offset, cache.block_offset + cache.num_blocks)
+        hidden = self._run_blocks(blocks, hidden, cache, position, padding_mask, prompts)
         cache.end_step()
         return hidden
 
@@ -182,14 +175,29 @@ class TransformerSpan(nn.Module):
         cache and in the caller's autograd mode: the forward and backward RPCs of training. The blocks'
         weights are frozen, so a graph built here reaches only `hidden` and `prompts`."""
         first, last = self._check_range(first, last)
+        blocks = range(first - self.start, last - self.start)
+        return self._run_blocks(blocks, hidden, None, 0, padding_mask, prompts)
+
+    def _run_blocks(
+        self,
+        blocks: range,
+        hidden: torch.Tensor,
+        cache: SpanCache | None,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        prompts: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """This span's `blocks` (local indices, in order) on `hidden` placed at absolute `position`,
+        the i-th of them with `prompts[i]` added to its input; `cache`: the session's attention cache
+        the blocks read and extend, or None (whole sequences, no cache)."""
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         if padding_mask is not None:
             padding_mask = padding_mask.to(self.device)
-        inputs = self.family.step_inputs(self.config, self.helpers, hidden, 0, padding_mask)
-        for index, local in enumerate(range(first - self.start, last - self.start)):
+        inputs = self.family.step_inputs(self.config, self.helpers, hidden, position, padding_mask)
+        for index, local in enumerate(blocks):
             if prompts is not None:
-                hidden = add_prompt(hidden, prompts[index].to(hidden), 0)
-            hidden = self.family.run_block(self.blocks[local], hidden, None, inputs)
+                hidden = add_prompt(hidden, prompts[index].to(hidden), position)
+            hidden = self.family.run_block(self.blocks[local], hidden, cache, inputs)
         return hidden
 
     @torch.inference_mode()
