@@ -1,7 +1,7 @@
 """`swarm-sim`: run the discrete-event swarm simulator (SPEC 1, issue 7) and print SPEC 6 metrics.
 
 Example:
-    swarm-sim --scenario clustered --policy proposed --client-cluster 0 --rate 0.5 \\
+    swarm-sim --scenario clustered --policy cg-bp --client-cluster 0 --rate 0.5 \\
         --l-in 20 --l-out 128 --requests 100 --seeds 20 --json
     swarm-sim --scenario abovenet --sweep l-out --seeds 5 --out results/sweeps
     swarm-sim --scenario clustered --setup none --slo-ttft 5 --slo-tpot 1 --goodput --seeds 3
@@ -40,11 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         fromfile_prefix_chars="@",  # arguments from a file: swarm-sim @args.txt
         description="Simulate a PETALS-style swarm (placement + routing policy) and report per-request "
         "metrics averaged over Monte Carlo seeds.",
-        epilog="example: swarm-sim --scenario clustered --policy proposed --client-cluster 0 --rate 0.5 "
+        epilog="example: swarm-sim --scenario clustered --policy cg-bp --client-cluster 0 --rate 0.5 "
         "--l-in 20 --l-out 128 --requests 100 --seeds 20 --json",
     )
     parser.add_argument("--scenario", choices=SCENARIOS, default="clustered")
-    parser.add_argument("--policy", choices=POLICIES, default="proposed")
+    parser.add_argument("--policy", choices=POLICIES, default="cg-bp")
     parser.add_argument("--client-cluster", type=int, choices=(0, 1, 2), default=0, help="clustered only")
     parser.add_argument("--rate", type=float, default=0.5, help="Poisson arrival rate (requests/s)")
     parser.add_argument(

@@ -72,7 +72,7 @@ from scheduler.sim.engine import RequestRecord  # noqa: E402
 from scheduler.sim.metrics import summarize  # noqa: E402
 
 SCENARIO = ROOT / "scripts" / "netem" / "scenarios" / "table2.json"
-POLICY_ALGO = {"proposed": "cg-bp", "petals": "petals", "chains": "chains"}  # experiment -> scheduler
+EXPERIMENT_POLICIES = ("petals", "cg-bp", "chains")  # the scheduler's policy names, also the simulator's
 
 
 def run_policy(
@@ -117,7 +117,7 @@ def run_policy(
     num_requests = placed.get("num_requests") or placed.get("c") or 1
     emulation.start_scheduler(
         control_site, model_dir,
-        "--policy", POLICY_ALGO[policy], "--l-in", str(l_in), "--l-out", str(cell.l_out),
+        "--policy", policy, "--l-in", str(l_in), "--l-out", str(cell.l_out),
         "--num-requests", str(num_requests), "--period", "3600", "--arrival-rate", repr(cell.rate / scale),
         "--lease", "600",
     )  # fmt: skip
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", type=Path, default=SCENARIO)
     parser.add_argument(
-        "--policies", default="petals,proposed", help="comma-separated: petals, proposed, chains"
+        "--policies", default="petals,cg-bp", help="comma-separated: petals, cg-bp, chains"
     )
     parser.add_argument("--rates", default="0.1,0.5", help="paper-scale arrival rates, requests/s")
     parser.add_argument("--l-out", default="64,128")
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "--merge",
         action="store_true",
         help="keep the runs already in OUT/table2.json for other (policy, rate, l_out) and add these "
-        "(e.g. a later `--policies chains` beside an earlier petals/proposed run)",
+        "(e.g. a later `--policies chains` beside an earlier petals/cg-bp run)",
     )
     args = parser.parse_args(argv)
     reason = netns_works()
@@ -255,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"experiment: {reason}", file=sys.stderr)
         return 2
     policies = [p for p in args.policies.split(",") if p]
-    unknown = set(policies) - set(POLICY_ALGO)
+    unknown = set(policies) - set(EXPERIMENT_POLICIES)
     if unknown:
-        parser.error(f"unknown policies {sorted(unknown)} (known: {', '.join(POLICY_ALGO)})")
+        parser.error(f"unknown policies {sorted(unknown)} (known: {', '.join(EXPERIMENT_POLICIES)})")
     rates = [float(r) for r in args.rates.split(",")]
     per_rate = dict(item.split(":") for item in args.requests.split(",")) if ":" in args.requests else {}
     cells = [

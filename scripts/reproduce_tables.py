@@ -22,25 +22,25 @@ CELLS = [(0.1, 64), (0.1, 128), (0.5, 64), (0.5, 128)]  # (rate, l_out) columns 
 # Paper 000 Table 4 / Table 5: (experiment, MATLAB simulator) per cell, in CELLS order.
 TABLE4 = {
     (0, "petals"): [(6.23, 5.33), (4.76, 4.74), (6.28, 5.33), (5.14, 4.74)],
-    (0, "proposed"): [(1.92, 1.59), (1.43, 0.92), (2.00, 1.59), (1.34, 0.92)],
+    (0, "cg-bp"): [(1.92, 1.59), (1.43, 0.92), (2.00, 1.59), (1.34, 0.92)],
     (1, "petals"): [(5.44, 5.17), (4.60, 4.58), (5.56, 5.17), (4.79, 4.58)],
-    (1, "proposed"): [(1.78, 1.65), (1.04, 0.83), (1.88, 1.65), (1.11, 0.83)],
+    (1, "cg-bp"): [(1.78, 1.65), (1.04, 0.83), (1.88, 1.65), (1.11, 0.83)],
     (2, "petals"): [(5.30, 4.85), (4.85, 4.07), (5.34, 4.85), (5.25, 4.07)],
-    (2, "proposed"): [(1.79, 1.59), (1.31, 0.92), (1.94, 1.59), (1.37, 0.92)],
+    (2, "cg-bp"): [(1.79, 1.59), (1.31, 0.92), (1.94, 1.59), (1.37, 0.92)],
 }
 TABLE5 = {
     ("abovenet", "petals"): [(4.98, 4.75), (4.03, 3.88), (5.26, 5.11), (4.58, 4.10)],
-    ("abovenet", "proposed"): [(1.86, 1.63), (1.44, 1.36), (1.97, 1.83), (1.35, 1.05)],
+    ("abovenet", "cg-bp"): [(1.86, 1.63), (1.44, 1.36), (1.97, 1.83), (1.35, 1.05)],
     ("bellcanada", "petals"): [(6.31, 6.03), (3.82, 3.49), (6.74, 6.19), (4.16, 3.41)],
-    ("bellcanada", "proposed"): [(1.33, 1.41), (1.26, 0.92), (1.49, 1.41), (1.11, 0.92)],
+    ("bellcanada", "cg-bp"): [(1.33, 1.41), (1.26, 0.92), (1.49, 1.41), (1.11, 0.92)],
     ("gtsce", "petals"): [(7.05, 6.12), (4.69, 3.47), (6.89, 5.97), (4.89, 3.37)],
-    ("gtsce", "proposed"): [(1.38, 1.41), (0.95, 0.91), (1.35, 1.40), (1.07, 0.91)],
+    ("gtsce", "cg-bp"): [(1.38, 1.41), (0.95, 0.91), (1.35, 1.40), (1.07, 0.91)],
 }
 # Paper 001 Table 1: mean response time (s), LLaMA-2-7B, 1000 Azure-trace requests.
-TABLE1 = {"petals": 31.4, "proposed": 19.8, "jffc-only": 10.0, "chains": 7.3}
+TABLE1 = {"petals": 31.4, "cg-bp": 19.8, "jffc-only": 10.0, "chains": 7.3}
 TABLE1_NAMES = {
     "petals": "PETALS",
-    "proposed": "BPRR (CG-BP + WS-RR)",
+    "cg-bp": "BPRR (CG-BP + WS-RR)",
     "jffc-only": "JFFC only",
     "chains": "GBP-CR + GCA + JFFC",
 }
@@ -76,12 +76,12 @@ def per_token_table(rows: dict, configs: dict, seeds: int, bar: tqdm, label: str
             for (e, s), o in zip(paper, ours[key], strict=True)
         ]
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
-    lines += ["", "Reduction of proposed vs PETALS (ours / paper experiment):", ""]
+    lines += ["", "Reduction of cg-bp vs PETALS (ours / paper experiment):", ""]
     for group in dict.fromkeys(k[0] for k in rows):
         reductions = []
         for i in range(len(CELLS)):
-            mine = 1 - ours[(group, "proposed")][i] / ours[(group, "petals")][i]
-            paper = 1 - rows[(group, "proposed")][i][0] / rows[(group, "petals")][i][0]
+            mine = 1 - ours[(group, "cg-bp")][i] / ours[(group, "petals")][i]
+            paper = 1 - rows[(group, "cg-bp")][i][0] / rows[(group, "petals")][i][0]
             reductions.append(f"{mine:.0%} / {paper:.0%}")
         lines.append(f"- {group}: " + ", ".join(reductions))
     return lines, ours

@@ -40,13 +40,13 @@ def run(policy: str, measured: float, simulated: float) -> dict:
 def test_the_table_compares_every_policy_with_petals():
     report = {
         "config": {"time_scale": 1.0},
-        "runs": [run("chains", 0.25, 0.2), run("petals", 1.0, 0.8), run("proposed", 0.4, 0.4)],
+        "runs": [run("chains", 0.25, 0.2), run("petals", 1.0, 0.8), run("cg-bp", 0.4, 0.4)],
     }
     table = markdown(report)
     rows = [line for line in table.splitlines() if line.startswith("| 0.5, 64 |")]
-    assert [row.split("|")[2].strip() for row in rows] == ["petals", "proposed", "chains"]
+    assert [row.split("|")[2].strip() for row in rows] == ["petals", "cg-bp", "chains"]
     assert "| 0.5, 64 | petals | - | - | -20% |" in table
-    assert "| 0.5, 64 | proposed | 60% faster | 50% faster | +0% |" in table
+    assert "| 0.5, 64 | cg-bp | 60% faster | 50% faster | +0% |" in table
     assert "| 0.5, 64 | chains | 75% faster | 75% faster | -20% |" in table
 
 
@@ -64,5 +64,5 @@ def test_commands_name_the_policies_and_the_merge():
     }
     command = command_of(config)
     assert "--policies chains" in command and command.endswith("--merge --write-benchmarks")
-    default = {**config, "policies": "petals,proposed", "merge": False}
+    default = {**config, "policies": "petals,cg-bp", "merge": False}
     assert "--policies" not in command_of(default)

@@ -1,8 +1,15 @@
-"""`swarm-plan` end to end (SPEC section 4): the installed command on JSON inputs, every exit path."""
+"""`swarm-plan` end to end (SPEC section 4): JSON inputs, every exit path.
+
+The cases run the command's `main` in this process with its own stdin, stdout and stderr (what a
+subprocess would see, without importing everything again for each); the last test runs the
+installed command itself once.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import math
 import subprocess
@@ -11,13 +18,27 @@ from pathlib import Path
 
 import pytest
 
+from scheduler import plan_cli
+
 _SCRIPT = Path(sys.executable).with_name("swarm-plan")
 COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "scheduler.plan_cli"]
 
 
 def run(args: list[str], document: object | str) -> subprocess.CompletedProcess:
+    """`swarm-plan ARGS < document`, in-process: its exit status and what it printed."""
     text = document if isinstance(document, str) else json.dumps(document)
-    return subprocess.run(COMMAND + args, input=text, capture_output=True, text=True, timeout=60)
+    stdin = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved_stdin, sys.stdin = sys.stdin, stdin
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = plan_cli.main(args)
+            except SystemExit as exit_:  # argparse: --help and usage errors
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.stdin = saved_stdin
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def ok(args: list[str], document: object) -> dict:
@@ -256,3 +277,18 @@ def test_invalid_input_exits_2_with_one_clear_line(case, args, document, mention
 def test_unknown_algorithm_is_a_usage_error():
     result = run(["place", "--algo", "magic"], CLUSTERED)
     assert result.returncode == 2 and "invalid choice" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_installed_command_reads_stdin_and_exits_with_the_status():
+    placed = subprocess.run(
+        COMMAND + ["place", "--algo", "cg-bp"],
+        input=json.dumps(CLUSTERED),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert placed.returncode == 0 and json.loads(placed.stdout) == ok(["place", "--algo", "cg-bp"], CLUSTERED)
+    refused = subprocess.run(
+        COMMAND + ["place", "--algo", "cg-bp"], input="{", capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and refused.stderr.startswith("swarm-plan: invalid input: ")

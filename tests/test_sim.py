@@ -77,7 +77,7 @@ def test_same_seed_same_result_different_seed_differs():
 @pytest.mark.parametrize("client_cluster", [0, 1, 2])
 def test_single_request_on_idle_swarm_follows_eq1(client_cluster):
     scenario = scenarios.clustered(client_cluster, 20, 128)
-    dispatcher = build_dispatcher("proposed", scenario, 0.1, np.random.default_rng(0), NONE)
+    dispatcher = build_dispatcher("cg-bp", scenario, 0.1, np.random.default_rng(0), NONE)
     fresh = RoutingState(scenario.servers, scenario.model, dispatcher.spans)
     expected = fresh.route(CLIENT, 128).completion  # WS-RR's own (vectorized) eq. 1 on the chosen chain
     (record,) = simulate(scenario.servers, scenario.model, dispatcher, [Request(0, 5.0, 20, 128)]).records
@@ -99,17 +99,17 @@ def test_poisson_arrivals_have_the_requested_rate():
     assert (len(requests) - 1) / requests[-1].arrival == pytest.approx(2.0, rel=0.05)
 
 
-def test_proposed_beats_petals_on_clustered_cell():
+def test_cg_bp_beats_petals_on_clustered_cell():
     petals = run_seed(CellConfig(policy="petals", rate=0.5, l_out=128), seed=0).records
-    proposed = run_seed(CellConfig(policy="proposed", rate=0.5, l_out=128), seed=0).records
+    cg_bp = run_seed(CellConfig(policy="cg-bp", rate=0.5, l_out=128), seed=0).records
     mean = lambda records: np.mean([(r.finish - r.arrival) / r.l_out for r in records])  # noqa: E731
-    assert mean(proposed) < 0.4 * mean(petals)  # Table 4: at least 60% faster
+    assert mean(cg_bp) < 0.4 * mean(petals)  # Table 4: at least 60% faster
 
 
 def test_cli_json_and_bad_input(capsys):
     assert (
         main(
-            ["--scenario", "clustered", "--policy", "proposed", "--requests", "10", "--seeds", "2", "--json"]
+            ["--scenario", "clustered", "--policy", "cg-bp", "--requests", "10", "--seeds", "2", "--json"]
         )
         == 0
     )

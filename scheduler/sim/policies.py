@@ -6,7 +6,7 @@
 - `opt-num`: PETALS' window rule with CG-BP's block counts, eq. 2 cache (all free memory),
   `petals.route` with retry backoff.
 - `opt-rr`: `petals.place` (random join order), PETALS' fixed cache, WS-RR (eq. 20 wait).
-- `proposed`: `cg_bp` with R from `choose_num_requests`, eq. 2 cache, WS-RR (eq. 20 wait).
+- `cg-bp`: `cg_bp` with R from `choose_num_requests`, eq. 2 cache, WS-RR (eq. 20 wait).
 - `chains`: `tuning.tune_capacity` (GBP-CR + GCA), GCA's cache allocation, JFFC central queue.
 - `jffc-only`: a whole model per server, GCA, JFFC.
 
@@ -40,7 +40,7 @@ from scheduler.sim.scenarios import Scenario
 from scheduler.sim.workload import Request
 from swarm.cost import request_time
 
-POLICIES = ("petals", "proposed", "opt-num", "opt-order", "opt-rr", "chains", "jffc-only")
+POLICIES = ("petals", "cg-bp", "opt-num", "opt-order", "opt-rr", "chains", "jffc-only")
 PETALS_FAMILY = ("petals", "opt-num", "opt-order", "opt-rr")
 
 
@@ -49,7 +49,7 @@ class SetupDelays:
     """Per-session set-up time before the prefill (connection, cache allocation), by policy family.
 
     Paper 000's simulator is calibrated to its testbed with a constant session allocation delay of
-    250 s for PETALS' code path and 60 s for the proposed one, plus 70 ms initialization for both
+    250 s for PETALS' code path and 60 s for CG-BP's, plus 70 ms initialization for both
     (the authors' released simulator); that is most of its Table 7 first-token times. The engine
     spends it before routing (see `engine`).
     `PAPER000` reproduces that calibration, `NONE` is the pure model of SPEC 2.
@@ -309,7 +309,7 @@ def build_dispatcher(
             cache_slots(s, model, span.length if span else 0) for s, span in zip(servers, spans, strict=True)
         ]
         return PetalsRouting(with_ping_rtts(scenario), route_model, spans, slots, setup_s)
-    if policy == "proposed":
+    if policy == "cg-bp":
         cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
         return WsRrRouting(RoutingState(servers, model, cg.spans), cg.spans, setup_s, scenario.prefill)
     if policy == "chains":

@@ -24,7 +24,7 @@ SCENARIOS = ("clustered", "abovenet", "bellcanada", "gtsce", "ripe")
 @dataclass(frozen=True)
 class CellConfig:
     scenario: str = "clustered"
-    policy: str = "proposed"
+    policy: str = "cg-bp"
     client_cluster: int = 0
     rate: float = 0.5
     l_in: int = 20

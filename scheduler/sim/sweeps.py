@@ -17,7 +17,7 @@ from pathlib import Path
 from scheduler.sim.runner import CellConfig, run_cell
 from scheduler.sim.scenarios import TOPOLOGY_NODES
 
-SWEEP_POLICIES = ("petals", "opt-num", "opt-order", "opt-rr", "proposed")
+SWEEP_POLICIES = ("petals", "opt-num", "opt-order", "opt-rr", "cg-bp")
 SWEEPS = ("servers", "eta", "rate", "l-out")
 FIG6_SERVERS = {
     "abovenet": (6, 10, 15, 20, 22),

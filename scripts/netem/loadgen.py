@@ -10,7 +10,7 @@ generates exactly `l_out` tokens greedily (`min_new_tokens` keeps EOS from endin
 closes the session.
 
 How a request waits for cache room depends on the policy, as in the systems compared:
-- `proposed` (and anything else): the scheduler's WS-RR admission, however long it predicts;
+- `cg-bp` (and anything else): the scheduler's WS-RR admission, however long it predicts;
 - `petals`: PETALS' client. The scheduler (PETALS' router) admits at once; when no chain has room
   the session open fails, and the client retries after `min(2^(n-1), 60) s` (SPEC 3.3), times the
   experiment's time scale.

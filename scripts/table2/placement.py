@@ -91,7 +91,7 @@ def place(policy: str, document: dict, model: ModelSpec, rate: float, l_out: int
 def cache_slot_counts(
     policy: str, plans: list[ServerPlan], model: ModelSpec, spans: list[Span | None]
 ) -> list[int]:
-    """Sessions' cache slots per server on the paper's GPUs: eq. 2's `n_j` (proposed) or PETALS'
+    """Sessions' cache slots per server on the paper's GPUs: eq. 2's `n_j` (cg-bp) or PETALS'
     fixed 4096-token cache (SPEC 3.3)."""
     counts = []
     for plan, span in zip(plans, spans, strict=True):

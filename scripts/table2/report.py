@@ -10,7 +10,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "## Emulated geo-distributed swarm: paper 000 Table 2 (issue 8)"
-ORDER = ["petals", "proposed", "chains"]  # table rows per cell
+ORDER = ["petals", "cg-bp", "chains"]  # table rows per cell
 NOTES_PATH = ROOT / "results" / "netem" / "notes.md"  # the hand-written analysis, appended
 
 
@@ -65,7 +65,7 @@ def markdown(report: dict) -> str:
 
 
 def command_of(config: dict) -> str:
-    policies = "" if config["policies"] == "petals,proposed" else f" --policies {config['policies']}"
+    policies = "" if config["policies"] == "petals,cg-bp" else f" --policies {config['policies']}"
     return (
         f".venv/bin/python scripts/experiment.py{policies} --rates {config['rates']} "
         f"--l-out {config['l_out']} --requests {config['requests']} --time-scale {config['time_scale']:g} "
