@@ -326,5 +326,3 @@ def _check_integer(value: Any, where: str, minimum: int) -> int:
 def _at(where: str, key: str) -> str:
     """A field's path for messages: `servers[0] (mig1).tau`, or just `num_requests` at the top level."""
     return f"{where}.{key}" if where else key
-
-

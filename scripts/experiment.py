@@ -214,9 +214,7 @@ def run_policy(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", type=Path, default=SCENARIO)
-    parser.add_argument(
-        "--policies", default="petals,cg-bp", help="comma-separated: petals, cg-bp, chains"
-    )
+    parser.add_argument("--policies", default="petals,cg-bp", help="comma-separated: petals, cg-bp, chains")
     parser.add_argument("--rates", default="0.1,0.5", help="paper-scale arrival rates, requests/s")
     parser.add_argument("--l-out", default="64,128")
     parser.add_argument("--l-in", type=int, default=20)

@@ -53,15 +53,6 @@ def module_parameter_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() + quantization_state_bytes(p) for p in module.parameters())
 
 
-def blocks_that_fit(memory_bytes: float, block_bytes: float, cache_bytes: float, sessions: int) -> int:
-    """Eq. 2 solved for `m_j` when every one of `sessions` sessions uses all of the server's blocks."""
-    per_block = block_bytes + cache_bytes * sessions
-    if per_block <= 0:
-        raise ValueError("block and cache sizes must be positive")
-    # floor of the real quotient, as the SPEC writes it (float `//` can land one below: 1.0 // 0.1 == 9)
-    return max(math.floor(memory_bytes / per_block), 0)
-
-
 def cache_slots(memory_bytes: float, block_bytes: float, num_blocks: int, cache_bytes: float) -> int:
     """Cache slots `n_j = floor((M_j - s_m*m_j) / s_c)`: how many (session, block) caches fit."""
     free = memory_bytes - block_bytes * num_blocks

@@ -21,7 +21,6 @@ import torch
 from swarm.dtypes import DTYPES, parse_dtype
 from swarm.errors import SwarmUserError
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", *DTYPES)
 MIN_HEADROOM_BYTES = 512 * 2**20  # allocator slack + activations of one step, at least
 HEADROOM_FRACTION = 0.05  # ... or this share of the device's memory, whichever is larger

@@ -108,9 +108,7 @@ def test_cg_bp_beats_petals_on_clustered_cell():
 
 def test_cli_json_and_bad_input(capsys):
     assert (
-        main(
-            ["--scenario", "clustered", "--policy", "cg-bp", "--requests", "10", "--seeds", "2", "--json"]
-        )
+        main(["--scenario", "clustered", "--policy", "cg-bp", "--requests", "10", "--seeds", "2", "--json"])
         == 0
     )
     out = json.loads(capsys.readouterr().out)

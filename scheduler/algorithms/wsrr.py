@@ -76,7 +76,7 @@ def link_request_time(
 class RoutingState:
     """A placement plus the sessions routed through it; answers WS-RR queries (SPEC 3.2).
 
-    Servers are referred to by their index in `servers` (`index_of` maps names). Servers need
+    Servers are referred to by their index in `servers`. Servers need
     `tau`, `tau_prefill` and, for every client they serve, `rtt` and `rtt_prefill`.
     """
 
@@ -88,7 +88,6 @@ class RoutingState:
             raise ValueError(f"WS-RR needs tau and tau_prefill for servers {missing}")
         self.servers = tuple(servers)
         self.graph = RoutingGraph(placement, model.num_blocks)
-        self._index = {server.name: j for j, server in enumerate(self.servers)}
         self._slots = np.array(placement_cache_slots(servers, model, placement), dtype=np.int64)
         self._used = np.zeros(len(servers), dtype=np.int64)
         links = self.graph.link_server
@@ -103,9 +102,6 @@ class RoutingState:
         self._counter = itertools.count()
 
     # -- queries -----------------------------------------------------------------------------
-
-    def index_of(self, name: str) -> int:
-        return self._index[name]
 
     def cache_slots(self, server: int) -> int:
         """`n_j = floor((M_j - s_m*m_j)/s_c)` for the placement this state was built with."""

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from scheduler.algorithms.cgbp import (
     choose_num_requests,
-    max_requests,
     session_capacity,
     slowest_client_request_time,
 )
@@ -59,9 +58,6 @@ class Plan:
     bound: float | None  # eq. 17 (CG-BP only)
     plan_input: dict
     plan_output: dict
-
-    def same_spans(self, other: dict[str, Span | None]) -> bool:
-        return self.spans == other
 
 
 @dataclass
@@ -157,14 +153,6 @@ def idle_per_token_time(view: SwarmView, peers: Sequence[str], spans: Sequence[S
     except ValueError:
         return math.inf
     return total / view.l_out
-
-
-def max_supported_requests(view: SwarmView, peers: Sequence[str]) -> int:
-    """Eq. 19's R_max for these servers (at least 1)."""
-    model = view.model_spec()
-    if model is None or not peers:
-        return 1
-    return max(max_requests(view.server_specs(peers), model), 1)
 
 
 def plan_summary(plan: Plan) -> str:

@@ -115,9 +115,6 @@ class SessionBook:
     def chains(self) -> tuple[LiveChain, ...]:
         return self._chains
 
-    def update_announced_use(self, announced_use: Mapping[str, int]) -> None:
-        self._announced_use = dict(announced_use)
-
     @property
     def peers(self) -> list[str]:
         return list(self._peers)

@@ -8,7 +8,7 @@ Every seed draws its own random quantities from `numpy.random.default_rng(seed)`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -109,7 +109,3 @@ def run_cell(
         if progress is not None:
             progress()
     return average(summaries)
-
-
-def with_policy(config: CellConfig, policy: str) -> CellConfig:
-    return replace(config, policy=policy)

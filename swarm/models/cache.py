@@ -84,12 +84,6 @@ class SpanCache:
             for tensor in tensors:
                 tensor.copy_(tensor.index_select(0, indices))
 
-    # --- helpers for failover and tests ---------------------------------------------------------
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
-        self.length = length
-
 
 class BatchedStepCache:
     """Several sessions' `SpanCache`s seen as one batch, for one decode step run as a single forward.
