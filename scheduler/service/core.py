@@ -35,6 +35,7 @@ from scheduler.service.request_stats import RequestStats
 from scheduler.service.sessions import RouteDecision, SessionBook, SessionRecord
 from scheduler.service.status import describe_servers
 from scheduler.service.view import ModelShape, SwarmView
+from swarm.errors import SwarmUserError
 from swarm.route_request import RouteRequest
 from swarm.server_info import ServerInfo
 
@@ -52,6 +53,17 @@ class CoreSettings:
     client_ttl: float = 600.0  # forget a client's round trips after this long without queries
     max_sessions_per_client: int = 64  # routed and not yet ended, per client id
     max_sessions: int = 10_000  # routed and not yet ended, all clients together
+
+    def __post_init__(self) -> None:
+        """Every value checked where the settings are made (messages name `swarm-scheduler`'s flags)."""
+        # `not x > 0` also rejects nan
+        for name in ("period", "lease", "l_in", "l_out", "client_ttl"):
+            if not getattr(self, name) > 0:
+                raise SwarmUserError(f"--{name.replace('_', '-')} must be positive")
+        if not self.settle >= 0:
+            raise SwarmUserError(f"--settle must be >= 0, got {self.settle}")
+        if self.max_sessions_per_client < 1 or self.max_sessions < 1:
+            raise SwarmUserError("--max-sessions-per-client must be at least 1")
 
 
 class RouteRefused(Exception):

@@ -30,6 +30,7 @@ from scheduler.algorithms.problem import Span
 from scheduler.plan_commands import placement_output
 from scheduler.plan_io import problem_json
 from scheduler.service.view import SwarmView
+from swarm.errors import SwarmUserError
 
 POLICIES = ("cg-bp", "gbp-cr", "chains", "petals")
 
@@ -44,8 +45,17 @@ class PlanSettings:
     rate_window: float = 300.0  # seconds of arrivals the online rate estimate looks at
 
     def __post_init__(self) -> None:
+        """Every value checked where the settings are made (messages name `swarm-scheduler`'s flags)."""
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+            raise SwarmUserError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise SwarmUserError("--num-requests must be at least 1")
+        if self.arrival_rate is not None and not 0 < self.arrival_rate < math.inf:
+            raise SwarmUserError("--arrival-rate must be a positive number of requests per second")
+        if not 0 <= self.min_gain < 1:
+            raise SwarmUserError(f"--min-gain must be in [0, 1), got {self.min_gain}")
+        if not self.r_hysteresis >= 0 or not self.rate_window > 0:
+            raise SwarmUserError("the R hysteresis must be >= 0 and the rate window positive")
 
 
 @dataclass(frozen=True)

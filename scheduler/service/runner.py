@@ -27,6 +27,7 @@ from scheduler.service.web import make_app, start_web
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
 from swarm.dht_records import RosterReader, publish_scheduler
+from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 
@@ -56,6 +57,18 @@ class SchedulerConfig:
     public_key_file: str | None = None  # write our public key here (what clients and servers are given)
     swarm_secret: SwarmSecret | None = None  # closed swarm: DHT authorizer, and proofs on every RPC
     max_message_bytes: int = 1 << 20  # gRPC requests larger than this are refused unread
+
+    def __post_init__(self) -> None:
+        """Every value checked where the config is made (messages name `swarm-scheduler`'s flags)."""
+        if not 0 <= self.port <= 65535:
+            raise SwarmUserError(f"--port must be in 0..65535, got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise SwarmUserError(f"--http-port must be in 0..65535 (or -1 for none), got {self.http_port}")
+        for name in ("refresh", "roster_read_period", "full_pass", "record_ttl"):
+            if not getattr(self, name) > 0:
+                raise SwarmUserError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if self.max_message_bytes < 1024:
+            raise SwarmUserError(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}")
 
 
 class SchedulerService:

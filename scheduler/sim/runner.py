@@ -16,9 +16,10 @@ import numpy as np
 from scheduler.sim import scenarios, workload
 from scheduler.sim.engine import SimResult, simulate
 from scheduler.sim.metrics import Slo, average, summarize
-from scheduler.sim.policies import NONE, PAPER000, build_dispatcher
+from scheduler.sim.policies import NONE, PAPER000, POLICIES, build_dispatcher
 
 SCENARIOS = ("clustered", "abovenet", "bellcanada", "gtsce", "ripe")
+SETUPS = ("paper", "none")  # session set-up delays: paper 000's calibrated ones, or none
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,23 @@ class CellConfig:
     slo_ttft: float | None = None  # SPEC 6 SLOs (seconds); either one adds `slo_attainment`
     slo_tpot: float | None = None
     setup: str = "paper"  # "paper": paper 000's calibrated session set-up delays; "none"
+
+    def __post_init__(self) -> None:
+        """Every value checked where the config is made (messages name `swarm-sim`'s flags)."""
+        if self.scenario not in SCENARIOS or self.policy not in POLICIES or self.setup not in SETUPS:
+            raise ValueError(
+                f"unknown scenario, policy or setup {self.scenario!r}/{self.policy!r}/{self.setup!r}"
+            )
+        # `not x > 0` also rejects nan
+        for name in ("rate", "l_in", "l_out", "requests", "compute_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        for name in ("max_l_in", "max_l_out", "slo_ttft", "slo_tpot", "num_servers"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                flag = {"num_servers": "servers"}.get(name, name)
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+        if self.fast_fraction is not None and not 0 <= self.fast_fraction <= 1:
+            raise ValueError(f"--eta must be in [0, 1], got {self.fast_fraction}")
 
 
 @lru_cache(maxsize=8)
