@@ -6,6 +6,7 @@ import csv
 
 import pytest
 
+from scheduler.sim import sweeps
 from scheduler.sim.engine import RequestRecord
 from scheduler.sim.goodput import search_rates
 from scheduler.sim.metrics import Slo, goodput, slo_attainment, summarize
@@ -54,7 +55,8 @@ def test_search_doubles_then_bisects_to_the_crossing():
     assert search_rates(lambda r: 0.0, start=1.0).goodput == 0.0
 
 
-def test_cli_rate_sweep_with_slos_reports_goodput(tmp_path, capsys):
+def test_cli_rate_sweep_with_slos_reports_goodput(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sweeps, "FIG8_RATES", sweeps.FIG8_RATES[:2])  # the two light points show it
     argv = ["--scenario", "abovenet", "--sweep", "rate", "--seeds", "1", "--out", str(tmp_path)]
     argv += ["--setup", "none", "--slo-ttft", "30", "--slo-tpot", "2", "--json"]
     assert main(argv) == 0
