@@ -128,6 +128,7 @@ class BatchingEngine:
         prefill_prior: step_scheduler.LinearCost = DEFAULT_PRIOR,
         clock: Callable[[], float] = time.monotonic,
         active_horizon: float = 0.25,
+        on_decode_batch: Callable[[int], None] = lambda steps: None,
     ):
         self.policy = policy or step_scheduler.SchedulerPolicy(
             batch_wait=batch_wait, max_batch_rows=max_batch_rows
@@ -136,6 +137,7 @@ class BatchingEngine:
         self.decode_fit = step_scheduler.LinearFit(decode_prior)
         self.prefill_fit = step_scheduler.LinearFit(prefill_prior)
         self.stats = EngineStats()
+        self.on_decode_batch = on_decode_batch  # session steps of each decode iteration (server metrics)
         self._clock = clock
         self._condition = threading.Condition()
         self._decodes: list[_Step] = []  # in arrival order
@@ -326,6 +328,7 @@ class BatchingEngine:
         self.stats.decode_iterations += 1
         self.stats.decode_steps += len(work)
         self.stats.max_batch = max(self.stats.max_batch, len(work))
+        self.on_decode_batch(len(work))
 
     def _run_alone(self, step: _Step) -> None:
         """Exactly what the server did before batching: one forward, then the emulated delay."""

@@ -115,6 +115,7 @@ class BlockServicer(BlockRpc):
                 batch_wait=batch_wait_ms / 1e3,
                 compute_delay=thread_delay,
                 max_batch_rows=max(max_batch_size, 64),
+                on_decode_batch=self.metrics.decode_batch.observe,
             )
             if batch_wait_ms > 0
             else None

@@ -47,6 +47,12 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self.decode_batch = Histogram(
+            "swarm_server_decode_batch_steps",
+            "Session steps run together in one batched decode iteration",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
         self.span_changes = Counter(
             "swarm_server_span_changes", "Times the server moved to a new span", registry=r
         )

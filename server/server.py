@@ -3,7 +3,7 @@
 A *pinned* server (`--blocks A:B`) loads and serves that span. A *managed* server (no `--blocks`)
 gets its span from the scheduler, or chooses one itself without a scheduler, and moves when the
 placement changes: those decisions live in `server.managed.SpanManager`; the server carries them
-out. What is served right now is one `server.served_span.ServedSpan`.
+out. What is served right now is one `server.active_span.ActiveSpan`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 from hivemind.dht import DHT
 from tqdm import tqdm
 
+from server.active_span import ActiveSpan, run_bounded
 from server.handler import BlockServicer, PeerLimits
 from server.joining import RELAY_MODES, JoinOptions, current_relay_state, join_dht
 from server.managed import SpanManager
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
-from server.served_span import ServedSpan, run_bounded
 from server.throughput import BlockTimings, cached_block_timings
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
@@ -134,7 +134,7 @@ class SwarmServer:
         self.config = config
         self.state = ServerState.JOINING
         self.dht: DHT | None = None
-        self.served: ServedSpan | None = None  # the blocks loaded (and, once installed, served) now
+        self.served: ActiveSpan | None = None  # the blocks loaded (and, once installed, served) now
         self.timings: BlockTimings | None = None
         # the same for every block and span of the model, so they stay valid across moves
         self.block_bytes = 0
@@ -287,7 +287,7 @@ class SwarmServer:
         model_dir = self.config.model_dir
         span, reused, loaded = await asyncio.to_thread(rebuild_span, self._probe, model_dir, start, end)
         self._probe = None
-        self.served = ServedSpan(span, start, end, self._new_budget(span))
+        self.served = ActiveSpan(span, start, end, self._new_budget(span))
         logger.info(
             "blocks %d:%d loaded in %.0f ms (%d reused from the probe, %d read); %d cache bytes for sessions",
             start,
@@ -317,7 +317,7 @@ class SwarmServer:
                 quant=config.quant,
             )
         self.block_bytes, self.cache_token_bytes = span.block_bytes, span.cache_bytes(num_tokens=1)
-        self.served = ServedSpan(span, config.start, config.end, self._new_budget(span))
+        self.served = ActiveSpan(span, config.start, config.end, self._new_budget(span))
         self._announce()  # JOINING: visible while measuring
         self.timings = cached_block_timings(span, config.prefill_tokens, config.compute_delay)
         logger.info(
@@ -487,7 +487,7 @@ class SwarmServer:
         switch_began = loop.time()
         await old.uninstall(p2p, config.dht_prefix)
         span, reused, loaded = await asyncio.to_thread(rebuild_span, old.span, config.model_dir, start, end)
-        self.served = ServedSpan(span, start, end, self._new_budget(span))
+        self.served = ActiveSpan(span, start, end, self._new_budget(span))
         await self.served.install(p2p, config.dht_prefix, self._new_servicer)
         self.state = ServerState.ONLINE
         self.metrics.span_changes.inc()

@@ -62,7 +62,7 @@ def cache_slots(memory_bytes: float, block_bytes: float, num_blocks: int, cache_
 
 
 @dataclass(frozen=True)
-class Hop:
+class HopCost:
     """One server on a request's chain, as eq. 1 sees it."""
 
     rtt: float  # t_cj: per-token round trip client <-> server, seconds
@@ -72,7 +72,7 @@ class Hop:
     num_blocks: int  # k_j: blocks this server processes for the request
 
 
-def request_time(hops: Iterable[Hop], l_out: int) -> float:
+def request_time(hops: Iterable[HopCost], l_out: int) -> float:
     """Eq. 1: total time of a request through a chain.
 
     `sum_j (t_prefill_cj + k_j*tau_prefill_j) + (l_out - 1) * sum_j (t_cj + k_j*tau_j)`.
@@ -85,11 +85,11 @@ def request_time(hops: Iterable[Hop], l_out: int) -> float:
     return prefill + (l_out - 1) * decode
 
 
-def link_time_all_tokens(hop: Hop, l_out: int) -> float:
+def link_time_all_tokens(hop: HopCost, l_out: int) -> float:
     """`l_out * t^c_ij` with `t^c_ij` the all-token average of eq. 8: one hop's share of eq. 1."""
     return request_time([hop], l_out)
 
 
-def per_token_time(hops: Iterable[Hop], l_out: int) -> float:
+def per_token_time(hops: Iterable[HopCost], l_out: int) -> float:
     """Eq. 1 divided by `l_out`: paper 000's primary metric for one request."""
     return request_time(hops, l_out) / l_out

@@ -371,7 +371,7 @@ PROMPTS = [
 def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path):
     from client import AutoDistributedModelForCausalLM
     from swarm.dht_keys import default_prefix
-    from swarm.local_swarm import LocalSwarm
+    from swarm.local_swarm import LocalSwarm, prometheus_sample
 
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
@@ -381,7 +381,9 @@ def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path)
     clients = []
     try:
         swarm.start_dht()
-        swarm.start_server("batching", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--batch-wait-ms", "5")
+        swarm.start_server(
+            "batching", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--batch-wait-ms", "5", "--metrics-port", "0"
+        )
         swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["batching"])
         clients = [
             AutoDistributedModelForCausalLM.from_pretrained(llama_dir, initial_peers=swarm.initial_peers)
@@ -407,12 +409,12 @@ def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path)
         assert not errors, errors
         for index, want in enumerate(expected):
             assert torch.equal(results[index], want), index
+        metrics = swarm.metrics("batching")
     finally:
         for client in clients:
             client.shutdown()
         leaked = swarm.close()
     assert not leaked
-    summary = [line for line in swarm.log("batching").splitlines() if "batching engine:" in line]
-    assert summary, "the server did not report its batching engine"
-    max_batch = int(summary[-1].split("max ")[1].split(")")[0])
-    assert max_batch >= 2, summary[-1]
+    iterations = prometheus_sample(metrics, "swarm_server_decode_batch_steps_count")
+    alone = prometheus_sample(metrics, "swarm_server_decode_batch_steps_bucket", 'le="1.0"')
+    assert iterations > alone, (iterations, alone)  # some decode iteration ran several sessions' steps

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarm.cost import Hop, cache_bytes_per_block, cache_slots, kv_dim, request_time
+from swarm.cost import HopCost, cache_bytes_per_block, cache_slots, kv_dim, request_time
 from swarm.models import load_span
 
 
@@ -44,8 +44,8 @@ def test_spec_formulas():
     assert cache_slots(memory_bytes=100, block_bytes=20, num_blocks=3, cache_bytes=7) == 5
     assert cache_slots(memory_bytes=50, block_bytes=20, num_blocks=3, cache_bytes=7) == 0
     hops = [
-        Hop(rtt=0.01, rtt_prefill=0.02, tau=0.001, tau_prefill=0.004, num_blocks=3),
-        Hop(rtt=0.05, rtt_prefill=0.06, tau=0.002, tau_prefill=0.01, num_blocks=2),
+        HopCost(rtt=0.01, rtt_prefill=0.02, tau=0.001, tau_prefill=0.004, num_blocks=3),
+        HopCost(rtt=0.05, rtt_prefill=0.06, tau=0.002, tau_prefill=0.01, num_blocks=2),
     ]
     expected = (0.02 + 3 * 0.004 + 0.06 + 2 * 0.01) + 9 * (0.01 + 3 * 0.001 + 0.05 + 2 * 0.002)
     assert request_time(hops, l_out=10) == pytest.approx(expected)

@@ -30,7 +30,7 @@ from swarm.dht_keys import default_prefix
 from swarm.dht_records import fetch_roster_async, publish_scheduler
 from swarm.errors import SpanError, SwarmUserError
 from swarm.identity import owner_subkey
-from swarm.local_swarm import PYTHON, LocalSwarm
+from swarm.local_swarm import PYTHON, LocalSwarm, prometheus_sample
 from swarm.models import load_span
 from swarm.models.span import rebuild_span
 from swarm.scheduler_api import scheduler_pb2, scheduler_pb2_grpc
@@ -343,7 +343,7 @@ def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
         publish_scheduler(publisher, prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
         for name in ("a", "b"):  # a short scheduler timeout: the scheduler answers, so it never fires
             options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
-            start_managed(swarm, name, bloom_dir, 10**9, *options)
+            start_managed(swarm, name, bloom_dir, 10**9, *options, "--metrics-port", "0")
 
         # both announce themselves without blocks (managed, JOINING, with the probe's timings)
         deadline = time.monotonic() + 120
@@ -390,6 +390,8 @@ def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
         )
         assert re.search(move.format("0:3", "2:6", 1, 3), swarm.log("a")), swarm.log("a")[-3000:]
         assert re.search(move.format("3:6", "0:3", 0, 3), swarm.log("b")), swarm.log("b")[-3000:]
+        for name in ("a", "b"):  # the first span was loaded, not moved to: one move each
+            assert prometheus_sample(swarm.metrics(name), "swarm_server_span_changes_total") == 1
         generate_and_compare(swarm, bloom_dir, "The quick brown fox")
 
         # the scheduler dies: servers keep serving, and say so once, not at every poll

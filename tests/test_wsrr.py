@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from scheduler.algorithms.feasibility import blocks_processed, can_follow
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
 from scheduler.algorithms.wsrr import RoutingState, link_request_time
-from swarm.cost import Hop, link_time_all_tokens
+from swarm.cost import HopCost, link_time_all_tokens
 
 MODEL = ModelSpec(num_blocks=4, block_bytes=10.0, cache_bytes=1.0)
 
@@ -26,7 +26,7 @@ def test_link_time_is_eq1_of_the_cost_model():
     """The vectorized link time is swarm.cost's eq. 1 for one hop, to the last bit."""
     rtt_prefill, tau_prefill, rtt, tau = 0.0612, 0.0512, 0.0551, 0.0162488
     for blocks, l_out in [(1, 1), (4, 64), (42, 128)]:
-        expected = link_time_all_tokens(Hop(rtt, rtt_prefill, tau, tau_prefill, blocks), l_out)
+        expected = link_time_all_tokens(HopCost(rtt, rtt_prefill, tau, tau_prefill, blocks), l_out)
         vectorized = link_request_time(
             np.array([rtt_prefill]),
             np.array([tau_prefill]),
@@ -71,7 +71,7 @@ def test_waiting_penalty_steers_to_a_free_but_slower_chain():
     state.admit("first", route, now=0.0)  # 4 of fast's 6 slots: the next request would wait
     second = state.route("c1", l_out=10, now=0.0)
     assert [hop.server for hop in second.chain.hops] == [1] and second.wait == 0.0
-    expected = link_time_all_tokens(Hop(0.05, 0.15, 0.02, 0.04, 4), 10)
+    expected = link_time_all_tokens(HopCost(0.05, 0.15, 0.02, 0.04, 4), 10)
     assert math.isclose(second.completion, expected) and math.isclose(second.cost, expected)
     # Once `first` ends (reported or lease expired), the fast chain is free again.
     state.admit("second", second, now=0.0, lease_s=30.0)
@@ -123,7 +123,7 @@ def brute_force_cost(servers, model, placement, sessions, l_out, now):
                 continue
             q = blocks_processed(prev_end, span)
             s = servers[j]
-            hop = Hop(s.rtt["c1"], s.rtt_prefill["c1"], s.tau, s.tau_prefill, q)
+            hop = HopCost(s.rtt["c1"], s.rtt_prefill["c1"], s.tau, s.tau_prefill, q)
             extend(span.end, cost + wait(j, q) + link_time_all_tokens(hop, l_out), used | {j})
 
     extend(0, 0.0, frozenset())

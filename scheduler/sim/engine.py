@@ -33,7 +33,7 @@ from scheduler.algorithms.problem import ModelSpec, ServerSpec
 from scheduler.algorithms.routing_graph import ChainHop, chain_fits
 from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.workload import Request
-from swarm.cost import Hop, request_time
+from swarm.cost import HopCost, request_time
 
 CLIENT = "client"
 
@@ -118,15 +118,15 @@ def service_hops(
     hops: Sequence[ChainHop],
     prefill: PrefillModel | None = None,
     l_in: int | None = None,
-) -> list[Hop]:
-    """Eq. 1's view of a chain for the client (`swarm.cost.Hop` per server).
+) -> list[HopCost]:
+    """Eq. 1's view of a chain for the client (`swarm.cost.HopCost` per server).
 
     With a `prefill` model and the request's `l_in`, the prefill terms are the request's own
     (trace replay); otherwise the servers' nominal ones.
     """
     own = prefill is not None and l_in is not None
     return [
-        Hop(
+        HopCost(
             rtt=servers[h.server].rtt[CLIENT],
             rtt_prefill=prefill.rtt_prefill(h.server, l_in) if own else servers[h.server].rtt_prefill[CLIENT],
             tau=servers[h.server].tau,

@@ -1,7 +1,7 @@
 """The blocks a server serves right now: the loaded span, its cache budget and the servicer that answers
 for them on the p2p daemon.
 
-A server holds one `ServedSpan` at a time. Leaving and moving to another span both end one the same
+A server holds one `ActiveSpan` at a time. Leaving and moving to another span both end one the same
 way: stop accepting sessions, `drain` the open ones for a bounded time, `uninstall` (handlers off the
 daemon, compute thread idle). Moving then installs a new one over the rebuilt blocks.
 """
@@ -24,7 +24,7 @@ REMOVE_HANDLERS_TIMEOUT_S = 2.0  # the daemon may already be gone when the whole
 
 
 @dataclass
-class ServedSpan:
+class ActiveSpan:
     span: TransformerSpan
     start: int
     end: int
