@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from hivemind.dht import DHT
@@ -29,6 +30,89 @@ CHILD_ENV = {
     "OMP_NUM_THREADS": "1",  # many processes share few cores: no thread oversubscription
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+# --- the roles' command lines and start-up signals (shared with scripts/netem's emulated swarm) -----
+def dht_argv(maddr_file: Path, host: str | None = None) -> list[str]:
+    """`swarm-dht`, writing its multiaddrs to `maddr_file` once it listens (on `host`, or loopback)."""
+    return [PYTHON, "-m", "swarm.cli.dht", *(["--host", host, "--port", "0"] if host else [])] + [
+        "--maddr-file",
+        str(maddr_file),
+    ]
+
+
+def server_argv(
+    model_dir: Path,
+    initial_peers: list[str],
+    blocks: str | None,
+    memory: str | int,
+    public_name: str,
+    scheduler_key: str,
+    *extra: str,
+    host: str | None = None,
+    announce_period: float = 2,
+    module: tuple[str, ...] = ("server.cli",),
+) -> list[str]:
+    """`swarm-server` for `blocks` ("0:3"), or managed by the scheduler of `scheduler_key` when None.
+    One torch thread (many servers share few cores) and no per-peer cache share: one test client or
+    load generator often drives every session. `module`: what runs it (a wrapper of `server.cli`)."""
+    return [
+        PYTHON, "-m", *module, str(model_dir), "--initial-peers", *initial_peers,
+        *(["--blocks", blocks] if blocks is not None else ["--scheduler-key", scheduler_key]),
+        "--memory", str(memory), *(["--host", host] if host else []), "--public-name", public_name,
+        "--announce-period", f"{announce_period:g}", "--torch-threads", "1",
+        "--max-peer-cache-fraction", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def scheduler_argv(
+    model_dir: Path, initial_peers: list[str], address_file: Path, identity_path: Path, *extra: str
+) -> list[str]:
+    """`swarm-scheduler` with the swarm's scheduler key, writing "host:port" to `address_file`."""
+    return [
+        PYTHON, "-m", "scheduler.cli", "--initial-peers", *initial_peers, "--model-dir", str(model_dir),
+        "--address-file", str(address_file), "--identity-path", str(identity_path), *extra,
+    ]  # fmt: skip
+
+
+def wait_for_file(
+    path: Path, process: subprocess.Popen, what: str, log: Callable[[], str], timeout: float
+) -> str:
+    """The text a starting process writes to `path` when it is ready (its addresses); raises with the
+    end of its log if it exits or takes longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text().strip():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start:\n{log()[-3000:]}")
+        time.sleep(0.1)
+    return path.read_text().strip()
+
+
+def stop_groups(
+    processes: list[subprocess.Popen],
+    sig: int = signal.SIGTERM,
+    timeout: float = 20.0,
+    whole_group: bool = False,
+) -> None:
+    """Signal every process at once (servers drain and announce OFFLINE in parallel), wait up to
+    `timeout`, then SIGKILL what is left of each one's process group. `whole_group`: signal every
+    member, not only the leader (a leader that does not pass signals on)."""
+    for process in processes:
+        if process.poll() is None:
+            if whole_group:
+                _signal_group(process, sig)
+            else:
+                process.send_signal(sig)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait(10)
+    for process in processes:
+        _signal_group(process, signal.SIGKILL)  # whatever the leader left behind in its group
 
 
 class LocalSwarm:
@@ -75,13 +159,10 @@ class LocalSwarm:
     def start_dht(self) -> list[str]:
         maddr_file = self.log_dir / "dht.maddrs"
         maddr_file.unlink(missing_ok=True)  # never read an address left by an earlier swarm
-        self.start("dht", [PYTHON, "-m", "swarm.cli.dht", "--maddr-file", str(maddr_file)])
-        deadline = time.monotonic() + 60
-        while not maddr_file.exists():
-            if time.monotonic() > deadline or self.processes["dht"].poll() is not None:
-                raise RuntimeError(f"the DHT did not start: {self.log('dht')}")
-            time.sleep(0.1)
-        self.initial_peers = maddr_file.read_text().split()
+        process = self.start("dht", dht_argv(maddr_file))
+        self.initial_peers = wait_for_file(
+            maddr_file, process, "the DHT", lambda: self.log("dht"), 60
+        ).split()
         return self.initial_peers
 
     def start_server(
@@ -93,46 +174,20 @@ class LocalSwarm:
         *extra: str,
         module: tuple[str, ...] = ("server.cli",),
     ) -> subprocess.Popen:
-        """A server of `blocks` ("0:3"), or managed by the scheduler when `blocks` is None. `module`:
-        what runs it (a test helper that wraps `server.cli`, with its own arguments first)."""
-        argv = [
-            PYTHON,
-            "-m",
-            *module,
-            str(model_dir),
-            "--initial-peers",
-            *self.initial_peers,
-            *(["--blocks", blocks] if blocks is not None else ["--scheduler-key", self.scheduler_key]),
-            "--memory",
-            memory,
-            "--announce-period",
-            "2",
-            "--torch-threads",
-            "1",
-            "--public-name",
-            name,
-            # one test client often drives many sessions; tests of the per-peer limit pass their own
-            "--max-peer-cache-fraction",
-            "1",
-            *extra,
-        ]
+        """A server of `blocks` ("0:3"), or managed by this swarm's scheduler when `blocks` is None
+        (`server_argv`)."""
+        key = self.scheduler_key if blocks is None else ""
+        argv = server_argv(model_dir, self.initial_peers, blocks, memory, name, key, *extra, module=module)
         return self.start(name, argv)
 
     def start_scheduler(self, name: str, model_dir: Path, *extra: str, timeout: float = 60.0) -> str:
         """Start `swarm-scheduler`; returns its gRPC address once it serves."""
         address_file = self.log_dir / f"{name}.address"
         address_file.unlink(missing_ok=True)
-        argv = [PYTHON, "-m", "scheduler.cli", "--initial-peers", *self.initial_peers]
-        argv += ["--model-dir", str(model_dir), "--address-file", str(address_file)]
-        argv += ["--identity-path", str(self.scheduler_identity), *extra]
         _ = self.scheduler_key  # the key files exist before the scheduler reads them
+        argv = scheduler_argv(model_dir, self.initial_peers, address_file, self.scheduler_identity, *extra)
         process = self.start(name, argv)
-        deadline = time.monotonic() + timeout
-        while not address_file.exists() or not address_file.read_text().strip():
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the scheduler did not start: {self.log(name)[-3000:]}")
-            time.sleep(0.1)
-        return address_file.read_text().strip()
+        return wait_for_file(address_file, process, "the scheduler", lambda: self.log(name), timeout)
 
     def start_api(self, name: str, model_dir: Path, *extra: str, timeout: float = 120.0) -> str:
         """A `swarm-api` process on a free port of loopback; returns its base URL (http://host:port)."""
@@ -201,19 +256,7 @@ class LocalSwarm:
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
         """Signal the process (as an operator would); after it exits, kill what is left of its group."""
         process = self.processes[name]
-        if process.poll() is None:
-            process.send_signal(sig)
-        return self._reap(process, timeout)
-
-    @staticmethod
-    def _reap(process: subprocess.Popen, timeout: float = 20.0) -> int | None:
-        """Wait for a signalled process; kill its group if it takes longer than `timeout`."""
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            _signal_group(process, signal.SIGKILL)
-            process.wait(10)
-        _signal_group(process, signal.SIGKILL)  # whatever the leader left behind in its group
+        stop_groups([process], sig, timeout)
         return process.returncode
 
     def close(self) -> list[str]:
@@ -227,12 +270,7 @@ class LocalSwarm:
         # everyone but the DHT bootstrap peer at once (each server's shutdown announces that it left,
         # which needs the DHT), then the bootstrap peer
         running = [name for name in self.processes if self.processes[name].poll() is None]
-        for name in running:
-            if name != "dht":
-                self.processes[name].send_signal(signal.SIGTERM)
-        for name in running:
-            if name != "dht":
-                self._reap(self.processes[name])
+        stop_groups([self.processes[name] for name in running if name != "dht"])
         if "dht" in running:
             self.stop("dht")
         deadline = time.monotonic() + 10  # killed members may take a moment to be reaped

@@ -26,7 +26,16 @@ import time
 from pathlib import Path
 
 from swarm.identity import ensure_key_files
-from swarm.local_swarm import CHILD_ENV, _group_alive, _signal_group, cpu_seconds_by_group
+from swarm.local_swarm import (
+    CHILD_ENV,
+    _group_alive,
+    cpu_seconds_by_group,
+    dht_argv,
+    scheduler_argv,
+    server_argv,
+    stop_groups,
+    wait_for_file,
+)
 
 from .scenario import Scenario
 from .system import SetupError
@@ -117,18 +126,7 @@ class Emulation:
         """SIGTERM every group at once (servers drain and announce OFFLINE in parallel), wait up to
         `timeout`, then SIGKILL what is left of each group."""
         processes = [(name, self.processes[name][1]) for name in names]
-        for _, process in processes:
-            if process.poll() is None:
-                _signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, process in processes:
-            try:
-                process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                _signal_group(process, signal.SIGKILL)
-                process.wait(10)
-        for _, process in processes:
-            _signal_group(process, signal.SIGKILL)  # what the leader left behind in its group
+        stop_groups([process for _, process in processes], signal.SIGTERM, timeout, whole_group=True)
         deadline = time.monotonic() + 10
         while any(_group_alive(p) for _, p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -168,34 +166,20 @@ class Emulation:
         maddr_file = self.run_dir / f"{name}.maddrs"
         maddr_file.unlink(missing_ok=True)
         address = self.network.address(site)
-        process = self.start(
-            name,
-            site,
-            self.python("swarm.cli.dht", "--host", address, "--port", "0", "--maddr-file", str(maddr_file)),
-        )
-        deadline = time.monotonic() + timeout
-        while not maddr_file.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the DHT did not start:\n{self.log(name)[-3000:]}")
-            time.sleep(0.1)
-        self.initial_peers = [m for m in maddr_file.read_text().split() if f"/ip4/{address}/" in m]
+        process = self.start(name, site, dht_argv(maddr_file, host=address))
+        addresses = wait_for_file(maddr_file, process, "the DHT", lambda: self.log(name), timeout)
+        self.initial_peers = [m for m in addresses.split() if f"/ip4/{address}/" in m]
         return self.initial_peers
 
     def start_scheduler(self, site: str, model_dir: Path, *extra: str, name: str = "scheduler") -> str:
         address_file = self.run_dir / f"{name}.address"
         address_file.unlink(missing_ok=True)
-        argv = self.python(
-            "scheduler.cli", "--initial-peers", *self.initial_peers, "--model-dir", str(model_dir),
-            "--host", self.network.address(site), "--port", "0", "--address-file", str(address_file),
-            "--http-port", "-1", "--identity-path", str(self.scheduler_identity), *extra,
-        )  # fmt: skip
+        where = ["--host", self.network.address(site), "--port", "0", "--http-port", "-1"]
+        argv = scheduler_argv(
+            model_dir, self.initial_peers, address_file, self.scheduler_identity, *where, *extra
+        )
         process = self.start(name, site, argv)
-        deadline = time.monotonic() + 90
-        while not address_file.exists() or not address_file.read_text().strip():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the scheduler did not start:\n{self.log(name)[-3000:]}")
-            time.sleep(0.1)
-        return address_file.read_text().strip()
+        return wait_for_file(address_file, process, "the scheduler", lambda: self.log(name), timeout=90)
 
     def start_server(
         self,
@@ -207,15 +191,19 @@ class Emulation:
         compute_delay: float = 0.0,
         *extra: str,
     ) -> subprocess.Popen:
-        argv = self.python(
-            "server.cli", str(model_dir), "--initial-peers", *self.initial_peers,
-            *(["--blocks", blocks] if blocks else ["--scheduler-key", self.scheduler_key]),
-            "--memory", str(memory),
-            "--host", self.network.listen_address(site), "--public-name", name,
-            "--compute-delay", repr(compute_delay), "--torch-threads", "1", "--announce-period", "5",
-            "--max-peer-cache-fraction", "1",  # one load generator drives every session of a run
+        argv = server_argv(
+            model_dir,
+            self.initial_peers,
+            blocks,
+            memory,
+            name,
+            self.scheduler_key,
+            "--compute-delay",
+            repr(compute_delay),
             *extra,
-        )  # fmt: skip
+            host=self.network.listen_address(site),
+            announce_period=5,
+        )
         return self.start(name, site, argv)
 
     def wait_online(
