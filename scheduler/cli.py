@@ -89,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_options(
         parser, CoreSettings, {"--max-sessions-per-client": "sessions one client may have routed at once"}
     )
+    add_field_options(
+        parser,
+        SchedulerConfig,
+        {
+            "--roster-read-period": "seconds between roster reads (each reads the keys that are due; "
+            "one read asks several servers, whatever the number of keys)",
+            "--full-pass": "every roster key is re-read within this many seconds: how late the scheduler "
+            "sees a server join, leave or fill up",
+        },
+    )
     add_swarm_secret_argument(parser)
     parser.add_argument("--http-host", help="address of the status page and /metrics (default: --host)")
     parser.add_argument(

@@ -6,10 +6,10 @@ replicas, then read among 1,000 announced server records.
 
 One swarm on loopback, grown in place: a DHT, a scheduler, and `3 x replicas` real server processes
 (each its own peer, a tiny 24-block LLaMA split 0:8, 8:16, 16:24, `--no-legacy-records`, the default
-10 s announce period). At each size it measures, for `--clients` new clients one after another:
+10 s announce period, 30 s while idle; the scheduler with its default roster cadence). At each size it measures, for `--clients` new clients one after another:
 the time from `from_pretrained` to the first token, the time per later token, and a warm routing
 decision (`SwarmConnection.route` with its round trips cached); plus what every idle server spends
-(CPU over 10 s, its daemons included), the scheduler's last roster refresh (its
+(CPU over 30 s, its daemons included), the scheduler's last roster refresh (its
 `swarm_roster_refresh_seconds` metric) and the largest DHT value readers fetch. Then stand-in
 records (`swarm.standin_records`: correctly signed records of peers that do not serve, announcing
 the real servers' speeds) bring the swarm to `--records` servers and the same is measured again.
@@ -53,8 +53,9 @@ PROMPT = torch.tensor([[5, 17, 99, 200, 31, 7]])
 SIGNATURE_BYTES = 256 + 16  # RSA-2048 signature and its marker, stripped before values reach readers
 
 
-def idle_cpu_percent(swarm: LocalSwarm, names: list[str], seconds: float = 10.0) -> float:
-    """Mean share of one core each named (idle) server spends, daemons included."""
+def idle_cpu_percent(swarm: LocalSwarm, names: list[str], seconds: float = 30.0) -> float:
+    """Mean share of one core each named (idle) server spends, daemons included, over one idle
+    announcement period (30 s: every idle server announces once in it)."""
     pgids = [swarm.processes[name].pid for name in names]  # each server leads its own group
     before = cpu_seconds_by_group()
     time.sleep(seconds)
@@ -147,7 +148,9 @@ def main() -> None:
         forger = None
         try:
             swarm.start_dht()
-            swarm.start_scheduler("scheduler", model_dir, "--http-port", "0")
+            # the scheduler's own roster cadence (LocalSwarm's is quicker, for tests)
+            cadence = ["--roster-read-period", "2", "--full-pass", "4"]
+            swarm.start_scheduler("scheduler", model_dir, "--http-port", "0", *cadence)
             names: list[str] = []
             for count in replicas:
                 new = [f"s{span}-{r}" for r in range(len(names) // 3, count) for span in range(3)]

@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-length": "longest session accepted, in tokens",
             "--slot-tokens": "session length cache slots are counted for",
             "--max-batch-size": None,
-            "--announce-period": "seconds between DHT announcements",
+            "--announce-period": "seconds between DHT announcements while sessions are open",
+            "--idle-announce-factor": "with no session open, announce every this many periods (records "
+            "live two of them: how long a crashed server's record outlives it)",
             "--session-timeout": "close sessions idle this long (s)",
             "--compute-delay": "emulation: extra seconds per block per step, to make a CPU server behave "
             "like a slower GPU",

@@ -66,6 +66,8 @@ class ServerConfig:
     slot_tokens: int = 2048  # session length that announced cache slots are counted for
     max_batch_size: int = 64
     announce_period: float = 10.0
+    # an idle server (no session open) re-announces every this many periods; records live two of them
+    idle_announce_factor: float = 3.0
     session_idle_timeout: float = 300.0
     compute_delay: float = 0.0
     compute_delay_overlap: bool = False  # emulation: concurrent sessions' delays overlap (see handler)
@@ -102,6 +104,11 @@ class ServerConfig:
         if not 0 < self.announce_period <= MAX_ANNOUNCE_PERIOD or not self.session_idle_timeout > 0:
             raise SwarmUserError(
                 f"--announce-period must be in (0, {MAX_ANNOUNCE_PERIOD:.0f}] and --session-timeout positive"
+            )
+        if not 1 <= self.idle_announce_factor <= MAX_ANNOUNCE_PERIOD / self.announce_period:
+            raise SwarmUserError(
+                f"--idle-announce-factor must be in [1, {MAX_ANNOUNCE_PERIOD:.0f} / --announce-period], "
+                f"got {self.idle_announce_factor}"
             )
         if not 0 < self.max_peer_cache_fraction <= 1:
             fraction = self.max_peer_cache_fraction
@@ -194,7 +201,7 @@ class SwarmServer:
         )
 
     def _announce(self, wait: bool = True):
-        ttl = 2 * self.config.announce_period + 1
+        ttl = 2 * self.config.announce_period * self.config.idle_announce_factor + 1
         return announce(
             self.dht,
             self.config.dht_prefix,
@@ -413,10 +420,11 @@ class SwarmServer:
         )
 
     async def _announce_until_stopped(self) -> None:
-        """Re-announce every period, and soon after sessions open or close (so free slots stay current)."""
-        period = self.config.announce_period
+        """Re-announce every period while sessions are open, every `idle_announce_factor` periods while
+        none is (an idle server costs the swarm little: each announcement is a DHT store that other
+        servers check), and soon after sessions open or close (so free slots stay current)."""
         loop = asyncio.get_running_loop()
-        next_periodic = loop.time() + period
+        next_periodic = loop.time() + self._heartbeat_period()
         while not self.stopped.is_set():
             timeout = max(next_periodic - loop.time(), 0)
             stop = asyncio.ensure_future(self.stopped.wait())
@@ -429,10 +437,17 @@ class SwarmServer:
             if self._sessions_changed.is_set():
                 await asyncio.sleep(0.2)  # coalesce bursts of opens/closes into one announcement
                 self._sessions_changed.clear()
+                next_periodic = min(next_periodic, loop.time() + self._heartbeat_period())
             else:
-                next_periodic = loop.time() + period
+                next_periodic = loop.time() + self._heartbeat_period()
                 await self._follow_relay_state()
             await self.announce_quietly()
+
+    def _heartbeat_period(self) -> float:
+        """Seconds until the next periodic announcement: shorter while sessions are open (their free
+        cache changes as they grow), longer while idle; the record's TTL covers the longer one."""
+        busy = self.served is not None and self.served.open_sessions > 0
+        return self.config.announce_period * (1 if busy else self.config.idle_announce_factor)
 
     async def announce_quietly(self) -> None:
         try:

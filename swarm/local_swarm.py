@@ -185,7 +185,11 @@ class LocalSwarm:
         address_file = self.log_dir / f"{name}.address"
         address_file.unlink(missing_ok=True)
         _ = self.scheduler_key  # the key files exist before the scheduler reads them
-        argv = scheduler_argv(model_dir, self.initial_peers, address_file, self.scheduler_identity, *extra)
+        # tests react to the roster at once (like servers' 2 s announcements); `extra` may override it
+        quick = ["--roster-read-period", "0.5", "--full-pass", "1"]
+        argv = scheduler_argv(
+            model_dir, self.initial_peers, address_file, self.scheduler_identity, *quick, *extra
+        )
         process = self.start(name, argv)
         return wait_for_file(address_file, process, "the scheduler", lambda: self.log(name), timeout)
 
