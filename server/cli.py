@@ -1,7 +1,7 @@
 """`swarm-server`: serve a span of a model's blocks to the swarm.
 
 With `--blocks` the span is pinned. Without it the server is managed: it takes its span from the
-scheduler service, or chooses one PETALS-style when no scheduler answers (see `server.server`).
+`swarm-scheduler`, or chooses one PETALS-style when no scheduler answers (see `server.server`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How a *managed* server (started without `--blocks`) gets its span and follows the scheduler.
 
 It measures its speed on a probe block, announces itself without blocks, and takes its span from
-the scheduler service; when no scheduler answers within `scheduler_timeout` it chooses a span
+`swarm-scheduler`; when no scheduler answers within `scheduler_timeout` it chooses a span
 itself, PETALS-style (SPEC 3.3), so the swarm never depends on the scheduler for liveness. While
 serving it keeps asking the scheduler and moves when the placement changes: it stops accepting
 sessions, drains the open ones, keeps the blocks both spans share and loads only the missing ones.
