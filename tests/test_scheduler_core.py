@@ -148,6 +148,24 @@ def test_waiting_sessions_are_admitted_in_ws_rr_order_and_never_overfill():
     assert core.tick(11.0) == [decisions[3].session.session_id]
 
 
+def test_a_session_that_ends_frees_its_room_before_the_servers_re_announce():
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0, lease=60.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    servers = {"peer-a": info(L * BLOCK + 1 * SLOT * L, 0.001)}  # room for one session
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    core.update_roster(serving(core.assignment, servers), 0.2)
+    first = core.route(_request("c1", {"peer-a": 0.001}, 4, 6, 1, 10), now=1.0)
+    assert first.session.admitted
+    # the server's record now counts the first session's cache (announced after it opened)
+    core.update_roster(serving(core.assignment, servers, used={"peer-a": L}), 1.5)
+    second = core.route(_request("c2", {"peer-a": 0.001}, 4, 6, 1, 10), now=2.0)
+    assert not second.session.admitted
+    assert core.end_session(first.session.session_id)
+    # no roster read since: the record still counts the first session, but the book knows it ended
+    assert core.tick(2.1) == [second.session.session_id]
+
+
 def test_announced_use_blocks_admission_and_leases_expire():
     settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0, lease=5.0)
     core = SchedulerCore(SHAPE, settings, 0.0)

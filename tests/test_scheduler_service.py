@@ -266,10 +266,12 @@ def tight(llama_dir, tmp_path_factory):
 def test_twice_r_clients_are_admitted_in_ws_rr_order_without_refusals(tight, llama_dir, reference):
     swarm, address, _ = tight
     # A and B fill both slots; C arrives once they hold them and D once C waits. B is short, so C
-    # (routed before D) is predicted, and admitted, first
+    # (routed before D) is predicted, and admitted, first. B starts 0.3 s after A: the scheduler
+    # predicts every session for the planned l_out, so C's predicted start (A's end) comes 0.3 s
+    # before D's (B's end), well beyond the jitter of the clients' own clocks
     plan = [
         ("A", "Once upon a time", 40, 0.0),
-        ("B", "Paris London", 16, 0.0),
+        ("B", "Paris London", 16, 0.3),
         ("C", "It learned", 8, lambda: status(address).active_sessions == 2),
         ("D", "one two", 8, lambda: status(address).waiting_sessions == 1),
     ]

@@ -294,6 +294,11 @@ class SessionBook:
             return False
         if session.admitted:
             self._grant(session, -1)
+            # the servers' records still count its cache until they re-announce and we re-read them:
+            # without this, a session waiting for exactly that room would wait for the next roster read
+            for peer, slots in session.slots().items():
+                if peer in self._announced_use:
+                    self._announced_use[peer] = max(self._announced_use[peer] - slots, 0)
         if self._state is not None:
             self._state.end_session(session_id)
         return True
