@@ -35,10 +35,8 @@ CHILD_ENV = {
 # --- the roles' command lines and start-up signals (shared with scripts/netem's emulated swarm) -----
 def dht_argv(maddr_file: Path, host: str | None = None) -> list[str]:
     """`swarm-dht`, writing its multiaddrs to `maddr_file` once it listens (on `host`, or loopback)."""
-    return [PYTHON, "-m", "swarm.cli.dht", *(["--host", host, "--port", "0"] if host else [])] + [
-        "--maddr-file",
-        str(maddr_file),
-    ]
+    where = ["--host", host, "--port", "0"] if host else []
+    return [PYTHON, "-m", "swarm.cli.dht", *where, "--maddr-file", str(maddr_file)]
 
 
 def server_argv(

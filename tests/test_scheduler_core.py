@@ -11,7 +11,9 @@ from scheduler.plan_commands import place
 from scheduler.plan_io import dumps, parse_problem, problem_json
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings, r_changed
+from scheduler.service.runner import SchedulerConfig
 from scheduler.service.view import ModelShape
+from swarm.errors import SwarmUserError
 from swarm.route_request import RouteRequest, SessionShape
 from swarm.server_info import Reachability, ServerInfo, ServerState
 
@@ -230,3 +232,22 @@ def test_an_unreachable_server_is_shown_but_never_routed_to():
     assert [hop.peer_id for hop in decision.session.hops] == ["peer-slow"]
     shown = {server["peer_id"]: server["reachability"] for server in core.status(1.0)["servers"]}
     assert shown == {"peer-fast": "unreachable", "peer-slow": "relay"}
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (lambda: CoreSettings(period=0), "--period must be positive"),
+        (lambda: CoreSettings(lease=float("nan")), "--lease must be positive"),
+        (lambda: CoreSettings(settle=-1), "--settle must be >= 0"),
+        (lambda: PlanSettings(min_gain=1.0), "--min-gain must be in"),
+        (lambda: PlanSettings(arrival_rate=float("inf")), "--arrival-rate must be a positive"),
+        (lambda: PlanSettings(num_requests=0), "--num-requests must be at least 1"),
+        (lambda: PlanSettings(policy="magic"), "--policy must be one of"),
+        (lambda: SchedulerConfig([], "p", SHAPE, CoreSettings(), full_pass=0), "full pass must be positive"),
+        (lambda: SchedulerConfig([], "p", SHAPE, CoreSettings(), port=70000), "--port must be in"),
+    ],
+)
+def test_settings_built_in_code_check_their_values(settings, message):
+    with pytest.raises(SwarmUserError, match=message):
+        settings()

@@ -221,6 +221,9 @@ def test_a_config_built_in_code_gets_the_same_checks_as_the_command_line(llama_d
         ({"metrics_port": 70000}, "--metrics-port must be in"),
         ({"max_peer_cache_fraction": 1.5}, "--max-peer-cache-fraction"),
         ({"drain_timeout": -1.0}, "--drain-timeout must be >= 0"),
+        ({"idle_announce_factor": 0.5}, "--idle-announce-factor must be in"),
+        ({"idle_announce_factor": float("nan")}, "--idle-announce-factor must be in"),
+        ({"announce_period": 60.0, "idle_announce_factor": 3.0}, "--idle-announce-factor must be in"),
     ]:
         with pytest.raises(SwarmUserError, match=message):
             ServerConfig(**{**good, **bad})

@@ -19,13 +19,14 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from scheduler.algorithms.cgbp import (
     choose_num_requests,
     session_capacity,
     slowest_client_request_time,
 )
-from scheduler.algorithms.placing import PLACEMENTS
+from scheduler.algorithms.placing import PLACEMENTS, PlacedServers, PlanProblem
 from scheduler.algorithms.problem import Span
 from scheduler.plan_commands import placement_output
 from scheduler.plan_io import problem_json
@@ -60,14 +61,31 @@ class PlanSettings:
 
 @dataclass(frozen=True)
 class Plan:
-    """One computed placement, with the `swarm-plan` documents that reproduce it (a record for
-    operators: `swarm-plan place` on `plan_input` prints `plan_output`)."""
+    """One computed placement: what the algorithm was given and what it returned. The `swarm-plan`
+    documents that reproduce it are a record for operators (`swarm-plan place` on `plan_input` prints
+    `plan_output`), built only when someone asks for them."""
 
-    spans: dict[str, Span | None]  # peer id -> span (None: no blocks)
+    problem: PlanProblem
+    placed: PlacedServers
     num_requests: int
-    bound: float | None  # eq. 17 (CG-BP only)
-    plan_input: dict
-    plan_output: dict
+
+    @cached_property
+    def spans(self) -> dict[str, Span | None]:
+        """Peer id -> span (None: no blocks)."""
+        return self.placed.by_name(self.problem)
+
+    @property
+    def bound(self) -> float | None:
+        """Eq. 17 (CG-BP only)."""
+        return self.placed.bound
+
+    @cached_property
+    def plan_input(self) -> dict:
+        return problem_json(self.problem)
+
+    @cached_property
+    def plan_output(self) -> dict:
+        return placement_output(self.problem, self.placed)
 
 
 @dataclass
@@ -111,9 +129,7 @@ def compute_plan(
     else:
         problem = view.plan_problem(peers)
     algorithm = "gbp-cr" if settings.policy == "chains" else settings.policy
-    placed = PLACEMENTS[algorithm](problem)
-    record = problem_json(problem), placement_output(problem, placed)
-    return Plan(placed.by_name(problem), num_requests, placed.bound, *record)
+    return Plan(problem, PLACEMENTS[algorithm](problem), num_requests)
 
 
 def choose_requests(
