@@ -237,8 +237,7 @@ def main() -> None:
             "where 97% of the records are dead. The routing decision is `SwarmConnection.route` on a "
             "warm client, re-reading the roster once its 1 s freshness ran out (the chain choice itself "
             "takes under 1 ms). Idle server CPU, over 30 s (one idle announcement period), includes the "
-            "server's libp2p daemon and DHT process (in a separate measurement at 24 servers: 0.45% "
-            "of a core in the daemon, 0.26% in Python) and grows with the swarm's DHT traffic: idle "
+            "server's libp2p daemon and DHT process and grows with the swarm's DHT traffic: idle "
             "servers announce every 30 s and the scheduler reads the roster every 2 s.\n"
         )
         write_section(header, body)
