@@ -23,7 +23,7 @@ from client.routing import Candidate, choose_chain, probe_shortlist, uncovered_b
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
-from swarm.dht_records import fetch_servers_async
+from swarm.dht_records import fetch_servers_async, fetch_servers_covering
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.route_request import RouteHop, SessionShape
@@ -121,7 +121,10 @@ class SwarmConnection:
         self._servers: dict[str, ServerInfo] = {}
         self._fetched_at = -math.inf
         self._reading: asyncio.Future | None = None  # a background read of the server records
+        self._first_read: asyncio.Future | None = None  # begun at start-up: see `_begin_warm_up`
+        self._warming: asyncio.Future | None = None
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
+        self._pinging: dict[str, asyncio.Future] = {}  # peer -> its ping in flight (callers share it)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
         self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
         self.caught: dict[str, int] = {}  # peer -> steps where replicas outvoted it (wrong outputs)
@@ -144,6 +147,20 @@ class SwarmConnection:
         self.no_cache_room_refusals = (
             0  # sessions a server refused for lack of cache (for operators and tests)
         )
+        # what the first route needs, begun now (as PETALS' sequence manager does), so that it overlaps
+        # with loading the client's modules and the caller's own set-up instead of following them
+        run_sync(self._begin_warm_up())
+
+    async def _begin_warm_up(self) -> None:
+        self._first_read = asyncio.ensure_future(self._read_servers())
+        self._warming = asyncio.ensure_future(self._warm_up())
+        self._warming.add_done_callback(_log_failed_read)
+
+    async def _warm_up(self) -> None:
+        """The first read of the server records, then pings of the servers that a route over the whole
+        model asks first (a route in the meantime shares both instead of repeating them)."""
+        await self._first_read
+        await self.candidates()
 
     # --- what the swarm looks like ----------------------------------------------------------------
     async def servers(self, refresh: bool = False) -> dict[str, ServerInfo]:
@@ -151,6 +168,8 @@ class SwarmConnection:
         read older than `STALE_LIMIT` refresh periods are waited for; otherwise an expired list is
         returned as it is while a new one is read in the background, so routing never waits on the
         DHT (reading and checking a large swarm's records takes longer than choosing a chain)."""
+        if self._fetched_at == -math.inf and self._first_read is not None and not self._first_read.done():
+            await asyncio.wait([self._first_read])  # begun at start-up (if it fails, read again below)
         age = time.monotonic() - self._fetched_at
         if refresh or age > STALE_LIMIT * self.options.refresh_period:
             await self._read_servers()
@@ -168,13 +187,28 @@ class SwarmConnection:
             return set()
 
     async def _stop_reading(self) -> None:
-        if self._reading is not None:
-            self._reading.cancel()
+        for task in (self._first_read, self._warming, self._reading, *list(self._pinging.values())):
+            if task is not None:
+                task.cancel()
 
     async def _read_servers(self) -> None:
-        first = self._fetched_at == -math.inf  # nothing cached in our DHT node yet: no need for "latest"
-        self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits, latest=not first)
+        if self._fetched_at > -math.inf:
+            self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits)
+            self._fetched_at = time.monotonic()
+            return
+        # the first read: nothing cached in our DHT node yet, so the first value found is as new as any;
+        # it ends once the servers found can route the whole model, and the rest follows in the background
+        self._servers, complete = await fetch_servers_covering(
+            self.dht, self.prefix, self.limits, self.options.probe_per_block
+        )
         self._fetched_at = time.monotonic()
+        if not complete:
+            self._reading = asyncio.ensure_future(self._read_rest())
+            self._reading.add_done_callback(_log_failed_read)
+
+    async def _read_rest(self) -> None:
+        """The first read's searches still under way, awaited (what they found is in our DHT node)."""
+        self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits, latest=False)
 
     @property
     def known_servers(self) -> dict[str, ServerInfo]:
@@ -205,6 +239,12 @@ class SwarmConnection:
             ttl = self.options.rtt_ttl if cached[0] < math.inf else self.options.failed_ping_ttl
             if time.monotonic() - cached[1] < ttl:
                 return cached[0]
+        if peer_id not in self._pinging:  # the warm-up and a route may want the same server at once
+            self._pinging[peer_id] = asyncio.ensure_future(self._ping(peer_id))
+            self._pinging[peer_id].add_done_callback(lambda _: self._pinging.pop(peer_id, None))
+        return await asyncio.shield(self._pinging[peer_id])
+
+    async def _ping(self, peer_id: str) -> float:
         started = time.perf_counter()
         request = encode(InfoRequest(swarm_proof=self.swarm_proof(peer_id)))
         try:

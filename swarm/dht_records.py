@@ -20,6 +20,7 @@ until they expire; every record carries `announced_at`, and readers keep only th
 
 from __future__ import annotations
 
+import asyncio
 import math
 from functools import partial
 from typing import Any
@@ -80,17 +81,55 @@ async def _get(
     # a new node has no copies of its own, and its first read may stop at the first value found
     # (a search for the latest asks every peer near the key: its cost grows with the swarm)
     found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
+    return {key: owned for key, entry in found.items() if (owned := _owned_entries(entry)) is not None}
+
+
+def _owned_entries(entry) -> dict[str, object] | None:
+    """{owner public key: value} of a found dictionary value (None: nothing, or not a dictionary)."""
+    if entry is None or not isinstance(entry.value, dict):
+        return None
+    owned = {}
+    for subkey, item in entry.value.items():
+        owner = owner_key(subkey)
+        if owner is not None:
+            owned[owner] = item.value
+    return owned
+
+
+async def _get_covering(
+    _dht: DHT, node: DHTNode, keys: list[str], limits: ModelLimits, per_block: int
+) -> tuple[dict[str, dict[str, object]], bool]:
+    """A new node's first read: `_get`'s records (`latest=False`), returned as soon as the routable
+    servers found hold every block `per_block` times over, or every search ended; and whether every
+    search ended. Searches left running go on in this node, whose cache then serves the next read.
+
+    Why: a key with no value (a shard no server hashes to, the legacy roster once every server is
+    new) is found empty only after its search has asked every peer near it, and each peer is a new
+    connection for a new node: in a swarm of dozens of servers that is most of a first read's time,
+    spent on nothing a client needs to route."""
+    futures = await node.get_many(keys, sufficient_expiration_time=None, return_futures=True)
+    key_of = {future: key for key, future in futures.items()}
     records: dict[str, dict[str, object]] = {}
-    for key, entry in found.items():
-        if entry is None or not isinstance(entry.value, dict):
-            continue
-        owned = {}
-        for subkey, item in entry.value.items():
-            owner = owner_key(subkey)
-            if owner is not None:
-                owned[owner] = item.value
-        records[key] = owned
-    return records
+    pending = set(key_of)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for future in done:
+            if not future.cancelled() and future.exception() is None:
+                owned = _owned_entries(future.result())
+                if owned is not None:
+                    records[key_of[future]] = owned
+        if pending and _covers(parse_server_records(records, limits), limits.num_blocks, per_block):
+            break
+    return records, not pending
+
+
+def _covers(servers: dict[str, ServerInfo], num_blocks: int, per_block: int) -> bool:
+    holders = [0] * num_blocks
+    for info in servers.values():
+        if info.routable:
+            for block in range(info.start, info.end):
+                holders[block] += 1
+    return min(holders, default=0) >= per_block
 
 
 def fetch_servers(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
@@ -105,6 +144,17 @@ async def fetch_servers_async(
     """`fetch_servers` for async callers; `latest=False` only for a node's first read (see `_get`)."""
     future = dht.run_coroutine(partial(_get, keys=roster_keys(prefix), latest=latest), return_future=True)
     return parse_server_records(await future, _limits(limits))
+
+
+async def fetch_servers_covering(
+    dht: DHT, prefix: str, limits: Limits, per_block: int
+) -> tuple[dict[str, ServerInfo], bool]:
+    """A new node's first read (see `_get_covering`): the servers found once every block has
+    `per_block` routable holders, and whether the whole roster was read."""
+    limits = _limits(limits)
+    coroutine = partial(_get_covering, keys=roster_keys(prefix), limits=limits, per_block=per_block)
+    records, complete = await dht.run_coroutine(coroutine, return_future=True)
+    return parse_server_records(records, limits), complete
 
 
 async def fetch_roster_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:

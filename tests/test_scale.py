@@ -8,9 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
+from client.connection import run_sync
 from client.routing import probe_shortlist
 from scheduler.status_page import SERVERS_PER_PAGE, render_status_page
 from swarm.dht_keys import default_prefix
+from swarm.dht_records import fetch_servers_covering
 from swarm.local_swarm import LocalSwarm
 from swarm.server_info import Reachability, ServerInfo
 from swarm.standin_records import new_keys, peer_id, publish_standins, standin_info, start_standin_dht
@@ -83,7 +85,14 @@ def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(
         client = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
         try:
             output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-            pinged = client.backend.connection.measured_rtts()
+            connection = client.backend.connection
+            pinged = connection.measured_rtts()
+            # a first read may stop once every block has enough routable holders; asked for more holders
+            # than exist, it reads everything
+            enough, _ = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, per_block=1))
+            assert all(any(i.routable and i.start <= b < i.end for i in enough.values()) for b in range(6))
+            everyone, complete = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, 99))
+            assert complete and len(everyone) == 39 and enough.items() <= everyone.items()
         finally:
             client.shutdown()
         elapsed = time.monotonic() - started
