@@ -23,7 +23,7 @@ from client.routing import Candidate, choose_chain, probe_shortlist, uncovered_b
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
-from swarm.dht_records import fetch_servers_async, fetch_servers_covering
+from swarm.dht_records import answered_peers_async, fetch_servers_async, fetch_servers_covering
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.route_request import RouteHop, SessionShape
@@ -125,6 +125,7 @@ class SwarmConnection:
         self._warming: asyncio.Future | None = None
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
         self._pinging: dict[str, asyncio.Future] = {}  # peer -> its ping in flight (callers share it)
+        self._live_at_start: set[str] = set()  # peers the first read knew alive (see `_live_peers`)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
         self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
         self.caught: dict[str, int] = {}  # peer -> steps where replicas outvoted it (wrong outputs)
@@ -178,13 +179,18 @@ class SwarmConnection:
             self._reading.add_done_callback(_log_failed_read)
         return self._servers
 
-    async def _connected_peers(self) -> set[str]:
-        """Peers our p2p daemon holds a connection to (a hint that they are alive; empty if it fails)."""
+    async def _live_peers(self) -> set[str]:
+        """Peers that answered our DHT node, or that its p2p daemon was connected to at the first read
+        (a hint that they are alive; only the first read's if asking fails). While the rest of the
+        first read goes on, our DHT node is busy checking what it receives (a large swarm's records):
+        the first read's set, fresh anyway, is used without asking."""
+        if self._reading is not None and not self._reading.done():
+            return self._live_at_start
         try:
-            return {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
+            return await answered_peers_async(self.dht) | self._live_at_start
         except Exception as error:  # only a hint: routing works without it
-            logger.debug("could not list connected peers: %s", error)
-            return set()
+            logger.debug("could not ask our DHT node which peers answered it: %s", error)
+            return self._live_at_start
 
     async def _stop_reading(self) -> None:
         for task in (self._first_read, self._warming, self._reading, *list(self._pinging.values())):
@@ -198,7 +204,7 @@ class SwarmConnection:
             return
         # the first read: nothing cached in our DHT node yet, so the first value found is as new as any;
         # it ends once the servers found can route the whole model, and the rest follows in the background
-        self._servers, complete = await fetch_servers_covering(
+        self._servers, complete, self._live_at_start = await fetch_servers_covering(
             self.dht, self.prefix, self.limits, self.options.probe_per_block
         )
         self._fetched_at = time.monotonic()
@@ -337,12 +343,15 @@ class SwarmConnection:
         return True
 
     async def _routable(self, refresh: bool) -> dict[str, ServerInfo]:
+        return self._routable_among(await self.servers(refresh))
+
+    def _routable_among(self, servers: dict[str, ServerInfo]) -> dict[str, ServerInfo]:
         # only servers that say they serve are worth a ping: a JOINING one has no handlers yet, an
         # UNREACHABLE one (behind NAT without a relay) cannot be dialed at all, and one that just
         # failed to answer is skipped until `failed_ping_ttl` has passed
         return {
             peer: info
-            for peer, info in (await self.servers(refresh)).items()
+            for peer, info in servers.items()
             if info.routable and not self.is_banned(peer) and not self._recently_unanswered(peer)
         }
 
@@ -369,7 +378,7 @@ class SwarmConnection:
             start,
             end,
             breadth if breadth is not None else self.options.probe_per_block,
-            await self._connected_peers(),
+            await self._live_peers(),
         )
         servers = {peer: routable[peer] for peer in shortlist}
         rtts = await asyncio.gather(*(self.rtt(peer) for peer in servers))
@@ -388,18 +397,23 @@ class SwarmConnection:
         still out get `PROBE_GRACE` to answer (a faster server may be among them), then the best
         chain among those that answered is returned; pings left running fill the RTT cache."""
         servers = await self._routable(refresh)
-        connected = await self._connected_peers()
+        known = self._servers  # a read landing meanwhile (the rest of the first one) adds candidates
+        live = await self._live_peers()
         loop = asyncio.get_running_loop()
         breadth, widened_at, chain_since = self.options.probe_per_block, loop.time(), None
         pings: dict[str, asyncio.Future] = {}
 
         def ping_shortlist() -> None:
-            for peer in probe_shortlist(servers, self._answered_rtts(), start, end, breadth, connected):
+            for peer in probe_shortlist(servers, self._answered_rtts(), start, end, breadth, live):
                 if peer not in pings:
                     pings[peer] = asyncio.ensure_future(self.rtt(peer))
 
         ping_shortlist()
         while True:
+            if self._servers is not known:
+                known, servers = self._servers, self._routable_among(self._servers)
+                live = await self._live_peers()
+                ping_shortlist()
             answered = [
                 Candidate(peer, servers[peer], ping.result())
                 for peer, ping in pings.items()

@@ -47,16 +47,15 @@ def probe_shortlist(
     start: int,
     end: int,
     per_block: int,
-    connected: Set[str] = frozenset(),
+    live: Set[str] = frozenset(),
 ) -> list[str]:
     """The servers worth pinging (or reusing a cached ping of) to route blocks `[start, end)`, so
     that a client's routing work does not grow with the swarm: for each block, `per_block` servers
     holding it. Servers already measured come first, best estimated time first (cached round trip
-    plus announced decode time: free to reuse), then unmeasured ones: those this client's p2p daemon
-    is `connected` to first (evidence that the peer is alive: reading the DHT connects to the live
-    servers it asks, while a record of a peer that is gone costs a slow failed lookup), then by
-    announced promise (cache room first, then the fastest `tau`, then peer id, so repeated calls ask
-    the same servers).
+    plus announced decode time: free to reuse), then unmeasured ones: the `live` ones first (they
+    answered this client's DHT node or its p2p daemon connected to them, while a record of a peer
+    that is gone costs a slow failed lookup), then by announced promise (cache room first, then the
+    fastest `tau`, then peer id, so repeated calls ask the same servers).
     When no chain forms among them the caller widens `per_block`; with `per_block >= len(servers)`
     this is every server holding a block of the range."""
     holders: dict[int, list[tuple]] = {}
@@ -67,7 +66,7 @@ def probe_shortlist(
         if peer in measured:
             rank = (0, measured[peer] + tau * info.num_blocks, peer)
         else:
-            rank = (1, (peer not in connected, info.cache_bytes_left <= 0, tau), peer)
+            rank = (1, (peer not in live, info.cache_bytes_left <= 0, tau), peer)
         for block in range(max(info.start, start), min(info.end, end)):
             holders.setdefault(block, []).append(rank)
     chosen: set[str] = set()

@@ -43,6 +43,7 @@ from swarm.scheduler_record import SCHEDULER_RECORD_VERSION, SchedulerRecord
 from swarm.server_info import ServerInfo
 
 Limits = ModelLimits | int  # an int: only the number of blocks is known
+FIRST_READ_PATIENCE = 0.1  # seconds a first read waits for more choice once live servers hold every block
 
 
 async def _store(
@@ -97,39 +98,103 @@ def _owned_entries(entry) -> dict[str, object] | None:
 
 
 async def _get_covering(
-    _dht: DHT, node: DHTNode, keys: list[str], limits: ModelLimits, per_block: int
-) -> tuple[dict[str, dict[str, object]], bool]:
-    """A new node's first read: `_get`'s records (`latest=False`), returned as soon as the routable
-    servers found hold every block `per_block` times over, or every search ended; and whether every
-    search ended. Searches left running go on in this node, whose cache then serves the next read.
+    _dht: DHT, node: DHTNode, keys: list[str], limits: ModelLimits, per_block: int, patience: float
+) -> tuple[dict[str, ServerInfo], bool, set[str]]:
+    """A new node's first read: the servers of `_get`'s records (`latest=False`), returned early once
+    the live ones found hold every block `per_block` times over, or hold every block at all and
+    `patience` seconds passed since; else once every search ended. Also whether every search ended,
+    and the peers known live (`_LivePeers`). Searches left running go on in this node, whose cache
+    serves the next read.
 
     Why: a key with no value (a shard no server hashes to, the legacy roster once every server is
-    new) is found empty only after its search has asked every peer near it, and each peer is a new
-    connection for a new node: in a swarm of dozens of servers that is most of a first read's time,
-    spent on nothing a client needs to route."""
+    new) is found empty only after its search has asked every peer near it, and each is a new
+    connection for a new node; and in a large swarm a few shards already name enough live servers.
+    Reading every key before routing made a first read grow with the swarm."""
     futures = await node.get_many(keys, sufficient_expiration_time=None, return_futures=True)
     key_of = {future: key for key, future in futures.items()}
-    records: dict[str, dict[str, object]] = {}
-    pending = set(key_of)
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for future in done:
-            if not future.cancelled() and future.exception() is None:
-                owned = _owned_entries(future.result())
-                if owned is not None:
-                    records[key_of[future]] = owned
-        if pending and _covers(parse_server_records(records, limits), limits.num_blocks, per_block):
-            break
-    return records, not pending
+    servers: dict[str, ServerInfo] = {}
+    pending, deadline = set(key_of), math.inf
+    loop = asyncio.get_running_loop()
+    live = _LivePeers(node)
+    try:
+        while pending:
+            timeout = None if deadline == math.inf else max(deadline - loop.time(), 0.0)
+            done, _ = await asyncio.wait(
+                pending | {live.asking}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break  # patience ran out with every block held by a live server
+            for future in done & pending:  # each key's records are parsed once, as they arrive
+                pending.discard(future)
+                if not future.cancelled() and future.exception() is None:
+                    owned = _owned_entries(future.result())
+                    if owned is not None:
+                        for peer, info in parse_server_records({key_of[future]: owned}, limits).items():
+                            _keep_newest(servers, peer, info)
+            if pending:
+                alive = live.now()
+                holders = _fewest_holders(
+                    [info for peer, info in servers.items() if peer in alive and info.routable],
+                    limits.num_blocks,
+                )
+                if holders >= per_block:
+                    break
+                if holders >= 1 and deadline == math.inf:
+                    deadline = loop.time() + patience
+        return servers, not pending, live.now()
+    finally:
+        live.asking.cancel()
 
 
-def _covers(servers: dict[str, ServerInfo], num_blocks: int, per_block: int) -> bool:
+class _LivePeers:
+    """Peers a DHT node knows to be alive: those that answered its requests (`_answered`: a search asks
+    the live servers near each key, while a record of a peer that is gone names nobody who answers),
+    and those its p2p daemon is connected to (its Kademlia table fills with live peers in its first
+    second). The daemon is asked in the background: a new one, busy connecting, takes 0.1-0.25 s to
+    list its connections in a swarm of 30."""
+
+    def __init__(self, node: DHTNode):
+        self.node = node
+        self.connected: set[str] = set()
+        self.asking = asyncio.ensure_future(node.p2p.list_peers())
+
+    def now(self) -> set[str]:
+        if self.asking.done():
+            if not self.asking.cancelled() and self.asking.exception() is None:
+                self.connected = {info.peer_id.to_base58() for info in self.asking.result()}
+            self.asking = asyncio.ensure_future(self.node.p2p.list_peers())
+        return _answered(self.node) | self.connected
+
+
+def _answered(node: DHTNode) -> set[str]:
+    """Peers that answered this node's DHT requests (its routing table holds only those)."""
+    return {peer.to_base58() for peer in node.protocol.routing_table.peer_id_to_uid}
+
+
+async def _get_answered(_dht: DHT, node: DHTNode) -> set[str]:
+    return _answered(node)
+
+
+async def answered_peers_async(dht: DHT) -> set[str]:
+    """Peers that answered `dht`'s requests (alive, as far as it knows)."""
+    return await dht.run_coroutine(_get_answered, return_future=True)
+
+
+def _keep_newest(servers: dict[str, ServerInfo], peer_id: str, info: ServerInfo) -> None:
+    """One record per peer: a server is in its shard and, while it writes legacy records, in the legacy
+    roster too; a server that moved has older records left until they expire."""
+    known = servers.get(peer_id)
+    if known is None or info.announced_at > known.announced_at:
+        servers[peer_id] = info
+
+
+def _fewest_holders(servers: list[ServerInfo], num_blocks: int) -> int:
+    """How many of `servers` hold the least held block."""
     holders = [0] * num_blocks
-    for info in servers.values():
-        if info.routable:
-            for block in range(info.start, info.end):
-                holders[block] += 1
-    return min(holders, default=0) >= per_block
+    for info in servers:
+        for block in range(info.start, info.end):
+            holders[block] += 1
+    return min(holders, default=0)
 
 
 def fetch_servers(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
@@ -147,14 +212,15 @@ async def fetch_servers_async(
 
 
 async def fetch_servers_covering(
-    dht: DHT, prefix: str, limits: Limits, per_block: int
-) -> tuple[dict[str, ServerInfo], bool]:
-    """A new node's first read (see `_get_covering`): the servers found once every block has
-    `per_block` routable holders, and whether the whole roster was read."""
+    dht: DHT, prefix: str, limits: Limits, per_block: int, patience: float = FIRST_READ_PATIENCE
+) -> tuple[dict[str, ServerInfo], bool, set[str]]:
+    """A new node's first read (see `_get_covering`): the servers found by the time enough live ones
+    hold every block, whether that was the whole roster, and the peers known live by then."""
     limits = _limits(limits)
-    coroutine = partial(_get_covering, keys=roster_keys(prefix), limits=limits, per_block=per_block)
-    records, complete = await dht.run_coroutine(coroutine, return_future=True)
-    return parse_server_records(records, limits), complete
+    coroutine = partial(
+        _get_covering, keys=roster_keys(prefix), limits=limits, per_block=per_block, patience=patience
+    )
+    return await dht.run_coroutine(coroutine, return_future=True)
 
 
 async def fetch_roster_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:
@@ -205,9 +271,7 @@ def parse_server_records(
                 continue
             if require_blocks and not info.has_blocks:
                 continue
-            known = servers.get(peer_id)
-            if known is None or info.announced_at > known.announced_at:
-                servers[peer_id] = info
+            _keep_newest(servers, peer_id, info)
     return servers
 
 

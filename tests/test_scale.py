@@ -48,10 +48,10 @@ def test_the_probe_shortlist_grows_with_the_spans_not_with_the_replicas():
     assert probe_shortlist(servers, {}, 2, 4, 2) == ["peer-1-01", "peer-1-02"]
     # wide enough, it is everyone holding a block of the range
     assert len(probe_shortlist(servers, {}, 0, 6, 10**6)) == 150
-    # among unmeasured servers, those our p2p daemon is connected to (alive) come before the rest
-    connected = {"peer-0-45", "peer-2-49"}
-    chosen = probe_shortlist(servers, {}, 0, 6, 4, connected)
-    assert connected <= set(chosen) and len(chosen) == 12
+    # among unmeasured servers, those that answered our DHT node (alive) come before the rest
+    live = {"peer-0-45", "peer-2-49"}
+    chosen = probe_shortlist(servers, {}, 0, 6, 4, live)
+    assert live <= set(chosen) and len(chosen) == 12
 
 
 def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(llama_dir, tmp_path):
@@ -89,9 +89,9 @@ def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(
             pinged = connection.measured_rtts()
             # a first read may stop once every block has enough routable holders; asked for more holders
             # than exist, it reads everything
-            enough, _ = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, per_block=1))
+            enough, _, _ = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, per_block=1))
             assert all(any(i.routable and i.start <= b < i.end for i in enough.values()) for b in range(6))
-            everyone, complete = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, 99))
+            everyone, complete, _ = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, 99))
             assert complete and len(everyone) == 39 and enough.items() <= everyone.items()
         finally:
             client.shutdown()
