@@ -23,7 +23,12 @@ from client.routing import Candidate, choose_chain, probe_shortlist, uncovered_b
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
-from swarm.dht_records import answered_peers_async, fetch_servers_async, fetch_servers_covering
+from swarm.dht_records import (
+    answered_peers_async,
+    fetch_servers_async,
+    fetch_servers_covering,
+    finish_covering_read,
+)
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.route_request import RouteHop, SessionShape
@@ -205,7 +210,7 @@ class SwarmConnection:
         # the first read: nothing cached in our DHT node yet, so the first value found is as new as any;
         # it ends once the servers found can route the whole model, and the rest follows in the background
         self._servers, complete, self._live_at_start = await fetch_servers_covering(
-            self.dht, self.prefix, self.limits, self.options.probe_per_block
+            self.dht, self.prefix, self.limits, self.options.probe_per_block, read_id=self.client_id
         )
         self._fetched_at = time.monotonic()
         if not complete:
@@ -213,8 +218,8 @@ class SwarmConnection:
             self._reading.add_done_callback(_log_failed_read)
 
     async def _read_rest(self) -> None:
-        """The first read's searches still under way, awaited (what they found is in our DHT node)."""
-        self._servers = await fetch_servers_async(self.dht, self.prefix, self.limits, latest=False)
+        """The whole roster of the first read, once its searches still under way ended."""
+        self._servers = await finish_covering_read(self.dht, self.prefix, self.limits, self.client_id)
 
     @property
     def known_servers(self) -> dict[str, ServerInfo]:

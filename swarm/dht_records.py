@@ -98,13 +98,20 @@ def _owned_entries(entry) -> dict[str, object] | None:
 
 
 async def _get_covering(
-    _dht: DHT, node: DHTNode, keys: list[str], limits: ModelLimits, per_block: int, patience: float
+    _dht: DHT,
+    node: DHTNode,
+    keys: list[str],
+    limits: ModelLimits,
+    per_block: int,
+    patience: float,
+    read_id: str,
 ) -> tuple[dict[str, ServerInfo], bool, set[str]]:
     """A new node's first read: the servers of `_get`'s records (`latest=False`), returned early once
     the live ones found hold every block `per_block` times over, or hold every block at all and
     `patience` seconds passed since; else once every search ended. Also whether every search ended,
-    and the peers known live (`_LivePeers`). Searches left running go on in this node, whose cache
-    serves the next read.
+    and the peers known live (`_LivePeers`). Searches left running go on in this node; what they find
+    is collected under `read_id` for `_finish_covering` (a second search for the same keys would
+    traverse the DHT again until these ended).
 
     Why: a key with no value (a shard no server hashes to, the legacy roster once every server is
     new) is found empty only after its search has asked every peer near it, and each is a new
@@ -112,6 +119,7 @@ async def _get_covering(
     Reading every key before routing made a first read grow with the swarm."""
     futures = await node.get_many(keys, sufficient_expiration_time=None, return_futures=True)
     key_of = {future: key for key, future in futures.items()}
+    found: dict[str, dict[str, object]] = {}  # every key's entries, for the whole roster
     servers: dict[str, ServerInfo] = {}
     pending, deadline = set(key_of), math.inf
     loop = asyncio.get_running_loop()
@@ -126,11 +134,11 @@ async def _get_covering(
                 break  # patience ran out with every block held by a live server
             for future in done & pending:  # each key's records are parsed once, as they arrive
                 pending.discard(future)
-                if not future.cancelled() and future.exception() is None:
-                    owned = _owned_entries(future.result())
-                    if owned is not None:
-                        for peer, info in parse_server_records({key_of[future]: owned}, limits).items():
-                            _keep_newest(servers, peer, info)
+                owned = _found_entries(future)
+                if owned is not None:
+                    found[key_of[future]] = owned
+                    for peer, info in parse_server_records({key_of[future]: owned}, limits).items():
+                        _keep_newest(servers, peer, info)
             if pending:
                 alive = live.now()
                 holders = _fewest_holders(
@@ -141,9 +149,44 @@ async def _get_covering(
                     break
                 if holders >= 1 and deadline == math.inf:
                     deadline = loop.time() + patience
+        if pending:
+            _UNFINISHED_READS[read_id] = asyncio.ensure_future(_rest_of_read(found, pending, key_of))
         return servers, not pending, live.now()
     finally:
         live.asking.cancel()
+
+
+# first reads that returned before every search ended (in the DHT process): read id -> the whole roster
+_UNFINISHED_READS: dict[str, asyncio.Future] = {}
+
+
+async def _rest_of_read(
+    found: dict[str, dict[str, object]], pending: set[asyncio.Future], key_of: dict[asyncio.Future, str]
+) -> dict[str, dict[str, object]]:
+    await asyncio.wait(pending)
+    for future in pending:
+        owned = _found_entries(future)
+        if owned is not None:
+            found[key_of[future]] = owned
+    return found
+
+
+async def _finish_covering(
+    _dht: DHT, node: DHTNode, read_id: str, keys: list[str]
+) -> dict[str, dict[str, object]]:
+    """The whole roster of the first read `read_id`, once its searches ended (a new search if there is
+    no such read: it ended long ago, or it never returned early)."""
+    rest = _UNFINISHED_READS.pop(read_id, None)
+    if rest is None:
+        return await _get(_dht, node, keys, latest=False)
+    return await rest
+
+
+def _found_entries(search: asyncio.Future) -> dict[str, object] | None:
+    """`_owned_entries` of a finished search (None if it failed or was cancelled)."""
+    if search.cancelled() or search.exception() is not None:
+        return None
+    return _owned_entries(search.result())
 
 
 class _LivePeers:
@@ -212,15 +255,33 @@ async def fetch_servers_async(
 
 
 async def fetch_servers_covering(
-    dht: DHT, prefix: str, limits: Limits, per_block: int, patience: float = FIRST_READ_PATIENCE
+    dht: DHT,
+    prefix: str,
+    limits: Limits,
+    per_block: int,
+    patience: float = FIRST_READ_PATIENCE,
+    read_id: str = "",
 ) -> tuple[dict[str, ServerInfo], bool, set[str]]:
     """A new node's first read (see `_get_covering`): the servers found by the time enough live ones
-    hold every block, whether that was the whole roster, and the peers known live by then."""
+    hold every block, whether that was the whole roster, and the peers known live by then. If it was
+    not, `finish_covering_read(dht, prefix, limits, read_id)` returns the whole roster once the
+    read's searches ended (without searching again)."""
     limits = _limits(limits)
     coroutine = partial(
-        _get_covering, keys=roster_keys(prefix), limits=limits, per_block=per_block, patience=patience
+        _get_covering,
+        keys=roster_keys(prefix),
+        limits=limits,
+        per_block=per_block,
+        patience=patience,
+        read_id=read_id,
     )
     return await dht.run_coroutine(coroutine, return_future=True)
+
+
+async def finish_covering_read(dht: DHT, prefix: str, limits: Limits, read_id: str) -> dict[str, ServerInfo]:
+    """Every server of the first read `read_id` that returned early (see `fetch_servers_covering`)."""
+    coroutine = partial(_finish_covering, read_id=read_id, keys=roster_keys(prefix))
+    return parse_server_records(await dht.run_coroutine(coroutine, return_future=True), _limits(limits))
 
 
 async def fetch_roster_async(dht: DHT, prefix: str, limits: Limits) -> dict[str, ServerInfo]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from hivemind.dht import DHT
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
@@ -12,10 +13,19 @@ from client.connection import run_sync
 from client.routing import probe_shortlist
 from scheduler.status_page import SERVERS_PER_PAGE, render_status_page
 from swarm.dht_keys import default_prefix
-from swarm.dht_records import fetch_servers_covering
+from swarm.dht_records import fetch_servers_covering, finish_covering_read
+from swarm.identity import load_identity
 from swarm.local_swarm import LocalSwarm
+from swarm.record_validator import SwarmRecordValidator
 from swarm.server_info import Reachability, ServerInfo
-from swarm.standin_records import new_keys, peer_id, publish_standins, standin_info, start_standin_dht
+from swarm.standin_records import (
+    StandInSigner,
+    new_keys,
+    peer_id,
+    publish_standins,
+    standin_info,
+    start_standin_dht,
+)
 from tests.conftest import NUM_BLOCKS
 from tests.test_record_validation import server_record
 from tests.test_trust import BOUND_S, NEW_TOKENS, PROMPT
@@ -87,12 +97,16 @@ def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(
             output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
             connection = client.backend.connection
             pinged = connection.measured_rtts()
-            # a first read may stop once every block has enough routable holders; asked for more holders
-            # than exist, it reads everything
-            enough, _, _ = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, per_block=1))
+            # a first read may stop once every block has enough routable holders, and its searches then
+            # complete the roster without searching again; asked for more holders than exist, it reads
+            # everything
+            early = fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, per_block=1, read_id="early")
+            enough, _, _ = run_sync(early)
             assert all(any(i.routable and i.start <= b < i.end for i in enough.values()) for b in range(6))
+            rest = run_sync(finish_covering_read(connection.dht, prefix, NUM_BLOCKS, "early"))
             everyone, complete, _ = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, 99))
             assert complete and len(everyone) == 39 and enough.items() <= everyone.items()
+            assert rest.keys() == everyone.keys()
         finally:
             client.shutdown()
         elapsed = time.monotonic() - started
@@ -121,6 +135,58 @@ def _status_of(servers: int) -> dict:
         for i in range(servers)
     ]  # fmt: skip
     return {"servers": rows, "num_blocks": 6, "coverage": [servers] * 6, "uncovered_blocks": []}
+
+
+def test_live_dht_peers_announcing_every_block_and_serving_nothing_do_not_stop_a_client(llama_dir, tmp_path):
+    """Four full DHT peers (they answer the client's DHT node, so its first read counts them live) each
+    announce, under their own identity, every block at 100x the real servers' speed, and serve
+    nothing. They hold every block 4 times over, so a new client's first read may end with them alone
+    and its whole shortlist may be theirs: it still generates exactly what transformers does, within
+    a bounded time, after their pings failed."""
+    (tmp_path / "swarm").mkdir()
+    swarm = LocalSwarm(tmp_path / "swarm")
+    liars: list[DHT] = []
+    try:
+        swarm.start_dht()
+        for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6")):
+            swarm.start_server(name, llama_dir, blocks, "256MB")
+        prefix = default_prefix(str(llama_dir))
+        real = swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
+        fastest_real = min(info.tau for info in real.values())
+        for index in range(4):
+            key = load_identity(tmp_path / f"liar-{index}.key")
+            liar = DHT(
+                initial_peers=swarm.initial_peers,
+                client_mode=False,  # a full DHT node: it answers searches, as a live server's node does
+                identity_path=str(tmp_path / f"liar-{index}.key"),
+                check_if_identity_free=False,
+                record_validators=[StandInSigner([key]), SwarmRecordValidator()],
+                start=True,
+            )
+            liars.append(liar)
+            assert liar.peer_id.to_base58() == peer_id(key)
+            assert (
+                publish_standins(liar, prefix, [(key, standin_info(0, NUM_BLOCKS, fastest_real / 100))]) == 1
+            )
+        assert len(swarm.servers(prefix, NUM_BLOCKS)) == 7
+
+        started = time.monotonic()
+        client = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
+        try:
+            output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+            pinged = client.backend.connection.measured_rtts()
+        finally:
+            client.shutdown()
+        elapsed = time.monotonic() - started
+        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+        assert torch.equal(output, reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False))
+        print(f"generated past 4 live liars in {elapsed:.1f} s; pinged {len(pinged)} peers")
+        assert elapsed < BOUND_S
+        assert all(pinged[liar.peer_id.to_base58()] == float("inf") for liar in liars)  # asked first, failed
+    finally:
+        for liar in liars:
+            liar.shutdown()
+        swarm.close()
 
 
 def test_the_status_page_of_hundreds_of_servers_is_a_summary_and_pages():
