@@ -175,7 +175,7 @@ async def _finish_covering(
     _dht: DHT, node: DHTNode, read_id: str, keys: list[str]
 ) -> dict[str, dict[str, object]]:
     """The whole roster of the first read `read_id`, once its searches ended (a new search if there is
-    no such read: it ended long ago, or it never returned early)."""
+    no such read: it never returned early, or its rest was collected already)."""
     rest = _UNFINISHED_READS.pop(read_id, None)
     if rest is None:
         return await _get(_dht, node, keys, latest=False)
