@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from hivemind.dht import DHT
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
-from client.connection import run_sync
+from client.connection import SwarmConnection, run_sync
 from client.routing import probe_shortlist
 from scheduler.status_page import SERVERS_PER_PAGE, render_status_page
 from swarm.dht_keys import default_prefix
@@ -64,6 +66,37 @@ def test_the_probe_shortlist_grows_with_the_spans_not_with_the_replicas():
     assert live <= set(chosen) and len(chosen) == 12
 
 
+def _start_three_servers(swarm: LocalSwarm, llama_dir: Path) -> tuple[str, dict[str, ServerInfo]]:
+    """A DHT and three real servers (0:2, 2:4, 4:6), online: the model's prefix and their records."""
+    swarm.start_dht()
+    for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6")):
+        swarm.start_server(name, llama_dir, blocks, "256MB")
+    prefix = default_prefix(str(llama_dir))
+    return prefix, swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
+
+
+def _generate_exactly_within_bound(
+    llama_dir: Path, swarm: LocalSwarm, past: str, check: Callable[[SwarmConnection], None] | None = None
+) -> dict[str, float]:
+    """A new client generates exactly what transformers does, its start included within `BOUND_S`;
+    `check` looks at its connection before it shuts down. Returns the round trips it measured."""
+    started = time.monotonic()
+    client = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
+    try:
+        output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        pinged = client.backend.connection.measured_rtts()
+        if check is not None:
+            check(client.backend.connection)
+    finally:
+        client.shutdown()
+    elapsed = time.monotonic() - started
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    assert torch.equal(output, reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False))
+    print(f"generated past {past} in {elapsed:.1f} s, pinged {len(pinged)} servers")
+    assert elapsed < BOUND_S
+    return pinged
+
+
 def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(llama_dir, tmp_path):
     """Three real servers (0:2, 2:4, 4:6) among 36 correctly signed records of servers that do not
     exist (30, each announcing itself ten times faster than the real ones) or that announce
@@ -72,11 +105,7 @@ def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(
     swarm = LocalSwarm(tmp_path)
     forger = None
     try:
-        swarm.start_dht()
-        for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6")):
-            swarm.start_server(name, llama_dir, blocks, "256MB")
-        prefix = default_prefix(str(llama_dir))
-        real = swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
+        prefix, real = _start_three_servers(swarm, llama_dir)
         fastest_real = min(info.tau for info in real.values())
         keys = new_keys(36)
         dead = [
@@ -91,12 +120,7 @@ def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(
         assert publish_standins(forger, prefix, dead + dark) == 36
         assert len(swarm.servers(prefix, NUM_BLOCKS)) == 39
 
-        started = time.monotonic()
-        client = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
-        try:
-            output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-            connection = client.backend.connection
-            pinged = connection.measured_rtts()
+        def reads(connection: SwarmConnection) -> None:
             # a first read may stop once every block has enough routable holders, and its searches then
             # complete the roster without searching again; asked for more holders than exist, it reads
             # everything
@@ -107,13 +131,8 @@ def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(
             everyone, complete, _ = run_sync(fetch_servers_covering(connection.dht, prefix, NUM_BLOCKS, 99))
             assert complete and len(everyone) == 39 and enough.items() <= everyone.items()
             assert rest.keys() == everyone.keys()
-        finally:
-            client.shutdown()
-        elapsed = time.monotonic() - started
-        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
-        assert torch.equal(output, reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False))
-        print(f"generated past 36 dead/unreachable records in {elapsed:.1f} s, pinged {len(pinged)} servers")
-        assert elapsed < BOUND_S
+
+        pinged = _generate_exactly_within_bound(llama_dir, swarm, "36 dead/unreachable records", reads)
         assert not {peer_id(key) for key, _ in dark} & set(pinged)  # never dialed
         assert {
             peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items() if info.public_name in real
@@ -147,11 +166,7 @@ def test_live_dht_peers_announcing_every_block_and_serving_nothing_do_not_stop_a
     swarm = LocalSwarm(tmp_path / "swarm")
     liars: list[DHT] = []
     try:
-        swarm.start_dht()
-        for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6")):
-            swarm.start_server(name, llama_dir, blocks, "256MB")
-        prefix = default_prefix(str(llama_dir))
-        real = swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
+        prefix, real = _start_three_servers(swarm, llama_dir)
         fastest_real = min(info.tau for info in real.values())
         for index in range(4):
             key = load_identity(tmp_path / f"liar-{index}.key")
@@ -170,18 +185,7 @@ def test_live_dht_peers_announcing_every_block_and_serving_nothing_do_not_stop_a
             )
         assert len(swarm.servers(prefix, NUM_BLOCKS)) == 7
 
-        started = time.monotonic()
-        client = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
-        try:
-            output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-            pinged = client.backend.connection.measured_rtts()
-        finally:
-            client.shutdown()
-        elapsed = time.monotonic() - started
-        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
-        assert torch.equal(output, reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False))
-        print(f"generated past 4 live liars in {elapsed:.1f} s; pinged {len(pinged)} peers")
-        assert elapsed < BOUND_S
+        pinged = _generate_exactly_within_bound(llama_dir, swarm, "4 live liars")
         assert all(pinged[liar.peer_id.to_base58()] == float("inf") for liar in liars)  # asked first, failed
     finally:
         for liar in liars:
