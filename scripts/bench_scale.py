@@ -23,7 +23,6 @@ the other servers' idle cost; stand-ins never answer, so they cost clients what 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -33,6 +32,7 @@ import urllib.request
 from functools import partial
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,10 +98,9 @@ def scheduler_refresh(swarm: LocalSwarm) -> tuple[float, float]:
 
 
 def host_busy_seconds() -> float:
-    """CPU time this whole host has spent busy so far, all cores (from /proc/stat)."""
-    fields = [int(field) for field in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    busy = sum(fields[:3]) + sum(fields[5:8])  # user, nice, system, irq, softirq, steal (not idle, iowait)
-    return busy / os.sysconf("SC_CLK_TCK")
+    """CPU time this whole host has spent busy so far, all cores (neither idle nor waiting for I/O)."""
+    times = psutil.cpu_times()._asdict()  # Linux counts guest time in user and nice as well
+    return sum(times.get(name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def measure_clients(model_dir: Path, swarm: LocalSwarm, clients: int, tokens: int) -> dict:
