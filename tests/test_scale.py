@@ -186,7 +186,10 @@ def test_live_dht_peers_announcing_every_block_and_serving_nothing_do_not_stop_a
         assert len(swarm.servers(prefix, NUM_BLOCKS)) == 7
 
         pinged = _generate_exactly_within_bound(llama_dir, swarm, "4 live liars")
-        assert all(pinged[liar.peer_id.to_base58()] == float("inf") for liar in liars)  # asked first, failed
+        # the liars rank first among unmeasured live servers: some were asked (which ones depends on how
+        # far the first read had got), and none answered
+        asked = [pinged[liar.peer_id.to_base58()] for liar in liars if liar.peer_id.to_base58() in pinged]
+        assert asked and all(rtt == float("inf") for rtt in asked)
     finally:
         for liar in liars:
             liar.shutdown()
