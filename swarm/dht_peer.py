@@ -123,6 +123,11 @@ def start_dht(
     quick = {"bootstrap_timeout": CLIENT_BOOTSTRAP_WAIT} if client_mode and len(initial_peers) == 1 else {}
     if client_mode:  # a reader's p2p daemon asks libp2p's DHT (to find peers) but does not serve it:
         quick["dht_mode"] = "client"  # no other daemon adds it to its routing table or refreshes with it
+        # and it writes nothing: hivemind would send every value a read found to the nearest node that
+        # lacked it (10-13 stores, each checked by its receiver, before a new client's first token at 24
+        # servers); the roster needs no such copies (its writers store it on several nodes), and a reader
+        # that writes is one more way to spread what it read
+        quick["cache_nearest"] = 0
     report = ""
     for attempt in range(1, DHT_START_ATTEMPTS + 1):
         handle, stack_file = tempfile.mkstemp(prefix="dht-start-", suffix=".stacks")
