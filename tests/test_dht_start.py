@@ -107,7 +107,8 @@ def test_a_reader_stores_nothing_where_it_reads(tmp_path):
         assert holder.run_coroutine(partial(_holds, key=shard))
         # a node that lacks the value (hivemind hands it to a node that joins: it is dropped there), so a
         # read visits that node and finds the value at the holder
-        late = dht_peer.start_dht(initial_peers, client_mode=False, identity=dht_peer.open_identity(None))
+        late_identity = dht_peer.open_identity(str(tmp_path / "late"))
+        late = dht_peer.start_dht(initial_peers, client_mode=False, identity=late_identity)
         deadline = time.monotonic() + 10
         while not late.run_coroutine(partial(_holds, key=shard)) and time.monotonic() < deadline:
             time.sleep(0.2)
