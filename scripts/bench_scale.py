@@ -209,14 +209,15 @@ def main() -> None:
             if forger is not None:
                 forger.shutdown()
             swarm.close()
-    report(rows, args.replicas, args.records, args.clients, args.write)
+    report(rows, args.replicas, args.records, args.clients, args.tokens, args.write)
 
 
-def report(rows: list[dict], replicas: str, records: int, clients: int, write: bool) -> None:
+def report(rows: list[dict], replicas: str, records: int, clients: int, tokens: int, write: bool) -> None:
     """Print the table (and write the BENCHMARKS.md section) of the rows `main` measured."""
     lines = [
         "| servers (real) | records | first token after from_pretrained (of which from_pretrained) "
-        "| host CPU busy until the first token | per token (next 16; then 32 more) | routing decision "
+        f"| host CPU busy until the first token | per token (next {tokens}; then {2 * tokens} more) "
+        "| routing decision "
         "| servers pinged | idle server CPU | scheduler refresh (read + review) | largest DHT value "
         "(one-key roster before) |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -273,8 +274,8 @@ def report(rows: list[dict], replicas: str, records: int, clients: int, write: b
             "'host CPU busy until the first token' is all the CPU the host spent (client, servers, "
             "daemons) from `from_pretrained` to the first token; divided by 2 cores it is close to the "
             "time to the first token. Spread over real machines, the servers' share of that work would "
-            "not delay the client. 'Per token' is the 16 tokens after the first (they overlap the end "
-            "of the join), then the 32 after those. The routing decision "
+            f"not delay the client. 'Per token' is the {tokens} tokens after the first (they overlap the "
+            f"end of the join), then the {2 * tokens} after those. The routing decision "
             "is `SwarmConnection.route` on a "
             "warm client, re-reading the roster once its 1 s freshness ran out (the chain choice itself "
             "takes under 1 ms). Idle server CPU, over 30 s (one idle announcement period), includes the "

@@ -104,14 +104,14 @@ async def _get_covering(
     limits: ModelLimits,
     per_block: int,
     patience: float,
-    read_id: str,
+    read_id: str | None,
 ) -> tuple[dict[str, ServerInfo], bool, set[str]]:
     """A new node's first read: the servers of `_get`'s records (`latest=False`), returned early once
     the live ones found hold every block `per_block` times over, or hold every block at all and
     `patience` seconds passed since; else once every search ended. Also whether every search ended,
-    and the peers known live (`_LivePeers`). Searches left running go on in this node; what they find
-    is collected under `read_id` for `_finish_covering` (a second search for the same keys would
-    traverse the DHT again until these ended).
+    and the peers known live (`_LivePeers`). Searches left running go on in this node; given a
+    `read_id`, what they find is kept under it until `_finish_covering` collects it (a second search
+    for the same keys would traverse the DHT again until these ended); without one, nothing is kept.
 
     Why: a key with no value (a shard no server hashes to, the legacy roster once every server is
     new) is found empty only after its search has asked every peer near it, and each is a new
@@ -149,7 +149,7 @@ async def _get_covering(
                     break
                 if holders >= 1 and deadline == math.inf:
                     deadline = loop.time() + patience
-        if pending:
+        if pending and read_id is not None:
             _UNFINISHED_READS[read_id] = asyncio.ensure_future(_rest_of_read(found, pending, key_of))
         return servers, not pending, live.now()
     finally:
@@ -260,12 +260,12 @@ async def fetch_servers_covering(
     limits: Limits,
     per_block: int,
     patience: float = FIRST_READ_PATIENCE,
-    read_id: str = "",
+    read_id: str | None = None,
 ) -> tuple[dict[str, ServerInfo], bool, set[str]]:
     """A new node's first read (see `_get_covering`): the servers found by the time enough live ones
     hold every block, whether that was the whole roster, and the peers known live by then. If it was
-    not, `finish_covering_read(dht, prefix, limits, read_id)` returns the whole roster once the
-    read's searches ended (without searching again)."""
+    not and `read_id` is given, `finish_covering_read(dht, prefix, limits, read_id)` returns the whole
+    roster once the read's searches ended (without searching again)."""
     limits = _limits(limits)
     coroutine = partial(
         _get_covering,
