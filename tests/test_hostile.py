@@ -392,8 +392,8 @@ def test_one_peer_holding_200_sessions_gets_its_share_and_others_still_have_room
         default), the rest are refused as over that share, not as a full server."""
         streams = [RawStream(target.connection, target.peer_id) for _ in range(200)]
         outcomes: list[str] = []
-        for batch in range(0, len(streams), 25):
-            chunk = streams[batch : batch + 25]
+        for batch in range(0, len(streams), 16):
+            chunk = streams[batch : batch + 16]
             await asyncio.gather(*(s.start() for s in chunk))
             replies = await asyncio.gather(*(s.ask(open_message()) for s in chunk))
             outcomes += [
@@ -401,12 +401,20 @@ def test_one_peer_holding_200_sessions_gets_its_share_and_others_still_have_room
             ]
         return streams, outcomes
 
-    held, outcomes = run_sync(open_many())
+    try:
+        held, outcomes = run_sync(open_many())
+    except TimeoutError:  # say what the server was doing, not only that a reply never came
+        pytest.fail(
+            f"an open got no reply in 60 s; the server's log ends:\n{target.swarm.log('target')[-4000:]}"
+        )
     honest = None
     try:
-        assert 1 <= outcomes.count("opened") <= 64, outcomes.count("opened")
+        assert outcomes.count("opened") >= 1
         refusals = [outcome for outcome in outcomes if outcome != "opened"]
-        assert refusals and all(refusal.startswith(PEER_LIMIT_PREFIX) for refusal in refusals), refusals[:3]
+        # the server's own count at each refusal: sessions that idled out on a slow host (3 s here)
+        # may let a later batch open a few more, but never past the share at any moment
+        share_full = f"{PEER_LIMIT_PREFIX}: it already holds 64 sessions"
+        assert refusals and all(refusal.startswith(share_full) for refusal in refusals), refusals[:3]
         # while that peer holds everything it could get, another client still has room
         honest = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, target.swarm.initial_peers)
         assert target.generates_exactly(honest)
