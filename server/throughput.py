@@ -6,11 +6,13 @@ few seconds and do not change between restarts of the same server.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,9 +101,21 @@ def cached_block_timings(
     timings = measure_block_timings(span, prefill_tokens, compute_delay=compute_delay)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = json.loads(path.read_text()) if path.exists() else {}
+        try:
+            entries = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):  # none yet, or damaged: start afresh
+            entries = {}
         entries[key] = timings.__dict__
-        path.write_text(json.dumps(entries, indent=1))
-    except (OSError, ValueError):
-        logger.warning("could not save block timings to %s", path)
+        # servers started together on one machine all write here: each writes its own file and
+        # renames it over the cache, so a reader never sees half of another's write
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+            try:
+                file.write(json.dumps(entries, indent=1))
+                file.close()
+                os.replace(file.name, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(file.name)  # left only if the write or the rename failed
+    except OSError as error:
+        logger.warning("could not save block timings to %s: %s", path, error)
     return timings
