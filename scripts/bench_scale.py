@@ -2,7 +2,7 @@
 replicas, then read among 1,000 announced server records.
 
     .venv/bin/python scripts/bench_scale.py [--replicas 1,8,10,14] [--records 1000] [--clients 3]
-                                            [--tokens 16] [--write]
+                                            [--tokens 16] [--client-cpus 0-3] [--write]
 
 One swarm on loopback, grown in place: a DHT, a scheduler, and `3 x replicas` real server processes
 (each its own peer, a tiny 24-block LLaMA split 0:8, 8:16, 16:24, `--no-legacy-records`, the default
@@ -17,12 +17,18 @@ records (`swarm.standin_records`: correctly signed records of peers that do not 
 the real servers' speeds) bring the swarm to `--records` servers and the same is measured again.
 
 Limits of the emulation: every process shares this machine's cores, so per-token times include
-the other servers' idle cost; stand-ins never answer, so they cost clients what dead records cost.
+the other servers' idle cost, and a client's start includes the servers' side of its join; stand-ins
+never answer, so they cost clients what dead records cost. `--client-cpus` (on a host with cores to
+spare) keeps each client (its process, DHT process and p2p daemon) on those cores and every other
+process on the rest, as if the servers were other machines; the client's own CPU until its first
+token is printed either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import statistics
 import sys
@@ -103,41 +109,97 @@ def host_busy_seconds() -> float:
     return sum(times.get(name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
-def measure_clients(model_dir: Path, swarm: LocalSwarm, clients: int, tokens: int) -> dict:
-    starts, joins, per_token, steady, busy, decisions, pinged = [], [], [], [], [], [], []
+def parse_cpus(text: str) -> set[int]:
+    """ "0-3,6" -> {0, 1, 2, 3, 6}: cores this process may use, leaving at least one for the swarm."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise SystemExit(f"--client-cpus: {text!r} is not a list of cores like 0-3,6") from None
+    available = os.sched_getaffinity(0)
+    if not cpus or not cpus < available:
+        raise SystemExit(
+            f"--client-cpus {text}: must be some, not all, of this process's cores {sorted(available)}"
+        )
+    return cpus
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (Linux sets affinity per thread); what it forks or
+    starts from now on inherits them."""
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(thread), cpus)
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None):
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    pin_process(cpus)
+    try:
+        yield
+    finally:
+        pin_process(before)
+
+
+def own_cpu_seconds() -> dict[int, float]:
+    """CPU time so far of this process and each of its descendants (the client's DHT process and
+    p2p daemon among them), by pid."""
+    me = psutil.Process()
+    seconds = {}
+    for process in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            seconds[process.pid] = times.user + times.system
+    return seconds
+
+
+def measure_clients(
+    model_dir: Path, swarm: LocalSwarm, clients: int, tokens: int, client_cpus: set[int] | None = None
+) -> dict:
+    starts, joins, per_token, steady, busy, own, decisions, pinged = [], [], [], [], [], [], [], []
     shape = SessionShape(batch_size=1, max_length=64, l_in=PROMPT.shape[1], l_out=tokens)
     for _ in range(clients):
-        busy_before = host_busy_seconds()
-        started = time.perf_counter()
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            model_dir, swarm.initial_peers, options=ClientOptions(use_scheduler=False)
-        )
-        joins.append(time.perf_counter() - started)
-        try:
-            with model.inference_session(max_length=PROMPT.shape[1] + 1 + 3 * tokens):
-                model.generate(PROMPT, max_new_tokens=1, do_sample=False)
-                starts.append(time.perf_counter() - started)
-                busy.append(host_busy_seconds() - busy_before)
-                began = time.perf_counter()
-                model.generate(None, max_new_tokens=tokens, do_sample=False)
-                per_token.append((time.perf_counter() - began) / tokens)
-                began = time.perf_counter()  # later tokens: once the start-up's background work ended
-                model.generate(None, max_new_tokens=2 * tokens, do_sample=False)
-                steady.append((time.perf_counter() - began) / (2 * tokens))
-            connection = model.backend.connection
-            for _ in range(5):
-                began = time.perf_counter()
-                run_sync(connection.route(0, LAYERS, shape))
-                decisions.append(time.perf_counter() - began)
-            pinged.append(len(connection.measured_rtts()))
-        finally:
-            model.shutdown()
+        with pinned(client_cpus):
+            own_before, busy_before = own_cpu_seconds(), host_busy_seconds()
+            started = time.perf_counter()
+            model = AutoDistributedModelForCausalLM.from_pretrained(
+                model_dir, swarm.initial_peers, options=ClientOptions(use_scheduler=False)
+            )
+            joins.append(time.perf_counter() - started)
+            try:
+                with model.inference_session(max_length=PROMPT.shape[1] + 1 + 3 * tokens):
+                    model.generate(PROMPT, max_new_tokens=1, do_sample=False)
+                    starts.append(time.perf_counter() - started)
+                    busy.append(host_busy_seconds() - busy_before)
+                    own_after = own_cpu_seconds()
+                    own.append(sum(cpu - own_before.get(pid, 0.0) for pid, cpu in own_after.items()))
+                    began = time.perf_counter()
+                    model.generate(None, max_new_tokens=tokens, do_sample=False)
+                    per_token.append((time.perf_counter() - began) / tokens)
+                    began = time.perf_counter()  # later tokens: once the start-up's background work ended
+                    model.generate(None, max_new_tokens=2 * tokens, do_sample=False)
+                    steady.append((time.perf_counter() - began) / (2 * tokens))
+                connection = model.backend.connection
+                for _ in range(5):
+                    began = time.perf_counter()
+                    run_sync(connection.route(0, LAYERS, shape))
+                    decisions.append(time.perf_counter() - began)
+                pinged.append(len(connection.measured_rtts()))
+            finally:
+                model.shutdown()
     return {
         "first_token_s": statistics.median(starts),
         "from_pretrained_s": statistics.median(joins),
         "per_token_s": statistics.median(per_token),
         "steady_token_s": statistics.median(steady),
         "start_busy_s": statistics.median(busy),
+        "client_cpu_s": statistics.median(own),
         "route_s": statistics.median(decisions),
         "pinged": max(pinged),
     }
@@ -149,9 +211,16 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1000, help="announced servers in the last row")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument(
+        "--client-cpus",
+        help="cores for the clients (e.g. 0-3); every other process runs on the rest",
+    )
     parser.add_argument("--write", action="store_true", help="write the BENCHMARKS.md section")
     args = parser.parse_args()
     replicas = sorted(int(r) for r in args.replicas.split(","))
+    client_cpus = parse_cpus(args.client_cpus) if args.client_cpus else None
+    if client_cpus is not None:  # the swarm's processes inherit this (each client switches to its own)
+        pin_process(os.sched_getaffinity(0) - client_cpus)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -181,7 +250,7 @@ def main() -> None:
                 time.sleep(12)  # one announce period, and a scheduler refresh, with everyone online
                 row = {"servers": len(names), "records": len(names), "replicas": count}
                 row["idle_cpu_pct"] = idle_cpu_percent(swarm, names)
-                row.update(measure_clients(model_dir, swarm, args.clients, args.tokens))
+                row.update(measure_clients(model_dir, swarm, args.clients, args.tokens, client_cpus))
                 row["refresh_read_s"], row["refresh_review_s"] = scheduler_refresh(swarm)
                 row["largest_value"], row["record_bytes"] = value_stats(swarm, prefix)
                 print(row, flush=True)
@@ -198,7 +267,7 @@ def main() -> None:
             print(f"{extra} stand-in records announced ({stored} stores)", flush=True)
             time.sleep(5)
             row = {"servers": len(names), "records": len(names) + extra, "replicas": replicas[-1]}
-            row.update(measure_clients(model_dir, swarm, args.clients, args.tokens))
+            row.update(measure_clients(model_dir, swarm, args.clients, args.tokens, client_cpus))
             time.sleep(3)
             row["idle_cpu_pct"] = float("nan")
             row["refresh_read_s"], row["refresh_review_s"] = scheduler_refresh(swarm)
@@ -209,10 +278,18 @@ def main() -> None:
             if forger is not None:
                 forger.shutdown()
             swarm.close()
-    report(rows, args.replicas, args.records, args.clients, args.tokens, args.write)
+    report(rows, args.replicas, args.records, args.clients, args.tokens, args.client_cpus, args.write)
 
 
-def report(rows: list[dict], replicas: str, records: int, clients: int, tokens: int, write: bool) -> None:
+def report(
+    rows: list[dict],
+    replicas: str,
+    records: int,
+    clients: int,
+    tokens: int,
+    client_cpus: str | None,
+    write: bool,
+) -> None:
     """Print the table (and write the BENCHMARKS.md section) of the rows `main` measured."""
     lines = [
         "| servers (real) | records | first token after from_pretrained (of which from_pretrained) "
@@ -242,15 +319,31 @@ def report(rows: list[dict], replicas: str, records: int, clients: int, tokens: 
             f"measured in one run: first token {eight['first_token_s'] / base['first_token_s']:.2f}x, "
             f"per token {eight['per_token_s'] / base['per_token_s']:.2f}x (target: at most 1.3x each); "
             f"later tokens {eight['steady_token_s'] / base['steady_token_s']:.2f}x; host CPU busy until "
-            f"the first token {eight['start_busy_s'] / base['start_busy_s']:.2f}x.\n"
+            f"the first token {eight['start_busy_s'] / base['start_busy_s']:.2f}x; the client's own CPU "
+            f"until then {eight['client_cpu_s'] / base['client_cpu_s']:.2f}x "
+            f"({base['client_cpu_s']:.2f} vs {eight['client_cpu_s']:.2f} core-s).\n"
         )
     table = "\n".join(lines)
     print(table + ratios)
     if write:
         header = "## Scale: hundreds of servers, one client"
-        command = f"python scripts/bench_scale.py --replicas {replicas} --records {records} --write"
+        pinning = f" --client-cpus {client_cpus}" if client_cpus else ""
+        command = f"python scripts/bench_scale.py --replicas {replicas} --records {records}{pinning} --write"
+        cores = f"{os.cpu_count()}-core host" + (
+            f", clients on cores {client_cpus} and everything else on the others" if client_cpus else ""
+        )
+        placement = (
+            "Here the clients had their own cores and the swarm the others, as if on other machines. "
+            if client_cpus
+            else (
+                "Here the whole swarm shares the client's cores, so the start is CPU-bound: the host's "
+                "busy CPU until the first token, divided by its cores, is close to the time to the first "
+                "token; spread over real machines, the servers' share of that work would not delay the "
+                "client. "
+            )
+        )
         body = (
-            f"{header}\n\nCommand: `{command}` (issue 23; 2-core host, every server a real process on "
+            f"{header}\n\nCommand: `{command}` (issue 23; {cores}, every server a real process on "
             "loopback, each its own peer; a 24-block tiny LLaMA in spans 0:8, 8:16, 16:24). Each row: the "
             f"median of {clients} new clients; the last row adds stand-in records (signed records "
             "of peers that do not serve, announcing the real servers' speeds) up to "
@@ -269,12 +362,11 @@ def report(rows: list[dict], replicas: str, records: int, clients: int, tokens: 
             "Kademlia table, without any read of ours: the next section measures it alone), and its "
             "first read's 17 keys have more distinct holders (about 40 DHT lookups to 24 peers before the "
             "first token at 24 servers, 20 to 4 peers at 3); every connection and lookup costs CPU on "
-            "both sides (a reader caches nothing at other nodes, which took 10-13 more stores). On this "
-            "2-core host the whole swarm is on the client's cores, so the start is CPU-bound: the column "
-            "'host CPU busy until the first token' is all the CPU the host spent (client, servers, "
-            "daemons) from `from_pretrained` to the first token; divided by 2 cores it is close to the "
-            "time to the first token. Spread over real machines, the servers' share of that work would "
-            f"not delay the client. 'Per token' is the {tokens} tokens after the first (they overlap the "
+            "both sides (a reader caches nothing at other nodes, which took 10-13 more stores). "
+            f"{placement}The column 'host CPU busy until the first token' is all the CPU the host spent "
+            "(client, servers, daemons) from `from_pretrained` to the first token. 'The client's own "
+            "CPU' counts its process, DHT process and p2p daemon only. "
+            f"'Per token' is the {tokens} tokens after the first (they overlap the "
             f"end of the join), then the {2 * tokens} after those. The routing decision "
             "is `SwarmConnection.route` on a "
             "warm client, re-reading the roster once its 1 s freshness ran out (the chain choice itself "
