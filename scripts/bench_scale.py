@@ -148,15 +148,24 @@ def pinned(cpus: set[int] | None):
 
 
 def own_cpu_seconds() -> dict[int, float]:
-    """CPU time so far of this process and each of its descendants (the client's DHT process and
-    p2p daemon among them), by pid."""
+    """CPU time so far of this process and each of its descendants, by pid (the swarm's processes,
+    started in sessions of their own, are not counted)."""
     me = psutil.Process()
     seconds = {}
     for process in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            times = process.cpu_times()
-            seconds[process.pid] = times.user + times.system
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(process.pid) == os.getsid(0):
+                times = process.cpu_times()
+                seconds[process.pid] = times.user + times.system
     return seconds
+
+
+def client_cpu_since(before: dict[int, float]) -> float:
+    """What this process spent since `before`, plus all that the processes it started since then
+    spent (a new client's DHT process and p2p daemon): the bench's other helpers are left out."""
+    now = own_cpu_seconds()
+    me = os.getpid()
+    return (now[me] - before[me]) + sum(cpu for pid, cpu in now.items() if pid not in before)
 
 
 def measure_clients(
@@ -177,8 +186,7 @@ def measure_clients(
                     model.generate(PROMPT, max_new_tokens=1, do_sample=False)
                     starts.append(time.perf_counter() - started)
                     busy.append(host_busy_seconds() - busy_before)
-                    own_after = own_cpu_seconds()
-                    own.append(sum(cpu - own_before.get(pid, 0.0) for pid, cpu in own_after.items()))
+                    own.append(client_cpu_since(own_before))
                     began = time.perf_counter()
                     model.generate(None, max_new_tokens=tokens, do_sample=False)
                     per_token.append((time.perf_counter() - began) / tokens)
