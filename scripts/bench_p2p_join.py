@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -110,9 +111,9 @@ def report(rows: dict[int, dict[str, tuple[float, float, float]]], trials: int, 
             HEADER,
             "",
             f"Command: `python scripts/bench_p2p_join.py --peers {','.join(map(str, sizes))} "
-            f"--trials {trials} --write` (2-core host; hivemind 1.1.12's p2p daemons on loopback, each "
-            f"its own peer, no RPC of ours). Each row: the median of {trials} new readers' daemons, "
-            "each alive 1.5 s.",
+            f"--trials {trials} --write` ({os.cpu_count()}-core host; hivemind 1.1.12's p2p daemons on "
+            f"loopback, each its own peer, no RPC of ours). Each row: the median of {trials} new "
+            "readers' daemons, each alive 1.5 s.",
             "",
             *lines,
             "",
@@ -142,7 +143,10 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--write", action="store_true", help="write the BENCHMARKS.md section")
     args = parser.parse_args()
-    sizes = sorted(int(size) for size in args.peers.split(","))
+    try:
+        sizes = sorted(int(size) for size in args.peers.split(","))
+    except ValueError:
+        parser.error(f"--peers: {args.peers!r} is not a comma-separated list of sizes like 3,24")
     if min(sizes) < 1 or args.trials < 1:
         parser.error("--peers and --trials must be positive")
     rows = {size: asyncio.run(measure(size, args.trials)) for size in sizes}

@@ -422,9 +422,8 @@ def test_one_peer_holding_200_sessions_gets_its_share_and_others_still_have_room
     finally:
         if honest is not None:
             honest.shutdown()
-        for stream in streams:
-            if stream.responses is not None:  # started: end our side (the server then closes its own)
-                stream.close()
+        for stream in streams:  # ends our side of each started stream (the server then closes its own)
+            stream.close()
 
 
 def test_after_every_attack_the_server_is_up_exact_and_its_cache_is_free_again(target):
