@@ -49,6 +49,11 @@ class BlockSession(abc.ABC):
         """`step` through every block of the session: the last block's output."""
 
     @abc.abstractmethod
+    def rewind(self, position: int) -> None:
+        """Continue from `position` (at most what was processed): the next step starts there and
+        overwrites what the caches hold at `>= position`. Nothing runs until that step."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """End the session: its caches are freed."""
 
@@ -116,6 +121,9 @@ class _LocalSession(BlockSession):
                 cache.reorder(step.hypo_ids)
             hidden = span(hidden, cache, step.position, step.padding_mask, _span_prompts(step.prompts, span))
         return hidden
+
+    def rewind(self, position: int) -> None:
+        """Nothing to do here: a step at `position` overwrites the caches from there (`SpanCache`)."""
 
     def close(self) -> None:
         self.caches = []

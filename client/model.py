@@ -9,7 +9,9 @@ the next logits at every step; sampling, streamers and stopping are all `transfo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +25,10 @@ from client.prompt_tuning import PromptTuning
 from client.remote import RemoteBlocks
 from client.sequential import RemoteSequential
 from client.session import InferenceSession
+from client.session_cache import SessionCache
+from client.speculation import DraftLength, DraftLengthOptions
+from client.speculation.batched import BatchedSpeculation, check_batched_config
+from client.speculation.candidates import AdaptiveCandidates
 from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
@@ -31,7 +37,8 @@ from swarm.models.client_parts import ClientParts, load_client_parts
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_sdpa = True  # attention runs in the backend; this only keeps transformers from objecting
-    _is_stateful = True  # the attention caches live in the backend's session, not in generate()
+    # the attention caches live in the backend's session; generate() sees it as its `past_key_values`
+    # (`SessionCache`), which assisted generation crops after rejected drafts (the session rewinds)
     main_input_name = "input_ids"
 
     def __init__(
@@ -49,6 +56,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         connection = getattr(backend, "connection", None)
         self.blocks = RemoteSequential(connection) if connection is not None else None
         self.prompts = PromptTuning.create(client_parts, tuning_mode, pre_seq_len)
+        # how speculative decoding (assistant_model=, prompt_lookup_num_tokens=) chooses its draft length
+        self.speculation = DraftLengthOptions()
 
     @classmethod
     def from_local_parts(
@@ -145,10 +154,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if session is None and self._active_session is None:
                 length = embeds.shape[1] + (kwargs.get("max_new_tokens") or self.generation_config.max_length)
                 length += self.prompts.length if self.prompts is not None else 0
-                with self.inference_session(max_length=length, batch_size=embeds.shape[0]):
-                    return super().generate(**kwargs)
-            with self._use_session(session or self._active_session):
-                return super().generate(**kwargs)
+                with self.inference_session(max_length=length, batch_size=embeds.shape[0]) as own:
+                    return self._generate_in(own, None, kwargs)
+            return self._generate_in(session or self._active_session, None, kwargs)
         if input_ids is None:  # PETALS' form: continue the active session where generate() left it
             continued = session or self._active_session
             if continued is None or continued.last_output_ids is None:
@@ -164,21 +172,99 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             max_length = kwargs.get("max_length") or self.generation_config.max_length
             if max_new is not None:
                 max_length = input_ids.shape[1] + max_new
+            if self._speculates(kwargs) and input_ids.shape[0] > 1:
+                # rows of a batch accept different numbers of drafts: the positions they leave masked
+                # need room (without it, speculation turns itself off as the session fills up)
+                max_length += max_length - input_ids.shape[1]
             max_length += self.prompts.length if self.prompts is not None else 0  # the trained prefix
             beams = kwargs.get("num_beams") or self.generation_config.num_beams or 1
             with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0] * beams) as own:
-                with self._use_session(own):
-                    return super().generate(input_ids, **kwargs)
+                return self._generate_in(own, input_ids, kwargs)
         active = session or self._active_session
-        with self._use_session(active):
-            output = super().generate(input_ids, **kwargs)
+        output = self._generate_in(active, input_ids, kwargs)
         if isinstance(output, torch.Tensor):
             active.last_output_ids = output  # what generate(None) continues from
         return output
 
+    def _speculates(self, kwargs: dict) -> bool:
+        config = kwargs.get("generation_config") or self.generation_config
+        lookup = kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens)
+        return kwargs.get("assistant_model") is not None or bool(lookup)
+
+    def _generate_in(self, session: InferenceSession, input_ids: torch.Tensor | None, kwargs: dict):
+        """transformers' generate() in `session`, which it sees as its cache (`past_key_values`)."""
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError("the swarm session is the cache: pass session=..., not past_key_values")
+        if session.generation_cache is None:
+            session.generation_cache = SessionCache(session)
+        with self._use_session(session):
+            if input_ids is not None and input_ids.shape[0] > 1 and self._speculates(kwargs):
+                return self._generate_batched_speculation(session, input_ids, dict(kwargs))
+            kwargs = {**kwargs, "past_key_values": session.generation_cache}
+            if input_ids is None:
+                return super().generate(**kwargs)
+            return super().generate(input_ids, **kwargs)
+
+    def _generate_batched_speculation(self, session: InferenceSession, input_ids: torch.Tensor, kwargs: dict):
+        """Greedy speculative decoding of a batch (transformers' assisted generation takes one row)."""
+        assistant = kwargs.pop("assistant_model", None)
+        attention_mask = kwargs.pop("attention_mask", None)
+        base = kwargs.pop("generation_config", None) or self.generation_config
+        config = base.__class__.from_dict({**base.to_dict(), **kwargs})
+        check_batched_config(config)
+        if kwargs.get("streamer") is not None:
+            raise ValueError("streaming supports one sequence at a time (as in transformers)")
+        if config.max_new_tokens is not None:
+            max_new = config.max_new_tokens
+        else:
+            max_new = config.max_length - input_ids.shape[1]
+        if max_new < 1:
+            raise ValueError(f"nothing to generate: max_new_tokens is {max_new}")
+        eos = config.eos_token_id
+        eos_ids = {int(eos)} if isinstance(eos, int) else {int(e) for e in (eos or [])}
+        pad = config.pad_token_id if config.pad_token_id is not None else min(eos_ids, default=0)
+        if assistant is not None:
+            fixed = int(assistant.generation_config.num_assistant_tokens)
+        else:
+            fixed = int(config.prompt_lookup_num_tokens)
+        draft_length = self._draft_length(session, fixed, lookup=assistant is None)
+        run = BatchedSpeculation(
+            self,
+            session,
+            draft_length,
+            assistant=assistant,
+            lookup_ngram=0 if assistant is not None else (config.max_matching_ngram_size or 2),
+        )
+        return run.generate(input_ids, attention_mask, max_new, eos_ids, pad)
+
+    def _get_candidate_generator(self, generation_config: GenerationConfig, *args, **kwargs):
+        """transformers' drafter (assistant model or prompt lookup) with the draft length chosen from
+        what this session measures (`client.speculation`), unless `self.speculation.adaptive` is off."""
+        inner = super()._get_candidate_generator(generation_config, *args, **kwargs)
+        session = self._active_session
+        if not self.speculation.adaptive or session is None:
+            return inner
+        lookup = generation_config.prompt_lookup_num_tokens
+        draft_length = self._draft_length(session, lookup or self.speculation.max_draft, lookup=bool(lookup))
+        return AdaptiveCandidates(inner, draft_length, generation_config.max_length)
+
+    def _draft_length(self, session: InferenceSession, requested: int, lookup: bool) -> DraftLength:
+        """The draft-length chooser of one generation: adaptive up to `self.speculation.max_draft` (and
+        up to prompt lookup's own `requested` count), or fixed at `requested` when not adaptive."""
+        options = self.speculation
+        if not options.adaptive:
+            options = dataclasses.replace(options, max_draft=max(requested, 1), first_draft=max(requested, 1))
+        elif lookup:
+            cap = max(min(requested, options.max_draft), 1)
+            options = dataclasses.replace(options, max_draft=cap, first_draft=min(options.first_draft, cap))
+        draft_length = DraftLength(options, session.step_costs)
+        session.draft_stats = draft_length  # acceptance and rounds, for logs and benchmarks
+        return draft_length
+
     def prepare_inputs_for_generation(
-        self, input_ids: torch.Tensor, attention_mask=None, inputs_embeds=None, **kwargs
+        self, input_ids: torch.Tensor, attention_mask=None, inputs_embeds=None, past_key_values=None, **kwargs
     ) -> dict:
+        """The model's inputs at each step: the session (`past_key_values`) knows what it processed."""
         session = self._active_session
         if inputs_embeds is not None and (session is None or session.position == 0):
             return {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}  # the prompt, once
@@ -262,16 +348,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if session.position == 0:  # the trained prompt opens every session, then the input follows
                 prefix = self.prompts.prefix(session.batch_size)
                 session.step_embeddings(self.client_parts.from_embeddings(prefix), None, self.prompts.deep())
+        started = time.perf_counter()
         if inputs_embeds is not None:
             hidden = session.step_embeddings(self.client_parts.from_embeddings(inputs_embeds), attention_mask)
         else:
             new_ids = session.unprocessed(input_ids)
             hidden = self.client_parts.embed_tokens(new_ids)
             hidden = session.step(new_ids, hidden, attention_mask)
-        # the session stands for the cache: beam search then calls `_reorder_cache` with its choices
-        return CausalLMOutputWithPast(
-            logits=self.client_parts.logits(hidden).float(), past_key_values=session
-        )
+        logits = self.client_parts.logits(hidden).float()
+        session.step_costs.observe(hidden.shape[1], time.perf_counter() - started)
+        # the session stands for the cache: assisted generation crops it (a rewind), beam search
+        # reorders it through `_reorder_cache`
+        cache = session.generation_cache if session.generation_cache is not None else SessionCache(session)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
 
 AutoDistributedModelForCausalLM = DistributedModelForCausalLM  # the name users know from PETALS

@@ -22,10 +22,11 @@ import torch
 
 from client.backend import BlockBackend, BlockSession, SessionStep
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
+from client.replica_checks import ReplicaChecks
 from client.routing import chain_problem
 from client.sequence_rpc import SequenceFunction
 from client.stream import FATAL_CODES, ServerStream, StepInput
-from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
+from client.verification import VerifyPlan
 from swarm.route_request import RouteHop, RouteRequest, SessionShape
 from swarm.wire import ErrorCode, RemoteError
 
@@ -42,7 +43,7 @@ class Admission:
     admitted_at: float | None = None
 
 
-class RemoteBlockSession(BlockSession):
+class RemoteBlockSession(ReplicaChecks, BlockSession):
     """A session over a chain of servers covering every block.
 
     With a scheduler, the chain is the scheduler's WS-RR route, opened once the scheduler admits
@@ -237,135 +238,12 @@ class RemoteBlockSession(BlockSession):
             index += 1
         return step.hidden
 
-    # --- replica verification ------------------------------------------------------------------------
-    async def _verified_step(self, index: int, step: StepInput, timeout: float) -> torch.Tensor:
-        """The step on the chain's server and, in parallel, on a replica holding the same blocks (its
-        cache caught up from this hop's history); a disagreement goes to a third server."""
-        stream = self.streams[index]
-        history = list(stream.history)  # what the replicas must have seen before this step
-        verifier = await self._replica(stream, self.verifiers.get((stream.hop.start, stream.hop.end)))
-        if verifier is None:
-            return await stream.step(step, timeout)
-        self.verifiers[(stream.hop.start, stream.hop.end)] = verifier
-        checking = asyncio.ensure_future(_replay_then_step(verifier, history, step, timeout))
-        try:
-            output = await stream.step(step, timeout)
-        except BaseException:
-            checking.cancel()
-            self._drop_verifier(verifier)  # cut off mid-step: its stream is of no use any more
-            raise  # the chain's server failed: ordinary failover
-        try:
-            checked = await checking
-        except Exception as error:  # the replica failed: no verdict this time, and a new replica next time
-            self._drop_verifier(verifier, error)
-            return output
-        tol = self._tolerance(stream.hop.peer_id, verifier.hop.peer_id)
-        if agree(output, checked, tol):
-            self.connection.verified_steps += 1
-            return output
-        return await self._arbitrate(index, verifier, history, output, checked, step, tol)
-
-    async def _arbitrate(
-        self,
-        index: int,
-        verifier: ServerStream,
-        history: list,
-        output: torch.Tensor,
-        checked: torch.Tensor,
-        step: StepInput,
-        tol: float,
-    ) -> torch.Tensor:
-        """Two replicas disagree: a third server holding the blocks decides; the outvoted one is banned
-        for long and the step continues with the majority's output."""
-        stream, timeout = self.streams[index], self.connection.options.request_timeout
-        primary, second = stream.hop.peer_id, verifier.hop.peer_id
-        difference = relative_difference(output, checked)
-        blocks = f"{stream.hop.start}:{stream.hop.end}"
-        arbiter = await self._replica(stream, None, exclude={primary, second})
-        if arbiter is None:
-            raise SwarmUnavailable(
-                f"servers {primary} and {second} disagree on blocks {blocks} (relative difference "
-                f"{difference:.3g}, tolerance {tol:.3g}) and no third server holds them to decide"
-            )
-        third = await _replay_then_step(arbiter, history, step, timeout)
-        tol = max(tol, self._tolerance(arbiter.hop.peer_id))
-        verdict = decide({primary: output, second: checked, arbiter.hop.peer_id: third}, tol)
-        if verdict.liar is None:
-            arbiter.close()
-            raise SwarmUnavailable(
-                f"servers {primary}, {second} and {arbiter.hop.peer_id} all disagree on blocks {blocks}"
-            )
-        self.connection.ban_liar(
-            verdict.liar,
-            (stream.hop.start, stream.hop.end),
-            "outvoted",
-            difference if verdict.liar != arbiter.hop.peer_id else relative_difference(third, output),
-        )
-        if self.caught_at_step is None:
-            self.caught_at_step = self.steps_done + 1
-        logger.warning(
-            "server %s returned wrong outputs for blocks %s (relative difference %.3g, tolerance %.3g; two "
-            "replicas agree): banned for %.0f s",
-            verdict.liar,
-            blocks,
-            difference,
-            tol,
-            self.connection.options.liar_ban,
-        )
-        key = (stream.hop.start, stream.hop.end)
-        if verdict.liar == primary:  # the replica takes its place: it has every input of this hop
-            stream.close()
-            self.streams[index], self.verifiers[key] = verifier, arbiter
-            return checked
-        if verdict.liar == second:
-            verifier.close()
-            self.verifiers[key] = arbiter
-            return output
-        arbiter.close()  # the arbiter itself was outvoted (its own cache is suspect)
-        return output
-
-    async def _replica(
-        self, stream: ServerStream, current: ServerStream | None, exclude: set[str] = frozenset()
-    ) -> ServerStream | None:
-        """A server other than the chain's holding the stream's blocks, with an open stream (the
-        current replica while it is healthy); None when there is none."""
-        if current is not None and current.healthy and not self.connection.is_banned(current.hop.peer_id):
-            return current
-        start, end = stream.hop.start, stream.hop.end
-        skip = {stream.hop.peer_id, *exclude}
-        candidates = sorted(
-            (c for c in await self.connection.candidates(blocks=(start, end)) if c.peer_id not in skip),
-            key=lambda candidate: candidate.rtt,
-        )
-        for candidate in candidates:
-            info = candidate.info
-            if not (info.has_blocks and info.start <= start and end <= info.end):
-                continue
-            replica = ServerStream(RouteHop(candidate.peer_id, start, end), uuid.uuid4().hex, self.shape)
-            try:
-                await replica.open(self.connection)
-                return replica
-            except Exception as error:
-                replica.close()
-                if isinstance(error, RemoteError) and error.code in FATAL_CODES:
-                    raise
-                logger.info(
-                    "replica %s for blocks %d:%d unavailable: %s", candidate.peer_id[-8:], start, end, error
-                )
-        logger.info(
-            "no replica holds blocks %d:%d besides %s: step not verified", start, end, stream.hop.peer_id[-8:]
-        )
-        return None
-
-    def _drop_verifier(self, verifier: ServerStream, error: BaseException | None = None) -> None:
-        verifier.close()
-        self.verifiers.pop((verifier.hop.start, verifier.hop.end), None)
-        if error is not None:
-            self.connection.blame(verifier.hop.peer_id, error)
-
-    def _tolerance(self, *peers: str) -> float:
-        servers = self.connection.known_servers
-        return tolerance(servers[peer].dtype if peer in servers else "" for peer in peers)
+    def rewind(self, position: int) -> None:
+        """Continue from `position`: every server of the chain (and every replica) will overwrite
+        positions `>= position` with the next step, and the kept histories forget the rejected steps,
+        so a failover replay rebuilds exactly the accepted cache."""
+        for stream in [*self.streams, *self.verifiers.values()]:
+            stream.rewind(position)
 
     def _count_failure(self, failures: int, stream: ServerStream, error: BaseException) -> int:
         failures += 1
@@ -397,6 +275,8 @@ class RemoteBlockSession(BlockSession):
                         hop_input = dataclasses.replace(
                             hop_input, hidden=await stream.step(hop_input, timeout)
                         )
+                for stream in replacement:  # a step kept whole across a rewind replays past it
+                    stream.rewind(failed.position)
             except Exception as error:
                 for stream in replacement:
                     stream.close()
@@ -483,19 +363,3 @@ async def _usable_reply(link, reply, refusal_note: str, session_id: str | None =
         link.distrust(f"answered a wait of {reply.expected_wait} s and a lease of {reply.lease} s")
         return False
     return True
-
-
-async def _replay_then_step(
-    replica: ServerStream, history: list[StepInput], step: StepInput, timeout: float
-) -> torch.Tensor:
-    """Bring a replica's cache up to `position` with the inputs it has not seen (one prefill: close
-    enough for verification's tolerance, and exact when it has seen every step; step by step when beam
-    search reordered the sequences in between), then run the step."""
-    missing = [sent for sent in history if sent.position >= replica.position]
-    if any(sent.hypo_ids is not None or sent.prompts is not None for sent in missing):
-        for sent in missing:
-            await replica.step(sent, timeout)
-    elif missing:
-        inputs = torch.cat([sent.hidden for sent in missing], dim=1)
-        await replica.step(StepInput(inputs, replica.position, missing[-1].padding_mask), timeout)
-    return await replica.step(step, timeout)

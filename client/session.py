@@ -6,6 +6,7 @@ import torch
 
 from client.backend import BlockSession
 from swarm.errors import SwarmUserError
+from swarm.linear_fit import LinearCost, LinearFit
 
 
 class InferenceSession:
@@ -28,6 +29,11 @@ class InferenceSession:
         self.last_output_ids: torch.Tensor | None = None
         self._pending_reorder: torch.Tensor | None = None  # beam search: sent with the next step
         self.closed = False
+        # seconds per step by its number of new tokens, as generate() measured them: what a round
+        # trip costs, and each extra token on top (speculative decoding's draft length)
+        self.step_costs = LinearFit(LinearCost(0.0, 1e-3))
+        self.generation_cache = None  # the SessionCache generate() sees, once it has run here
+        self.draft_stats = None  # the last speculative generate()'s DraftLength (acceptance, rounds)
 
     @property
     def position(self) -> int:
@@ -81,6 +87,42 @@ class InferenceSession:
         self.token_ids = torch.cat([self.token_ids, new_ids.cpu()], dim=1)
         self.padding_mask = padding_mask
         return output
+
+    def rewind(self, position: int) -> None:
+        """Continue the session from `position` (in positions, the embedded prefix included): what
+        was processed at `>= position` is forgotten here, and every server overwrites it with the
+        next step, which starts at `position`. Speculative decoding rewinds past rejected drafts;
+        nothing is sent until that next step."""
+        if self.closed:
+            raise SwarmUserError("this inference session is closed")
+        if not self.prefix_length <= position <= self.position:
+            raise SwarmUserError(
+                f"cannot rewind to position {position}: the session holds positions [{self.prefix_length}, "
+                f"{self.position}] after its {self.prefix_length}-position embedded prefix"
+            )
+        if self._pending_reorder is not None:
+            raise SwarmUserError("cannot rewind a beam search's session before its reordering was sent")
+        if position == self.position:
+            return
+        self.token_ids = self.token_ids[:, : position - self.prefix_length]
+        if self.padding_mask is not None:
+            self.padding_mask = self.padding_mask[:, :position]
+        self.blocks.rewind(position)
+
+    def exclude_positions(self, padding_mask: torch.Tensor) -> None:
+        """Set which processed positions later steps attend to (`[batch, position]`, 1 = attend): a
+        batch whose rows accepted different numbers of drafts masks each row's rejected ones."""
+        padding_mask = padding_mask.long().cpu()
+        if tuple(padding_mask.shape) != (self.batch_size, self.position):
+            raise SwarmUserError(
+                f"a padding mask of shape {tuple(padding_mask.shape)} for a session of "
+                f"{(self.batch_size, self.position)} positions"
+            )
+        if not bool(((padding_mask == 0) | (padding_mask == 1)).all()):
+            raise SwarmUserError("padding mask values must be 0 or 1")
+        if self.padding_mask is None and bool(padding_mask.all()):
+            return
+        self.padding_mask = padding_mask
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search chose which hypothesis each sequence continues: reorder what this session knows

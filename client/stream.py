@@ -72,6 +72,8 @@ class ServerStream:
     shape: SessionShape
     history: list[StepInput] = field(default_factory=list)  # the client-side cache of this server's inputs
     healthy: bool = False  # opened, and no step has failed since
+    length: int = 0  # positions of the server's cache that hold accepted work (rewinds shorten it)
+    steps_sent: int = 0  # numbers step ids: a step after a rewind may repeat an earlier position
     _queue: asyncio.Queue | None = None
     _responses: object = None
 
@@ -105,7 +107,10 @@ class ServerStream:
     async def step(self, step: StepInput, timeout: float) -> torch.Tensor:
         hidden, position = step.hidden, step.position
         tensors = [hidden] if step.padding_mask is None else [hidden, step.padding_mask]
-        step_id = f"{position}+{hidden.shape[1]}"
+        # unique on the stream: the server answers a repeated id from its last result (a retry), and
+        # after a rewind the same position and length may legitimately come again with other tokens
+        self.steps_sent += 1
+        step_id = f"{position}+{hidden.shape[1]}#{self.steps_sent}"
         if self._queue is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
         hypo_ids = list(step.hypo_ids) if step.hypo_ids is not None else None
@@ -125,12 +130,25 @@ class ServerStream:
                 blocks=(self.hop.start, self.hop.end),
             )
         self.history.append(step)
+        self.length = step.end
         return outputs[0]
 
     @property
     def position(self) -> int:
-        """Positions this server has processed for the session (its cache length)."""
-        return self.history[-1].end if self.history else 0
+        """Positions of the server's cache that hold accepted work: where its next step may start at
+        the latest (a step may also start earlier, overwriting)."""
+        return self.length
+
+    def rewind(self, position: int) -> None:
+        """The session continues from `position`: what the server computed at `>= position` is
+        rejected. The server learns it from the next step's position (nothing is sent now); the
+        history forgets the steps that start at `>= position`, and keeps a step that straddles it
+        whole, so a replay recomputes exactly the cache the server had, positions `< position` included.
+        """
+        if position < 0:
+            raise ValueError(f"cannot rewind to a negative position ({position})")
+        self.history = [sent for sent in self.history if sent.position < position]
+        self.length = min(self.length, position)  # a replica that lags behind keeps its own length
 
     async def _receive(self, timeout: float, expected: type, with_tensors: bool = False):
         try:
@@ -165,6 +183,21 @@ class ServerStream:
             await asyncio.wait_for(_drain(responses), timeout)
         except Exception:  # a server that is gone or slow to answer has nothing more to tell us
             pass
+
+
+def catch_up_input(history: list[StepInput], position: int) -> StepInput | None:
+    """One step that brings a cache holding positions `[0, position)` of this history up to the
+    history's end (None: nothing is missing). Each recorded step counts up to where the next one
+    starts: a later step that began inside it (after a rewind) overwrote the rest."""
+    parts = []
+    for index, sent in enumerate(history):
+        valid_end = history[index + 1].position if index + 1 < len(history) else sent.end
+        first = max(sent.position, position)
+        if first < valid_end:
+            parts.append(sent.hidden[:, first - sent.position : valid_end - sent.position])
+    if not parts:
+        return None
+    return StepInput(torch.cat(parts, dim=1), position, history[-1].padding_mask)
 
 
 async def _drain(responses) -> None:
