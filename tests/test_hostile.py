@@ -107,6 +107,22 @@ SESSION_CASES: dict[str, tuple[list, str, bool]] = {
     "oversized message": ([step(0, torch.randn(1, 400, HIDDEN))], "exceeds this session's limit", True),
     "step before open": ([step(0, GOOD)], "expected a message of type ['open']", False),
     "position skips ahead": ([step(0, GOOD), step(5, GOOD)], "skips past", True),
+    # rewinds (a step at an earlier position) are validated like every step
+    "rewind to a negative position": (
+        [step(0, GOOD), raw({"type": "step", "step_id": "r", "position": -1}, [GOOD])],
+        "position: Input should be greater than or equal to 0",
+        True,
+    ),
+    "rewind past what was processed": (
+        [step(0, torch.randn(1, 3, HIDDEN)), step(4, GOOD)],
+        "skips past the 3 positions processed",
+        True,
+    ),
+    "draft candidates past max_length": (
+        [step(0, torch.randn(1, 4, HIDDEN)), step(2, torch.randn(1, MAX_LENGTH - 1, HIDDEN))],
+        f"positions up to {MAX_LENGTH + 1} exceed the session's max_length",
+        True,
+    ),
     "past max_length": ([step(0, torch.randn(1, MAX_LENGTH + 1, HIDDEN))], "exceed", True),
     "garbage metadata": ([raw(b"\xc1\xff\x00garbage")], "not valid msgpack", False),
     "metadata not a map": ([raw([1, 2, 3])], "must be a map", False),
@@ -320,6 +336,35 @@ def test_someone_elses_session_is_refused_and_a_replayed_step_is_answered_identi
         owner.close()  # disconnect mid-session: the server frees it (checked by the last test)
 
     run_sync(scenario())
+
+
+def test_a_rewind_racing_a_step_is_applied_in_order_and_exact(target):
+    """A step and a rewind sent together, without waiting: the server takes them in order, so the
+    rewind overwrites what the step wrote, exactly as a session that never went past the rewind."""
+    tokens = torch.randn(1, 5, HIDDEN)
+    other = torch.randn(1, 1, HIDDEN)
+
+    async def scenario() -> tuple[list, torch.Tensor, torch.Tensor]:
+        racer, straight = await target.raw_stream(), await target.raw_stream()
+        try:
+            assert (await racer.ask(open_message()))[0]["type"] == "opened"
+            racer.queue.put_nowait(step(0, tokens, step_id="all"))
+            racer.queue.put_nowait(step(2, other, step_id="rewind"))
+            first = await asyncio.wait_for(anext(racer.responses), 60)
+            second = await asyncio.wait_for(anext(racer.responses), 60)
+            replies = [MSGPackSerializer.loads(reply.metadata) for reply in (first, second)]
+            assert (await straight.ask(open_message()))[0]["type"] == "opened"
+            await straight.ask(step(0, tokens[:, :2], step_id="prefix"))
+            _, expected = await straight.ask(step(2, other, step_id="next"))
+            return replies, decode_tensors(second)[0], expected[0]
+        finally:
+            racer.close()
+            straight.close()
+
+    replies, rewound, expected = run_sync(scenario())
+    assert [reply["type"] for reply in replies] == ["step_done", "step_done"], replies
+    assert [reply["step_id"] for reply in replies] == ["all", "rewind"]
+    assert torch.allclose(rewound, expected, atol=1e-5, rtol=0)
 
 
 async def _training_call(target: Target, message: Forward | Backward, tensors: list[torch.Tensor]):
