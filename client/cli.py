@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from transformers import AutoTokenizer, TextStreamer
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer, TextStreamer
 from client.backend import LocalSpans
 from client.connection import ClientOptions
 from client.model import DistributedModelForCausalLM
+from client.speculation.assistant import load_assistant, speculation_summary
 from swarm.cli.args import (
     add_swarm_secret_argument,
     command_parser,
@@ -26,6 +28,8 @@ from swarm.models.checkpoint import load_config
 EXAMPLES = """examples:
   swarm-generate models/tiny-llama --initial-peers $(head -1 dht.maddrs) --prompt "Once upon a time"
   swarm-generate models/tiny-llama --local-spans 0:3,3:6 --prompt "Once upon a time" --max-new-tokens 20
+  swarm-generate models/llama-7b --initial-peers $PEER --prompt "def fib(n):" --assistant models/llama-160m
+  swarm-generate models/tiny-llama --initial-peers $PEER --prompt "a b c a b c a b" --prompt-lookup 4
 """
 
 
@@ -69,6 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="also run this fraction of each server's steps (chosen unpredictably; 1 = all) on another "
         "server holding the same blocks, and ban a server two replicas outvote",
+    )
+    speculation = parser.add_mutually_exclusive_group()
+    speculation.add_argument(
+        "--assistant",
+        metavar="MODEL_DIR",
+        help="speculative decoding: a small local model with the same tokenizer drafts tokens, the swarm "
+        "verifies several per round trip (the output is unchanged; docs/speculative.md)",
+    )
+    speculation.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="N",
+        help="speculative decoding without a draft model: up to N tokens copied from earlier text",
     )
     add_swarm_secret_argument(parser)
     return parser
@@ -116,19 +133,35 @@ def local_backend(
         raise SwarmUserError(f"--local-spans: {error}") from None
 
 
+def speculation_kwargs(model: DistributedModelForCausalLM, args: argparse.Namespace) -> dict:
+    """generate()'s arguments for `--assistant` / `--prompt-lookup` (empty without them)."""
+    if getattr(args, "prompt_lookup", None) is not None:
+        if args.prompt_lookup < 1:
+            raise SwarmUserError("--prompt-lookup must be at least 1")
+        return {"prompt_lookup_num_tokens": args.prompt_lookup}
+    if getattr(args, "assistant", None):
+        return {"assistant_model": load_assistant(args.assistant, model.config, model.dtype, model.device)}
+    return {}
+
+
 def run_generation(model: DistributedModelForCausalLM, args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(model.device)
+    extra = speculation_kwargs(model, args)
     torch.manual_seed(args.seed)
-    model.generate(
-        input_ids,
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature if args.do_sample else None,
-        top_p=args.top_p if args.do_sample else None,
-        streamer=TextStreamer(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    with model.inference_session(max_length=input_ids.shape[1] + args.max_new_tokens) as session:
+        model.generate(
+            input_ids,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature if args.do_sample else None,
+            top_p=args.top_p if args.do_sample else None,
+            streamer=TextStreamer(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            **extra,
+        )
+    if extra:
+        print(speculation_summary(session.draft_stats), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from client import AutoDistributedModelForCausalLM
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm
+from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from tests.browser import Browser
 from tests.conftest import NUM_BLOCKS
 
@@ -157,6 +158,25 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut(api):
         stop = text[1:3]
         cut = ask(model=model, prompt="Hello", max_tokens=10, temperature=0, stop=[stop]).choices[0]
         assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_an_api_with_a_draft_model_answers_as_one_without(api, llama_dir, tmp_path_factory):
+    """`swarm-api --assistant`: speculative decoding for every request changes no output, greedy or
+    seeded sampling (a position's draw does not depend on how many drafts were verified)."""
+    spec = TinyModelSpec(family="llama", num_layers=2, num_kv_heads=2)
+    draft = build_tiny_model(tmp_path_factory.mktemp("api-draft"), spec)
+    assisted_url = api.swarm.start_api("api-assisted", llama_dir, "--api-key", KEY, "--assistant", str(draft))
+    try:
+        for settings in ({"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 11}):
+            answers = [
+                client(url).completions.create(model=api.model, prompt="Hello you", max_tokens=16, **settings)
+                for url in (api.url, assisted_url)
+            ]
+            texts = [answer.choices[0].text for answer in answers]
+            assert texts[0] == texts[1], settings
+        assert "speculative decoding with the draft model" in api.swarm.log("api-assisted")
+    finally:
+        api.swarm.stop("api-assisted")
 
 
 def test_bad_requests_get_openai_errors(api):

@@ -44,8 +44,9 @@ class ApiError(Exception):
 class SwarmApi:
     """The routes of one API process over one client model."""
 
-    def __init__(self, config: ApiConfig, model, tokenizer):
+    def __init__(self, config: ApiConfig, model, tokenizer, assistant=None):
         self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.assistant = assistant  # every request drafts with it (`--assistant`); None: plain decoding
         self.metrics = ApiMetrics()
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent, thread_name_prefix="generate")
         self.slots = asyncio.Semaphore(config.max_concurrent)
@@ -111,7 +112,7 @@ class SwarmApi:
         try:
             async with self.slots:
                 job = GenerationJob(
-                    self.model, self.tokenizer, prompt_ids, params, asyncio.get_running_loop()
+                    self.model, self.tokenizer, prompt_ids, params, asyncio.get_running_loop(), self.assistant
                 )
                 started = time.monotonic()
                 future = asyncio.get_running_loop().run_in_executor(self.executor, job.run)

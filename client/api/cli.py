@@ -15,6 +15,7 @@ from client.api.app import SwarmApi
 from client.api.config import ApiConfig
 from client.connection import ClientOptions
 from client.model import DistributedModelForCausalLM
+from client.speculation.assistant import load_assistant
 from swarm.cli.args import (
     add_swarm_secret_argument,
     command_parser,
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--verify-fraction", type=float, default=0.0, help="replica verification (see swarm-generate)"
     )
+    parser.add_argument(
+        "--assistant",
+        type=Path,
+        metavar="MODEL_DIR",
+        help="speculative decoding for every request: a small local model with the same tokenizer drafts, "
+        "the swarm verifies several tokens per round trip (same outputs; docs/speculative.md)",
+    )
     add_swarm_secret_argument(parser)
     add_log_level_argument(parser)
     return parser
@@ -86,8 +94,8 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
     )
 
 
-async def serve(config: ApiConfig, model, tokenizer) -> None:
-    api = SwarmApi(config, model, tokenizer)
+async def serve(config: ApiConfig, model, tokenizer, assistant=None) -> None:
+    api = SwarmApi(config, model, tokenizer, assistant)
     runner = web.AppRunner(api.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -121,7 +129,11 @@ def run(args: argparse.Namespace) -> None:
         config.model_dir, list(config.initial_peers), dht_prefix=config.dht_prefix, options=config.options
     )
     try:
-        asyncio.run(serve(config, model, tokenizer))
+        assistant = None
+        if args.assistant is not None:
+            assistant = load_assistant(args.assistant, model.config, model.dtype, model.device)
+            logger.info("speculative decoding with the draft model %s", args.assistant)
+        asyncio.run(serve(config, model, tokenizer, assistant))
     finally:
         model.shutdown()
 

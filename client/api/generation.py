@@ -41,22 +41,28 @@ class GenerationResult:
 
 
 class SeededSampling(LogitsProcessor):
-    """Samples the next token with the request's own generator and leaves only it possible, so that
-    greedy selection in `generate()` picks it: sampling without touching torch's global RNG."""
+    """Samples the next token with the request's own randomness and leaves only it possible, so that
+    greedy selection in `generate()` picks it: sampling without touching torch's global RNG.
+
+    The draw for the token at position `t` uses a generator seeded by `(seed, t)` alone. Speculative
+    decoding (`swarm-api --assistant`) calls this for several positions per round and discards the
+    draws after a rejected draft; since a position's draw does not depend on how many were made
+    before it, a seed gives the same text whatever the draft lengths were, and every token is still
+    a fresh draw from its own distribution."""
 
     def __init__(self, temperature: float, top_p: float, seed: int | None):
         self.warpers = [TemperatureLogitsWarper(temperature)]
         if top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p))
-        self.generator = torch.Generator().manual_seed(
-            seed % 2**63 if seed is not None else random.SystemRandom().getrandbits(63)
-        )
+        self.seed = seed % 2**63 if seed is not None else random.SystemRandom().getrandbits(63)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for warper in self.warpers:
             scores = warper(input_ids, scores)
         probabilities = torch.softmax(scores.float(), dim=-1).cpu()
-        chosen = torch.multinomial(probabilities, 1, generator=self.generator).to(scores.device)
+        position = input_ids.shape[1]
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % 2**63)
+        chosen = torch.multinomial(probabilities, 1, generator=generator).to(scores.device)
         only = torch.full_like(scores, -math.inf)
         return only.scatter_(1, chosen, 0.0)
 
@@ -76,6 +82,7 @@ class GenerationJob:
     prompt_ids: list[int]
     params: GenerationParams
     loop: asyncio.AbstractEventLoop
+    assistant: object = None  # a draft model for speculative decoding (`swarm-api --assistant`)
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)  # text pieces, then None
     result: GenerationResult = field(default_factory=GenerationResult)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -93,7 +100,7 @@ class GenerationJob:
     # --- runs on a worker thread ----------------------------------------------------------------
     def run(self) -> GenerationResult:
         eos = self.tokenizer.eos_token_id
-        kwargs = {}
+        kwargs = {"assistant_model": self.assistant} if self.assistant is not None else {}
         if self.params.temperature > 0:
             kwargs["logits_processor"] = [
                 SeededSampling(self.params.temperature, self.params.top_p, self.params.seed)

@@ -31,6 +31,11 @@ class AdaptiveCandidates(CandidateGenerator):
             "num_assistant_tokens" if hasattr(inner, "num_assistant_tokens") else ("num_output_tokens")
         )
         self._drafted = 0
+        # transformers stops an assistant's draft early once its confidence falls below a threshold;
+        # here the cost model decides the length, so the assistant drafts all `k` tokens
+        config = getattr(inner, "generation_config", None)
+        if config is not None and getattr(config, "assistant_confidence_threshold", None):
+            config.assistant_confidence_threshold = None
 
     def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # the verified sequence must stay within max_length: the target adds one token after the drafts
