@@ -118,15 +118,25 @@ def test_assisted_sampling_with_a_seed_equals_local_assisted_sampling(family):
     assert torch.equal(output, expected)
 
 
-def test_with_every_step_verified_by_a_replica_assisted_greedy_stays_exact(family):
+def test_with_every_step_verified_by_a_replica_assisted_decoding_stays_exact(family):
     expected = family.reference.generate(PROMPT, max_new_tokens=20, do_sample=False)
+    torch.manual_seed(99)
+    sampled = family.reference.generate(
+        PROMPT, max_new_tokens=20, do_sample=True, top_k=0, assistant_model=family.draft
+    )
     model = family.client(verify_fraction=1.0)
+    model.speculation = DraftLengthOptions(adaptive=False)  # transformers' schedule: the same draws
     try:
         output = model.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant_model=family.draft)
+        torch.manual_seed(99)
+        output_sampled = model.generate(
+            PROMPT, max_new_tokens=20, do_sample=True, top_k=0, assistant_model=family.draft
+        )
         verified = model.backend.connection.verified_steps
     finally:
         model.shutdown()
     assert torch.equal(output, expected)
+    assert torch.equal(output_sampled, sampled)
     assert verified > 0
 
 
@@ -188,21 +198,27 @@ class _KillAfter(BaseStreamer):
         pass
 
 
+def _chain_member(family: Family, session, hop: int) -> str:
+    """The name of the server at `hop` of the session's chain."""
+    peer = session.blocks.streams[hop].hop.peer_id
+    names = {
+        info.public_name: peer_id for peer_id, info in family.swarm.servers(family.prefix, NUM_BLOCKS).items()
+    }
+    return next(name for name, peer_id in names.items() if peer_id == peer and name in family.swarm.processes)
+
+
 def test_a_server_killed_between_two_verification_rounds_is_replaced_and_output_stays_exact(family):
-    """Runs last for each family: it kills one of the module's servers."""
+    """Runs last for each family: it kills one server of each span (their twins take over)."""
     expected = family.reference.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    torch.manual_seed(5)
+    sampled = family.reference.generate(
+        PROMPT, max_new_tokens=30, do_sample=True, top_k=0, assistant_model=family.draft
+    )
     model = family.client()
     try:
         with model.inference_session(max_length=64) as session:
-            chain = [stream.hop.peer_id for stream in session.blocks.streams]
-            names = {
-                info.public_name: peer
-                for peer, info in family.swarm.servers(family.prefix, NUM_BLOCKS).items()
-            }
-            victim = next(
-                name for name, peer in names.items() if peer == chain[0] and name in family.swarm.processes
-            )
-            killer = _KillAfter(family.swarm, victim, rounds=2)
+            first = session.blocks.streams[0].hop.peer_id
+            killer = _KillAfter(family.swarm, _chain_member(family, session, 0), rounds=2)
             output = model.generate(
                 PROMPT,
                 max_new_tokens=30,
@@ -211,9 +227,24 @@ def test_a_server_killed_between_two_verification_rounds_is_replaced_and_output_
                 streamer=killer,
                 session=session,
             )
-            after = [stream.hop.peer_id for stream in session.blocks.streams]
+            assert first not in [stream.hop.peer_id for stream in session.blocks.streams]
+        model.speculation = DraftLengthOptions(adaptive=False)
+        with model.inference_session(max_length=64) as session:
+            last = session.blocks.streams[-1].hop.peer_id
+            sampling_killer = _KillAfter(family.swarm, _chain_member(family, session, -1), rounds=2)
+            torch.manual_seed(5)
+            output_sampled = model.generate(
+                PROMPT,
+                max_new_tokens=30,
+                do_sample=True,
+                top_k=0,
+                assistant_model=family.draft,
+                streamer=sampling_killer,
+                session=session,
+            )
+            assert last not in [stream.hop.peer_id for stream in session.blocks.streams]
     finally:
         model.shutdown()
-    assert killer.puts > 3, "the generation ended before the kill"
-    assert chain[0] not in after
+    assert killer.puts > 3 and sampling_killer.puts > 3, "a generation ended before its kill"
     assert torch.equal(output, expected)
+    assert torch.equal(output_sampled, sampled)

@@ -91,6 +91,7 @@ class DraftLength:
         self.rounds = 0
         self.drafted = 0
         self.accepted = 0
+        self.rejections = 0  # rounds that ended at a rejected draft
         self._off_rounds = 0
         self._probe_every = options.probe_every
         self._probing = False
@@ -102,8 +103,16 @@ class DraftLength:
 
     @property
     def acceptance_rate(self) -> float:
-        """Measured: accepted draft tokens over drafted ones (0 before any draft)."""
+        """Measured: accepted draft tokens over drafted ones (0 before any draft). Drafts after the
+        first rejection of a round count as drafted and not accepted."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """Measured, per token: the chance that a draft token which was actually compared is accepted
+        (accepted / (accepted + rejections)); the `a` of the cost model, undiscounted."""
+        compared = self.accepted + self.rejections
+        return self.accepted / compared if compared else 0.0
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A session step of `tokens` new tokens took `seconds` (plain, verification or prefill)."""
@@ -125,6 +134,7 @@ class DraftLength:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejections += accepted < drafted
         if self._probing:
             self._probing = False
             if accepted == 0:
