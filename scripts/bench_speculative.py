@@ -317,7 +317,10 @@ def main() -> None:
         )
         + ". 'per-token acceptance' is accepted draft tokens over those compared with the target's choice "
         "(a round's drafts after its first rejection are not compared); 'rounds' counts verification "
-        "rounds that carried drafts (the rest were plain steps chosen by the adaptive draft length)."
+        "rounds that carried drafts (the rest were plain steps chosen by the adaptive draft length). On "
+        "loopback a round trip costs about what the servers' compute costs, so speculation gains less; "
+        "there the adaptive draft length keeps a useless draft (d), and a batch whose verification steps "
+        "run as prefills rather than batched decodes, near 1x."
     )
     options = argparse.Namespace(where=args.where, tokens=args.tokens, repeats=args.repeats, write=args.write)
     publish_table(__file__, options, table(results), "## Speculative decoding (issue 33)", text)

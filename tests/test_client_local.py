@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client.backend import LocalSpans
 from client.model import DistributedModelForCausalLM
+from client.session_cache import SessionCache
 from swarm.errors import SwarmUserError
 from swarm.models import load_span
+from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +121,58 @@ def test_beam_search_equals_transformers(models):
     assert torch.equal(
         distributed.generate(prompt, max_new_tokens=10, num_beams=5, do_sample=False), expected
     )
+
+
+@pytest.mark.parametrize(
+    "flags", [["--assistant", "{model}"], ["--prompt-lookup", "4"]], ids=["assistant", "lookup"]
+)
+def test_generate_command_speculates_and_prints_the_same_text(llama_dir, flags):
+    """`swarm-generate --assistant DIR` / `--prompt-lookup N` print what plain decoding prints, then a
+    one-line summary of the drafts on stderr."""
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "client.cli", str(llama_dir), "--local-spans", "0:3,3:6"]
+        argv += ["--prompt", "a b c a b c a b", "--max-new-tokens", "16", *extra]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+    plain = run()
+    speculative = run(*(flag.format(model=llama_dir) for flag in flags))
+    assert plain.returncode == speculative.returncode == 0, speculative.stderr
+    assert speculative.stdout == plain.stdout
+    assert "speculation:" in speculative.stderr
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(llama_dir, tmp_path):
+    other = build_tiny_model(tmp_path / "other", TinyModelSpec(family="llama", num_layers=1, vocab_size=300))
+    result = subprocess.run(
+        [sys.executable, "-m", "client.cli", str(llama_dir), "--local-spans", "0:3,3:6", "--prompt", "hi"]
+        + ["--assistant", str(other)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "a draft model must use the same tokenizer" in result.stderr
+
+
+def test_the_session_as_generates_cache_crops_by_rewinding(models):
+    """`SessionCache.crop` (what assisted generation calls after rejected drafts) rewinds the session,
+    and the next step overwrites the rejected positions: logits as if they had never been sent."""
+    _, distributed = models
+    tokens = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
+    with (
+        distributed.inference_session(max_length=16) as rewound,
+        distributed.inference_session(max_length=16) as straight,
+    ):
+        cache = SessionCache(rewound)
+        with distributed._use_session(rewound):
+            distributed(input_ids=tokens)
+            assert cache.get_seq_length() == 7
+            cache.crop(-3)  # as DynamicCache.crop: a negative length drops that many
+            assert cache.get_seq_length() == 4 and rewound.position == 4
+            got = distributed(input_ids=torch.cat([tokens[:, :4], torch.tensor([[9, 9]])], 1)).logits
+        with distributed._use_session(straight):
+            want = distributed(input_ids=torch.cat([tokens[:, :4], torch.tensor([[9, 9]])], 1)).logits
+        with pytest.raises(SwarmUserError, match="cannot rewind"):
+            rewound.rewind(7)
+    assert torch.allclose(got, want[:, -2:], atol=1e-5, rtol=0)
