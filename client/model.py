@@ -197,6 +197,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("the swarm session is the cache: pass session=..., not past_key_values")
         if session.generation_cache is None:
             session.generation_cache = SessionCache(session)
+        session.draft_stats = None  # set again by this call if it speculates with our draft length
         with self._use_session(session):
             if input_ids is not None and input_ids.shape[0] > 1 and self._speculates(kwargs):
                 return self._generate_batched_speculation(session, input_ids, dict(kwargs))
@@ -209,6 +210,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Greedy speculative decoding of a batch (transformers' assisted generation takes one row)."""
         assistant = kwargs.pop("assistant_model", None)
         attention_mask = kwargs.pop("attention_mask", None)
+        hooks = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
+        custom = [name for name in hooks if kwargs.get(name)]
+        if custom:
+            raise ValueError(
+                f"speculative decoding of a batch does not apply {', '.join(custom)}: generate one "
+                "sequence at a time for them"
+            )
         base = kwargs.pop("generation_config", None) or self.generation_config
         config = base.__class__.from_dict({**base.to_dict(), **kwargs})
         check_batched_config(config)

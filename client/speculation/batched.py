@@ -236,12 +236,9 @@ class BatchedSpeculation:
         return drafts
 
     def _step(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The session's logits for the positions of `ids` it has not processed, timed for the cost model."""
-        started = time.perf_counter()
-        new = ids.shape[1] - self.session.token_ids.shape[1]
-        output = self.model._forward_in(self.session, ids, mask)
-        self.draft_length.observe_step(new, time.perf_counter() - started)
-        return output.logits
+        """The session's logits for the positions of `ids` it has not processed (the model's forward
+        records the step's time in `session.step_costs`, which the cost model reads)."""
+        return self.model._forward_in(self.session, ids, mask).logits
 
     @staticmethod
     def _emit(state: BatchState, new_tokens: list[list[int]], limit: int, eos: set[int]) -> None:

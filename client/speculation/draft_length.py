@@ -37,8 +37,9 @@ from swarm.linear_fit import LinearCost, LinearFit
 
 @dataclass(frozen=True)
 class DraftLengthOptions:
-    """How the draft length is chosen. `adaptive=False` keeps `transformers`' own schedule (the
-    assistant's `num_assistant_tokens`, or `prompt_lookup_num_tokens`) and the batched loop's `max_draft`."""
+    """How the draft length is chosen. `adaptive=False` keeps `transformers`' own schedule for one
+    sequence (the assistant's `num_assistant_tokens` and its schedule, or `prompt_lookup_num_tokens`);
+    the batched loop then drafts that many tokens every round."""
 
     adaptive: bool = True
     max_draft: int = 16  # never verify more than this many drafts per step
