@@ -75,6 +75,11 @@ class ClientOptions:
     # server holding the same blocks; a third decides a disagreement and the liar is banned for liar_ban
     verify_fraction: float = 0.0
     liar_ban: float = 3600.0
+    # how a failover rebuilds a replacement server's cache (client/replay.py): "exact" reruns the
+    # recorded steps from one message (bit-identical cache), "prefill" runs one catch-up prefill (equal
+    # within the dtype's rounding, one forward of server compute), "steps" sends the recorded steps
+    # one round trip each (what servers without the Replay message understand)
+    replay_mode: str = "exact"
 
     def __post_init__(self) -> None:
         for name in ("refresh_period", "rtt_ttl", "failed_ping_ttl", "ping_timeout", "request_timeout"):
@@ -86,6 +91,10 @@ class ClientOptions:
             )
         if self.probe_per_block < 1:
             raise SwarmUserError(f"ClientOptions.probe_per_block must be >= 1, got {self.probe_per_block}")
+        if self.replay_mode not in ("exact", "prefill", "steps"):
+            raise SwarmUserError(
+                f"ClientOptions.replay_mode must be exact, prefill or steps, got {self.replay_mode!r}"
+            )
         if self.max_failovers < 0 or self.max_refusals < 1:
             raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
         if self.scheduler_key is not None:

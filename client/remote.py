@@ -22,10 +22,11 @@ import torch
 
 from client.backend import BlockBackend, BlockSession, SessionStep
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
+from client.replay import can_prefill, replay_groups, replay_tensors
 from client.replica_checks import ReplicaChecks
 from client.routing import chain_problem
 from client.sequence_rpc import SequenceFunction
-from client.stream import FATAL_CODES, ServerStream, StepInput
+from client.stream import FATAL_CODES, ServerStream, StepInput, catch_up_input
 from client.verification import VerifyPlan
 from swarm.route_request import RouteHop, RouteRequest, SessionShape
 from swarm.wire import ErrorCode, RemoteError
@@ -262,19 +263,16 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
         return failures
 
     async def _replace(self, failed: ServerStream) -> list[ServerStream]:
-        """New servers for exactly the failed server's blocks, caches rebuilt by replaying its inputs."""
+        """New servers for exactly the failed server's blocks, caches rebuilt from its inputs: one
+        round trip per replacement server (`ClientOptions.replay_mode`, client/replay.py)."""
         failed.close()
         started = asyncio.get_running_loop().time()
         while True:
             replacement = await self._open_chain(failed.hop.start, failed.hop.end)
             try:
-                timeout = self.connection.options.request_timeout
-                for sent in failed.history:  # same steps, same shapes: the rebuilt caches are bit-identical
-                    hop_input = sent  # (beam search's reorderings too, at the same steps)
-                    for stream in replacement:
-                        hop_input = dataclasses.replace(
-                            hop_input, hidden=await stream.step(hop_input, timeout)
-                        )
+                hop_inputs = failed.history
+                for stream in replacement:  # each server's outputs are the next one's inputs
+                    hop_inputs = await self._catch_up(stream, hop_inputs)
                 for stream in replacement:  # a step kept whole across a rewind replays past it
                     stream.rewind(failed.position)
             except Exception as error:
@@ -286,16 +284,37 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
                 continue
             elapsed = asyncio.get_running_loop().time() - started
             logger.info(
-                "session %s: replaced %s for blocks %d:%d with %d server(s), replayed %d steps in %.0f ms",
+                "session %s: replaced %s for blocks %d:%d with %d server(s), %s-replayed %d steps in %.0f ms",
                 self.session_id[:8],
                 failed.hop.peer_id[-8:],
                 failed.hop.start,
                 failed.hop.end,
                 len(replacement),
+                self.connection.options.replay_mode,
                 len(failed.history),
                 elapsed * 1e3,
             )
             return replacement
+
+    async def _catch_up(self, stream: ServerStream, history: list[StepInput]) -> list[StepInput]:
+        """Rebuild `stream`'s cache from `history` (its hop's inputs); returns what the stream
+        computed, as the inputs of the next hop."""
+        timeout = self.connection.options.request_timeout
+        if not history:
+            return []
+        if self.connection.options.replay_mode == "prefill" and can_prefill(history):
+            catch_up = catch_up_input(history, 0)
+            return [dataclasses.replace(catch_up, hidden=await stream.step(catch_up, timeout))]
+        mode = self.connection.options.replay_mode
+        groups = replay_groups(history, self.shape.max_length) if mode != "steps" else None
+        if groups is None:  # asked for, or deep prompts or unusual masks: step by step, as before
+            outputs = [dataclasses.replace(sent, hidden=await stream.step(sent, timeout)) for sent in history]
+            return outputs
+        outputs = []
+        for group in groups:  # one message unless rewinds made the history longer than the session
+            hidden = await stream.replay(group, replay_tensors(group), timeout)
+            outputs += [dataclasses.replace(sent, hidden=h) for sent, h in zip(group, hidden, strict=True)]
+        return outputs
 
     def close(self) -> None:
         streams, self.streams = self.streams + list(self.verifiers.values()), []

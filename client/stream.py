@@ -15,6 +15,8 @@ from swarm.wire import (
     Open,
     Opened,
     RemoteError,
+    Replay,
+    Replayed,
     Step,
     StepDone,
     decode_metadata,
@@ -132,6 +134,34 @@ class ServerStream:
         self.history.append(step)
         self.length = step.end
         return outputs[0]
+
+    async def replay(
+        self, group: list[StepInput], payload: tuple[list[torch.Tensor], bool, bool], timeout: float
+    ) -> list[torch.Tensor]:
+        """Recorded steps in one `Replay` message; `payload` is `client.replay.replay_tensors(group)`.
+        Returns each step's output."""
+        if self._queue is None:
+            raise StreamFailure(self.hop.peer_id, "the stream is closed")
+        tensors, masked, reordered = payload
+        self.steps_sent += 1
+        replay_id = f"replay#{self.steps_sent}"
+        message = Replay(replay_id=replay_id, masked=masked, reordered=reordered)
+        self._queue.put_nowait(encode(message, tensors))
+        reply, outputs = await self._receive(timeout, Replayed, with_tensors=True)
+        problem = output_problem(reply.replay_id, replay_id, outputs, tensors[1])
+        if problem is None and reply.steps != len(group):
+            problem = f"{reply.steps} steps replayed of {len(group)}"
+        if problem is not None:
+            self.healthy = False
+            raise StreamFailure(
+                self.hop.peer_id,
+                f"the server answered {problem}",
+                wrong_output=True,
+                blocks=(self.hop.start, self.hop.end),
+            )
+        self.history.extend(group)
+        self.length = group[-1].end
+        return list(outputs[0].split([sent.hidden.shape[1] for sent in group], dim=1))
 
     @property
     def position(self) -> int:

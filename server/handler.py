@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import AsyncIterator  # noqa: UP035  (hivemind detects streaming RPCs by typing's alias)
 
 import torch
@@ -27,36 +26,31 @@ from server.bounded_stream import StreamLimit, add_bounded_stream_handler
 from server.engine import BatchingEngine
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
+from server.replay import MAX_TOKENS_PER_POSITION, parse_replay
 from server.session import Session, check_hypo_ids, check_step_inputs
-from server.training import parse_sequence_call, run_backward, run_forward
+from server.unary_rpcs import UnaryRpcs
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
     PEER_LIMIT_PREFIX,
-    Ack,
-    Backward,
-    Computed,
     Error,
     ErrorCode,
-    Forward,
     InfoRequest,
     Open,
     Opened,
     ProtocolError,
-    Report,
+    Replay,
+    Replayed,
     Step,
     StepDone,
+    decode_metadata,
     decode_tensors,
     encode,
     parse,
 )
 
 logger = logging.getLogger(__name__)
-
-
-REPORT_WINDOW = 10.0  # seconds: one peer's reports of wrong outputs count at most once per window
-MAX_REPORTERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -68,7 +62,7 @@ class PeerLimits:
     max_session_lifetime: float = 24 * 3600.0  # seconds, however active the session is
 
 
-class BlockServicer(BlockRpc):
+class BlockServicer(UnaryRpcs, BlockRpc):
     def __init__(
         self,
         span: TransformerSpan,
@@ -132,103 +126,6 @@ class BlockServicer(BlockRpc):
                 return self._error(error.code, str(error))
         return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(self.get_info()))
 
-    # --- reports of wrong outputs ---------------------------------------------------------------
-    async def rpc_report(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """A client says this server's output was wrong (outvoted by replicas, or malformed): counted
-        and logged for the operator, nothing more (any client may send it; one per peer per window)."""
-        try:
-            report = parse(request.metadata, Report)
-            self._check_proof(report.swarm_proof, context)
-            self._check_blocks(report.start, report.end)
-        except ProtocolError as error:
-            return self._error(error.code, str(error))
-        peer, now = str(context.remote_id), time.monotonic()
-        if now - self._reported_at.get(peer, -REPORT_WINDOW) >= REPORT_WINDOW:
-            if len(self._reported_at) >= MAX_REPORTERS:  # forget the old windows, never grow unbounded
-                self._reported_at = {p: t for p, t in self._reported_at.items() if now - t < REPORT_WINDOW}
-            self._reported_at[peer] = now
-            self.metrics.wrong_output_reports.labels(reason=report.reason).inc()
-            detail = (
-                f"{report.relative_difference:.3g} relative difference from two agreeing replicas"
-                if report.reason == "outvoted"
-                else "NaN, infinity or a wrong shape"
-            )
-            logger.warning(
-                "client %s reports this server's output for blocks %d:%d as wrong (%s): check the device, "
-                "dtype and quantization",
-                peer[-8:],
-                report.start,
-                report.end,
-                detail,
-            )
-        return self._reply(Ack(), [])
-
-    # --- training: forward and backward of whole sequences, nothing kept -----------------------------
-    async def rpc_forward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """Run blocks [start, end) on whole sequences (no cache): inference without a session, and the
-        forward pass of training."""
-        return await self._sequence_call(request, context, backward=False)
-
-    async def rpc_backward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """Gradients of blocks [start, end) with respect to their inputs (and deep prompts), the
-        forward recomputed: nothing of a client's is kept between calls."""
-        return await self._sequence_call(request, context, backward=True)
-
-    async def _sequence_call(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext, backward: bool
-    ) -> runtime_pb2.ExpertResponse:
-        kind = "backward" if backward else "forward"
-        owner = f"{kind}:{id(request)}"
-        self.metrics.received.inc(request.ByteSize())
-        try:
-            if not self.accepting:
-                raise ProtocolError(ErrorCode.NOT_SERVING, "this server is shutting down")
-            size, limit = request.ByteSize(), 3 * self._message_limit(self.max_batch_size, self.max_length)
-            if size > limit:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"message of {size:,} bytes exceeds the limit of {limit:,}"
-                )
-            message = parse(request.metadata, Backward if backward else Forward)
-            self._check_proof(message.swarm_proof, context)
-            self._check_blocks(message.start, message.end)
-            call = parse_sequence_call(
-                decode_tensors(request),
-                message.start,
-                message.end,
-                backward=backward,
-                with_prompts=message.prompts,
-                hidden_size=self.span.hidden_size,
-                max_batch_size=self.max_batch_size,
-                max_length=self.max_length,
-            )
-            # activations: one block's at a time without autograd, every block's for a backward
-            blocks = call.end - call.start if backward else 1
-            needed = self.span.training_bytes(call.batch_size, call.num_tokens, blocks)
-            self._check_peer_share(str(context.remote_id), needed)
-            self.budget.reserve(owner, needed)
-            started = time.perf_counter()
-            compute = partial(run_backward if backward else run_forward, self.span, call)
-            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, compute)
-            self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
-            return self._reply(Computed(), outputs if backward else [outputs])
-        except ProtocolError as error:
-            return self._error(error.code, str(error))
-        except NoCacheRoom as error:
-            return self._error(ErrorCode.NO_CACHE_ROOM, str(error))
-        except Exception as error:
-            logger.exception("%s failed", kind)
-            return self._error(
-                ErrorCode.INTERNAL, f"{kind} failed on the server: {type(error).__name__}: {error}"
-            )
-        finally:
-            self.budget.release(owner)
-
     # --- inference sessions ---------------------------------------------------------------------
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -256,7 +153,7 @@ class BlockServicer(BlockRpc):
             except NoCacheRoom as error:
                 yield self._error(ErrorCode.NO_CACHE_ROOM, str(error))
                 return
-            limit.max_bytes = self._message_limit(session.batch_size, session.max_length)
+            limit.max_bytes = self._replay_limit(session)  # the largest message: a replay
             yield self._reply(
                 Opened(
                     session_id=session.session_id,
@@ -271,7 +168,13 @@ class BlockServicer(BlockRpc):
                 request = await self._next_request(requests, ends_at)
                 if request is None:
                     return  # the client closed its side: the session is over
-                yield await self._step(session, request)
+                if _message_type(request) != "replay":
+                    yield await self._step(session, request)
+                    continue
+                response, replayed = await self._replay(session, request)
+                yield response
+                if not replayed:
+                    return  # a failed replay leaves a useless cache: the session ends, its memory is freed
         except _LifetimeOver:
             logger.info("session %s reached the lifetime limit: closed", session.session_id[:8])
             with contextlib.suppress(Exception):
@@ -391,6 +294,49 @@ class BlockServicer(BlockRpc):
                 ErrorCode.INTERNAL, f"step failed on the server: {type(error).__name__}: {error}"
             )
 
+    async def _replay(self, session: Session, request: runtime_pb2.ExpertRequest):
+        """Run a `Replay`'s steps in order (a failover's exact catch-up in one round trip); returns the
+        reply and whether it succeeded."""
+        try:
+            size, limit = request.ByteSize(), self._replay_limit(session)
+            if size > limit:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"replay of {size:,} bytes exceeds this session's limit of {limit:,}",
+                )
+            message = parse(request.metadata, Replay)
+            steps = parse_replay(message, decode_tensors(request), session, self.span.hidden_size)
+            started, outputs = time.perf_counter(), []
+            for step in steps:  # one by one through the engine: other sessions' steps interleave
+                if step.hypo_ids is not None:
+                    session.cache.reorder(step.hypo_ids)
+                outputs.append(await self._compute(session, step.hidden, step.position, step.padding_mask))
+            session.last_active = time.monotonic()
+            tokens = sum(step.hidden.shape[1] for step in steps)
+            self.metrics.steps.labels(kind="replay").observe(time.perf_counter() - started)
+            logger.info(
+                "session %s: replayed %d steps (%d tokens) in %.0f ms",
+                session.session_id[:8],
+                len(steps),
+                tokens,
+                (time.perf_counter() - started) * 1e3,
+            )
+            reply = Replayed(replay_id=message.replay_id, steps=len(steps))
+            return self._reply(reply, [torch.cat(outputs, dim=1)]), True
+        except ProtocolError as error:
+            return self._error(error.code, str(error)), False
+        except Exception as error:  # a bug or a device fault: this session fails, the server serves on
+            logger.exception("session %s: replay failed", session.session_id[:8])
+            return self._error(
+                ErrorCode.INTERNAL, f"replay failed on the server: {type(error).__name__}: {error}"
+            ), False
+
+    def _replay_limit(self, session: Session) -> int:
+        """The largest legitimate replay: twice the session's positions of float32 hidden states,
+        with their masks and layout."""
+        tokens = MAX_TOKENS_PER_POSITION * session.max_length
+        return self._message_limit(session.batch_size, tokens) + tokens * 40
+
     async def _compute(
         self,
         session: Session,
@@ -501,6 +447,14 @@ class BlockServicer(BlockRpc):
         if self.engine is not None:
             self.engine.shutdown()
             logger.info("batching engine: %s", self.engine.stats.summary())
+
+
+def _message_type(request: runtime_pb2.ExpertRequest) -> object:
+    """The `type` of a request's metadata, or None when it has none (the step parser then says why)."""
+    try:
+        return decode_metadata(request.metadata).get("type")
+    except ProtocolError:
+        return None
 
 
 class _LifetimeOver(Exception):

@@ -8,6 +8,8 @@ An inference stream:
   server -> client  Opened(...) or Error(code, message) and the stream ends
   client -> server  Step(step_id, position) + tensors [hidden] (+ [padding_mask] for padded batches)
   server -> client  StepDone(step_id, position) + tensors [hidden]   or Error(code, message)
+  client -> server  Replay(replay_id) + tensors [layout, hidden, ...]: recorded steps, run in order
+  server -> client  Replayed(replay_id, steps) + tensors [outputs]   or Error, and the stream ends
 A step names its absolute position, so a replayed or retried step recomputes the same positions and
 overwrites the cache: the same step id at the same position is answered from the last result.
 """
@@ -79,6 +81,30 @@ class StepDone(Message):
     type: str = "step_done"
     step_id: str
     position: int
+
+
+class Replay(Message):
+    """Recorded steps of a session in one message, run by the server in their order: a failover's
+    exact replay, in one round trip instead of one per step (docs/architecture.md, "Replay").
+    Tensors: the layout `int64 [steps, 4]` (each step's position, token count, 1 if it reorders the
+    batch first, 1 if it has a padding mask), the steps' hidden states concatenated `[batch, tokens,
+    hidden]`, then if `masked` the steps' own new mask columns concatenated `bool [batch, tokens]`
+    and the session's mask `bool [batch, length]` (a masked step attends to the session's mask below
+    its position and to its own new columns), then if `reordered` the reordering steps' `hypo_ids`
+    as `int64 [steps that reorder, batch]`."""
+
+    type: str = "replay"
+    replay_id: str = Field(min_length=1, max_length=64)
+    masked: bool = False
+    reordered: bool = False
+
+
+class Replayed(Message):
+    """The reply to `Replay`: tensors hold every step's output, concatenated in step order."""
+
+    type: str = "replayed"
+    replay_id: str
+    steps: int
 
 
 class _WholeSequenceCall(Message):

@@ -31,6 +31,7 @@ from swarm.wire import (
     Computed,
     Error,
     Forward,
+    Replay,
     Report,
     Step,
     decode_tensors,
@@ -94,6 +95,17 @@ class RawStream:
 
 
 GOOD = torch.randn(1, 1, HIDDEN)
+TWO = torch.randn(1, 2, HIDDEN)
+
+
+def replay(
+    layout: list[list[int]], hidden: torch.Tensor, *extra: torch.Tensor, **flags
+) -> runtime_pb2.ExpertRequest:
+    """A `Replay` of recorded steps: layout rows are (position, tokens, reorders, masked)."""
+    message = Replay(replay_id="r", **flags)
+    return encode(message, [torch.tensor(layout, dtype=torch.int64), hidden, *extra])
+
+
 PROMPTED_STEP = {"type": "step", "step_id": "p", "position": 0, "prompts": True}
 
 # name -> (requests after an `open` (or instead of one), what the error says, whether to open first)
@@ -118,6 +130,48 @@ SESSION_CASES: dict[str, tuple[list, str, bool]] = {
         "skips past the 3 positions processed",
         True,
     ),
+    # a failover's replay of recorded steps: checked like every step, and a failed one ends the session
+    "replay out of order": (
+        [replay([[0, 1, 0, 0], [3, 1, 0, 0]], torch.randn(1, 2, HIDDEN))],
+        "replayed step 1 at position 3 is out of order",
+        True,
+    ),
+    "replay too long": (
+        [replay([[0, 2 * MAX_LENGTH + 1, 0, 0]], torch.randn(1, 2 * MAX_LENGTH + 1, HIDDEN))],
+        "exceeds",
+        True,
+    ),
+    "replay past max_length": (
+        [replay([[0, 10, 0, 0], [8, 10, 0, 0]], torch.randn(1, 20, HIDDEN))],
+        "past the session's max_length",
+        True,
+    ),
+    "replay with NaN": (
+        [replay([[0, 2, 0, 0]], torch.full((1, 2, HIDDEN), float("nan")))],
+        "NaN or infinity",
+        True,
+    ),
+    "replay whose layout disagrees with its tensors": (
+        [replay([[0, 3, 0, 0]], torch.randn(1, 2, HIDDEN))],
+        "at least one token each and 2 in all",
+        True,
+    ),
+    "replay for another model's width": (
+        [replay([[0, 2, 0, 0]], torch.randn(1, 2, 32))],
+        "hidden size 32 differs",
+        True,
+    ),
+    "replay with bad masks": (
+        [replay([[0, 2, 0, 1]], TWO, torch.full((1, 2), 3), torch.ones(1, 2), masked=True)],
+        "mask values must be 0 or 1",
+        True,
+    ),
+    "replay with reorderings out of range": (
+        [replay([[0, 1, 1, 0]], GOOD, torch.tensor([[5]]), reordered=True)],
+        "hypo_ids must be sequence indices",
+        True,
+    ),
+    "replay before open": ([replay([[0, 1, 0, 0]], GOOD)], "expected a message of type ['open']", False),
     "draft candidates past max_length": (
         [step(0, torch.randn(1, 4, HIDDEN)), step(2, torch.randn(1, MAX_LENGTH - 1, HIDDEN))],
         f"positions up to {MAX_LENGTH + 1} exceed the session's max_length",

@@ -1,10 +1,12 @@
-"""The draft-length cost model of speculative decoding, and the pure pieces of rewinding (issue 33)."""
+"""The draft-length cost model of speculative decoding (issue 33), and the pure pieces of rewinding
+and of replaying a history (issue 34)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from client.replay import replay_groups, replay_tensors, session_mask
 from client.speculation.draft_length import (
     DraftLength,
     DraftLengthOptions,
@@ -95,3 +97,24 @@ def test_catch_up_uses_what_each_step_left_valid_after_rewinds():
     from_five = catch_up_input(history, 5)
     assert from_five.position == 5 and from_five.hidden[0, :, 0].tolist() == [2, 3, 3]
     assert catch_up_input(history, 8) is None
+
+
+def test_replay_groups_split_by_tokens_and_refuse_masks_they_cannot_carry():
+    history = [_sent(0, 4, 1.0), _sent(4, 5, 2.0), _sent(6, 2, 3.0), _sent(8, 1, 4.0)]
+    groups = replay_groups(history, max_tokens=8)
+    assert [[sent.position for sent in group] for group in groups] == [[0], [4, 6, 8]]
+    prompted = StepInput(torch.zeros(1, 1, 2), 4, prompts=torch.zeros(1))
+    assert replay_groups([history[0], prompted], 8) is None  # deep prompts: replayed step by step
+    # masks: a later step excluded position 1 (a rejected draft): the replay's session mask says so
+    masked = [
+        StepInput(torch.zeros(1, 2, 2), 0, torch.tensor([[1, 1]])),
+        StepInput(torch.zeros(1, 1, 2), 2, torch.tensor([[1, 0, 1]])),
+    ]
+    assert session_mask(masked).tolist() == [[1, 0, 1]]
+    tensors, with_masks, reordered = replay_tensors(masked)
+    assert with_masks and not reordered
+    assert tensors[0].tolist() == [[0, 2, 0, 1], [2, 1, 0, 1]]
+    assert tensors[2].long().tolist() == [[1, 1, 1]] and tensors[3].long().tolist() == [[1, 0, 1]]
+    # a mask that changed below a later step's position in another way cannot travel in one replay
+    odd = [masked[1], StepInput(torch.zeros(1, 1, 2), 3, torch.tensor([[1, 1, 1, 1]]))]
+    assert session_mask(odd) is None and replay_groups(odd, 8) is None
