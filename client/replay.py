@@ -22,8 +22,6 @@ import torch
 
 from client.stream import StepInput
 
-REPLAY_MODES = ("exact", "prefill", "steps")
-
 
 def can_prefill(history: list[StepInput]) -> bool:
     """One catch-up prefill rebuilds this history (no beam reorderings or deep prompts in it)."""

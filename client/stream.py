@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
 
 from client.connection import SwarmConnection
+from swarm.block_rpc import BlockRpc
 from swarm.route_request import RouteHop, SessionShape
 from swarm.wire import (
     Error,
@@ -24,6 +28,8 @@ from swarm.wire import (
     encode,
     parse,
 )
+
+LAST_WORDS_TIMEOUT = 1.0  # seconds to read a closed stream's last reply (its reason) after a failed send
 
 # errors that another server would answer the same way: our request is wrong, or not allowed here
 FATAL_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED)
@@ -76,17 +82,24 @@ class ServerStream:
     healthy: bool = False  # opened, and no step has failed since
     length: int = 0  # positions of the server's cache that hold accepted work (rewinds shorten it)
     steps_sent: int = 0  # numbers step ids: a step after a rewind may repeat an earlier position
-    _queue: asyncio.Queue | None = None
-    _responses: object = None
+    # the stream through our p2p daemon, read and written directly (not hivemind's stream iterator,
+    # which after the server's side closes waits for our request stream to end and so never returns)
+    _writer: asyncio.StreamWriter | None = None
+    _replies: asyncio.Queue | None = None  # what the server sent, read as it arrives (then _CLOSED)
+    _reading: asyncio.Task | None = None
 
     async def open(self, connection: SwarmConnection) -> None:
-        self._queue = asyncio.Queue()
-        queue = self._queue
-
-        async def requests():
-            while (item := await queue.get()) is not None:
-                yield item
-
+        timeout = connection.options.request_timeout
+        name = BlockRpc._get_handle_name(connection.prefix, "rpc_inference")
+        try:
+            peer = PeerID.from_base58(self.hop.peer_id)
+            _, reader, self._writer = await asyncio.wait_for(
+                connection.p2p.call_binary_stream_handler(peer, name), timeout
+            )
+        except Exception as error:
+            raise StreamFailure(self.hop.peer_id, error) from error
+        self._replies = asyncio.Queue()
+        self._reading = asyncio.ensure_future(_read_replies(reader, self._replies))
         open_message = Open(
             session_id=self.session_id,
             max_length=self.shape.max_length,
@@ -95,16 +108,28 @@ class ServerStream:
             end=self.hop.end,
             swarm_proof=connection.swarm_proof(self.hop.peer_id),
         )
-        queue.put_nowait(encode(open_message))
-        try:
-            self._responses = await asyncio.wait_for(
-                connection.stub(self.hop.peer_id).rpc_inference(requests()),
-                connection.options.request_timeout,
-            )
-        except Exception as error:
-            raise StreamFailure(self.hop.peer_id, error) from error
-        await self._receive(connection.options.request_timeout, Opened)
+        await self._send(encode(open_message), timeout)
+        await self._receive(timeout, Opened)
         self.healthy = True
+
+    async def _send(self, request, timeout: float) -> None:
+        if self._writer is None:
+            raise StreamFailure(self.hop.peer_id, "the stream is closed")
+        try:
+            await asyncio.wait_for(P2P.send_protobuf(request, self._writer), timeout)
+        except Exception as error:  # the daemon's socket is gone, or the server stopped reading
+            self.healthy = False
+            said = await self._last_words()
+            raise (said or StreamFailure(self.hop.peer_id, error)) from error
+
+    async def _last_words(self) -> RemoteError | None:
+        """The error a server sent before closing the stream (e.g. "session expired"), if any."""
+        try:
+            reply = await asyncio.wait_for(self._replies.get(), LAST_WORDS_TIMEOUT)
+            message = parse(reply[0].metadata, Error)
+        except Exception:
+            return None
+        return RemoteError(message.code, message.message, self.hop.peer_id)
 
     async def step(self, step: StepInput, timeout: float) -> torch.Tensor:
         hidden, position = step.hidden, step.position
@@ -113,14 +138,12 @@ class ServerStream:
         # after a rewind the same position and length may legitimately come again with other tokens
         self.steps_sent += 1
         step_id = f"{position}+{hidden.shape[1]}#{self.steps_sent}"
-        if self._queue is None:
-            raise StreamFailure(self.hop.peer_id, "the stream is closed")
         hypo_ids = list(step.hypo_ids) if step.hypo_ids is not None else None
         prompts = step.prompts_for(self.hop.start, self.hop.end)
         if prompts is not None:
             tensors.append(prompts)
         message = Step(step_id=step_id, position=position, hypo_ids=hypo_ids, prompts=prompts is not None)
-        self._queue.put_nowait(encode(message, tensors))
+        await self._send(encode(message, tensors), timeout)
         reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
         problem = output_problem(reply.step_id, step_id, outputs, hidden)
         if problem is not None:  # this server's fault: blamed here, never the next server it would reach
@@ -140,13 +163,11 @@ class ServerStream:
     ) -> list[torch.Tensor]:
         """Recorded steps in one `Replay` message; `payload` is `client.replay.replay_tensors(group)`.
         Returns each step's output."""
-        if self._queue is None:
-            raise StreamFailure(self.hop.peer_id, "the stream is closed")
         tensors, masked, reordered = payload
         self.steps_sent += 1
         replay_id = f"replay#{self.steps_sent}"
         message = Replay(replay_id=replay_id, masked=masked, reordered=reordered)
-        self._queue.put_nowait(encode(message, tensors))
+        await self._send(encode(message, tensors), timeout)
         reply, outputs = await self._receive(timeout, Replayed, with_tensors=True)
         problem = output_problem(reply.replay_id, replay_id, outputs, tensors[1])
         if problem is None and reply.steps != len(group):
@@ -181,14 +202,22 @@ class ServerStream:
         self.length = min(self.length, position)  # a replica that lags behind keeps its own length
 
     async def _receive(self, timeout: float, expected: type, with_tensors: bool = False):
+        if self._replies is None:
+            raise StreamFailure(self.hop.peer_id, "the stream is closed")
         try:
-            response = await asyncio.wait_for(anext(self._responses), timeout=timeout)
-        except StopAsyncIteration:
-            self.healthy = False
-            raise StreamFailure(self.hop.peer_id, "the server closed the session") from None
-        except Exception as error:  # timeouts, resets, a daemon gone: whatever the transport raises
+            reply = await asyncio.wait_for(self._replies.get(), timeout)
+        except Exception as error:  # a timeout
             self.healthy = False
             raise StreamFailure(self.hop.peer_id, error) from error
+        if not isinstance(reply, tuple):  # the stream ended (or broke) before a reply came
+            self.healthy = False
+            self._replies.put_nowait(reply)  # still over for whoever reads next
+            cause = "the server closed the session" if reply is _CLOSED else reply
+            raise StreamFailure(self.hop.peer_id, cause)
+        response, failure = reply
+        if failure is not None:  # the p2p layer's own error: the server's handler broke off
+            self.healthy = False
+            raise StreamFailure(self.hop.peer_id, f"the server's handler failed: {failure.message}")
         kind = decode_metadata(response.metadata).get("type")
         message = parse(response.metadata, Error if kind == "error" else expected)
         if isinstance(message, Error):
@@ -197,22 +226,54 @@ class ServerStream:
         return (message, decode_tensors(response)) if with_tensors else message
 
     def close(self) -> None:
+        """End our request stream (the server then frees the session) and let go of the stream."""
         self.healthy = False
-        if self._queue is not None:
-            self._queue.put_nowait(None)  # ends our request stream: the server frees the session
-            self._queue = None
+        writer, self._writer = self._writer, None
+        if self._reading is not None:
+            self._reading.cancel()
+        if writer is not None:
+            _end_requests(writer)
+            writer.close()
 
     async def close_and_wait(self, timeout: float) -> None:
         """Close, then wait (at most `timeout`) until the server ends its side: by then it has freed
         the session's cache, so a scheduler told right after can safely admit the next session."""
-        responses = self._responses if self._queue is not None else None
-        self.close()
-        if responses is None:
+        writer, reading = self._writer, self._reading
+        self.healthy = False
+        self._writer = None
+        if writer is None:
             return
         try:
-            await asyncio.wait_for(_drain(responses), timeout)
+            _end_requests(writer)
+            await asyncio.wait_for(asyncio.shield(reading), timeout)
         except Exception:  # a server that is gone or slow to answer has nothing more to tell us
             pass
+        finally:
+            reading.cancel()
+            writer.close()
+
+
+_CLOSED = object()  # what `_read_replies` queues when the server ends its side
+
+
+async def _read_replies(reader: asyncio.StreamReader, replies: asyncio.Queue) -> None:
+    """Queue every reply of the stream as `(response, p2p error)`, then `_CLOSED` (or what broke it)."""
+    try:
+        while True:
+            replies.put_nowait(await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader))
+    except asyncio.IncompleteReadError:
+        replies.put_nowait(_CLOSED)
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # a reset daemon socket, a malformed frame
+        replies.put_nowait(error)
+
+
+def _end_requests(writer: asyncio.StreamWriter) -> None:
+    """Write the protocol's end-of-stream marker (what hivemind sends after a stream's last request)."""
+    if not writer.is_closing():
+        with contextlib.suppress(Exception):
+            writer.write(P2P.ERROR_MARKER + len(b"").to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
 
 
 def catch_up_input(history: list[StepInput], position: int) -> StepInput | None:
@@ -228,11 +289,6 @@ def catch_up_input(history: list[StepInput], position: int) -> StepInput | None:
     if not parts:
         return None
     return StepInput(torch.cat(parts, dim=1), position, history[-1].padding_mask)
-
-
-async def _drain(responses) -> None:
-    async for _ in responses:
-        pass
 
 
 def output_problem(

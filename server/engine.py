@@ -72,6 +72,10 @@ class _Step:
     arrived: float
     future: Future = field(default_factory=Future)
     skips: int = 0  # decode iterations that ran while this (prefill) step waited
+    chunk: int = 0  # a prefill longer than this runs in chunks of this many tokens (0: whole)
+    done: int = 0  # tokens of this step computed so far (chunked prefill)
+    outputs: list = field(default_factory=list)  # the computed chunks' outputs
+    started: bool = False  # its future is running (a chunked prefill's first chunk has run)
 
     def __post_init__(self) -> None:
         # batchable: one new token that is itself not padding (a masked-out query has no key to
@@ -92,7 +96,19 @@ class _Step:
 
     @property
     def tokens(self) -> int:
-        return self.hidden.shape[0] * self.hidden.shape[1]
+        """The work its next run does: the next chunk of a chunked prefill, else the whole step."""
+        return self.hidden.shape[0] * self.next_width
+
+    @property
+    def next_width(self) -> int:
+        left = self.hidden.shape[1] - self.done
+        return min(left, self.chunk) if self.chunk else left
+
+    def next_chunk(self) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """(hidden, position, padding mask) of the next run: the positions after those done."""
+        first, last = self.done, self.done + self.next_width
+        mask = self.padding_mask[:, : self.position + last] if self.padding_mask is not None else None
+        return self.hidden[:, first:last], self.position + first, mask
 
 
 @dataclass
@@ -103,6 +119,7 @@ class EngineStats:
     decode_steps: int = 0  # session steps run inside decode iterations
     max_batch: int = 0  # most session steps in one decode iteration
     prefills: int = 0
+    prefill_chunks: int = 0  # chunks run of prefills longer than the chunk size
     fallbacks: int = 0  # batched forwards that failed and were rerun step by step
     decisions: dict[str, int] = field(default_factory=dict)  # rule tag -> iterations it decided
 
@@ -194,7 +211,10 @@ class BatchingEngine:
             self._prefills.clear()
             self._condition.notify_all()
         for step in pending:
-            step.future.cancel()
+            if step.started:  # a chunked prefill between two chunks: its caller waits on a running future
+                step.future.set_exception(RuntimeError("the server is shutting down"))
+            else:
+                step.future.cancel()
         if wait:
             self._thread.join()
 
@@ -219,7 +239,9 @@ class BatchingEngine:
                 else:
                     work = [self._prefills.popleft()]
                 # a step whose caller went away (cancelled future) is dropped here, not computed
-                work = [step for step in work if step.future.set_running_or_notify_cancel()]
+                work = [step for step in work if step.started or step.future.set_running_or_notify_cancel()]
+                for step in work:
+                    step.started = True
             try:
                 if decision.action is step_scheduler.Action.DECODE:
                     self._run_decode(work)
@@ -290,10 +312,38 @@ class BatchingEngine:
 
     def _run_prefill(self, work: list[_Step]) -> None:
         for step in work:
-            started = time.perf_counter()
-            self._run_alone(step)
-            self.prefill_fit.observe(step.tokens, time.perf_counter() - started)
+            tokens, started = step.tokens, time.perf_counter()
+            if step.chunk and step.hidden.shape[1] > step.chunk:
+                self._run_chunk(step)
+            else:
+                self._run_alone(step)
+            self.prefill_fit.observe(tokens, time.perf_counter() - started)
             self.stats.prefills += 1
+
+    def _run_chunk(self, step: _Step) -> None:
+        """The next chunk of a long prefill; the rest goes back to the head of the prefill queue, so
+        the scheduler can run decode iterations in between (TetriInfer's fixed-size chunks)."""
+        hidden, position, mask = step.next_chunk()
+        try:
+            output = step.span(hidden, step.cache, position, mask)
+            self._delay(step.cache, hidden.shape[0] * hidden.shape[1])
+        except Exception as error:
+            step.future.set_exception(error)
+            return
+        step.outputs.append(output.to(step.hidden.device, step.hidden.dtype))
+        step.done += hidden.shape[1]
+        self.stats.prefill_chunks += 1
+        if step.done == step.hidden.shape[1]:
+            step.future.set_result(torch.cat(step.outputs, dim=1))
+            return
+        with self._condition:
+            if self._stopped:
+                step.future.set_exception(RuntimeError("the server is shutting down"))
+                return
+            # the rest waits as a new arrival: its wait and skips count from this chunk, not the first
+            step.arrived, step.skips = self._clock(), 0
+            self._prefills.appendleft(step)
+            self._condition.notify()
 
     def _run_decode(self, work: list[_Step]) -> None:
         if not work:
