@@ -139,6 +139,8 @@ class BatchingEngine:
         *,
         batch_wait: float = 0.002,
         compute_delay: float = 0.0,
+        compute_delay_per_token: float = 0.0,
+        prefill_chunk: int = 0,
         max_batch_rows: int = 64,
         policy: step_scheduler.SchedulerPolicy | None = None,
         decode_prior: step_scheduler.LinearCost = DEFAULT_PRIOR,
@@ -151,6 +153,8 @@ class BatchingEngine:
             batch_wait=batch_wait, max_batch_rows=max_batch_rows
         )
         self.compute_delay = compute_delay
+        self.compute_delay_per_token = compute_delay_per_token
+        self.prefill_chunk = prefill_chunk  # longer prefills run in chunks of this many tokens (0: whole)
         self.decode_fit = step_scheduler.LinearFit(decode_prior)
         self.prefill_fit = step_scheduler.LinearFit(prefill_prior)
         self.stats = EngineStats()
@@ -179,6 +183,8 @@ class BatchingEngine:
         """Queue `span(hidden, cache, position, padding_mask)`; the future gets its output (in
         `hidden`'s dtype) or its exception."""
         step = _Step(span, cache, hidden, position, padding_mask, arrived=self._clock())
+        if not step.decode:
+            step.chunk = self.prefill_chunk
         with self._condition:
             if self._stopped:
                 step.future.cancel()
@@ -371,7 +377,7 @@ class BatchingEngine:
                 for step in batchable:
                     self._run_alone(step)
             else:
-                self._delay(batchable[0].cache)
+                self._delay(batchable[0].cache, sum(step.rows for step in batchable))
                 for step, output in zip(batchable, outputs, strict=True):
                     step.future.set_result(output.to(step.hidden.device, step.hidden.dtype))
         self.decode_fit.observe(sum(step.rows for step in work), time.perf_counter() - started)
@@ -384,11 +390,14 @@ class BatchingEngine:
         """Exactly what the server did before batching: one forward, then the emulated delay."""
         try:
             output = step.span(step.hidden, step.cache, step.position, step.padding_mask)
-            self._delay(step.cache)
+            self._delay(step.cache, step.hidden.shape[0] * step.hidden.shape[1])
             step.future.set_result(output.to(step.hidden.device, step.hidden.dtype))
         except Exception as error:
             step.future.set_exception(error)
 
-    def _delay(self, cache: SpanCache) -> None:
-        if self.compute_delay:
-            time.sleep(self.compute_delay * cache.num_blocks)
+    def _delay(self, cache: SpanCache, tokens: int) -> None:
+        """Emulation: `compute_delay` per block per iteration, plus `compute_delay_per_token` per block
+        for each token it computed (a prefill's cost grows with its length, a GPU's way)."""
+        seconds = self.compute_delay + self.compute_delay_per_token * tokens
+        if seconds:
+            time.sleep(seconds * cache.num_blocks)

@@ -72,8 +72,10 @@ class BlockServicer(UnaryRpcs, BlockRpc):
         max_batch_size: int = 64,
         session_idle_timeout: float = 300.0,
         compute_delay: float = 0.0,
+        compute_delay_per_token: float = 0.0,
         compute_delay_overlap: bool = False,
         batch_wait_ms: float = 2.0,
+        prefill_chunk: int = 0,
         get_info: Callable[[], dict],
         on_sessions_changed: Callable[[], None] = lambda: None,
         metrics: ServerMetrics | None = None,
@@ -90,6 +92,7 @@ class BlockServicer(UnaryRpcs, BlockRpc):
         # concurrent sessions' delays overlap: an accelerator whose step time does not depend on how
         # many sessions it serves, which is paper 000's cost model and the simulator's.
         self.compute_delay = compute_delay
+        self.compute_delay_per_token = compute_delay_per_token
         self.overlap_delay = compute_delay if compute_delay_overlap else 0.0
         thread_delay = 0.0 if compute_delay_overlap else compute_delay
         self.get_info, self.on_sessions_changed = get_info, on_sessions_changed
@@ -108,6 +111,8 @@ class BlockServicer(UnaryRpcs, BlockRpc):
             BatchingEngine(
                 batch_wait=batch_wait_ms / 1e3,
                 compute_delay=thread_delay,
+                compute_delay_per_token=compute_delay_per_token,
+                prefill_chunk=prefill_chunk,
                 max_batch_rows=max(max_batch_size, 64),
                 on_decode_batch=self.metrics.decode_batch.observe,
             )
@@ -352,8 +357,9 @@ class BlockServicer(UnaryRpcs, BlockRpc):
 
             def run() -> torch.Tensor:
                 output = self.span(hidden, session.cache, position, padding_mask, prompts)
-                if thread_delay:
-                    time.sleep(thread_delay * session.cache.num_blocks)
+                delay = thread_delay + self.compute_delay_per_token * hidden.shape[0] * hidden.shape[1]
+                if delay:
+                    time.sleep(delay * session.cache.num_blocks)
                 return output.to(hidden.device, hidden.dtype)  # back to the wire's CPU tensors
 
             output = await asyncio.get_running_loop().run_in_executor(self.executor, run)

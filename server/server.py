@@ -9,6 +9,7 @@ out. What is served right now is one `server.active_span.ActiveSpan`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -70,8 +71,13 @@ class ServerConfig:
     idle_announce_factor: float = 3.0
     session_idle_timeout: float = 300.0
     compute_delay: float = 0.0
+    # emulation: seconds per block per token on top, so a long prefill costs what it would on a GPU
+    compute_delay_per_token: float = 0.0
     compute_delay_overlap: bool = False  # emulation: concurrent sessions' delays overlap (see handler)
     batch_wait_ms: float = 2.0  # window for batching concurrent decode steps; 0 = no batching
+    # a prefill longer than this runs in chunks of this many tokens, decode iterations of other
+    # sessions in between (server/engine.py); 0: whole prefills
+    prefill_chunk: int = 0
     drain_timeout: float = 10.0  # on SIGTERM or a move, let open sessions finish for up to this long
     prefill_tokens: int = 20
     scheduler_timeout: float = 10.0  # managed: choose blocks locally if no scheduler answers this long
@@ -118,8 +124,11 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if not self.compute_delay >= 0 or not self.drain_timeout >= 0:
-            raise SwarmUserError("--compute-delay and --drain-timeout must be >= 0")
+        delays = (self.compute_delay, self.compute_delay_per_token, self.drain_timeout)
+        if not all(value >= 0 for value in delays):
+            raise SwarmUserError("--compute-delay, --compute-delay-per-token and --drain-timeout must be >=0")
+        if self.prefill_chunk < 0:
+            raise SwarmUserError("--prefill-chunk must be >= 0 (0: prefills run whole)")
         if not self.batch_wait_ms >= 0:
             raise SwarmUserError(f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -274,7 +283,7 @@ class SwarmServer:
         )
         self.block_bytes = self._probe.block_bytes
         self.cache_token_bytes = self._probe.cache_bytes(num_tokens=1)
-        self.timings = cached_block_timings(self._probe, config.prefill_tokens, config.compute_delay)
+        self.timings = self._measure_timings(self._probe)
         self._announce()  # JOINING without blocks: the scheduler can place us from now on
         logger.info(
             "managed: probe on block 0 in %.0f ms: %d bytes per block, tau %.2f ms/block/token, "
@@ -326,7 +335,7 @@ class SwarmServer:
         self.block_bytes, self.cache_token_bytes = span.block_bytes, span.cache_bytes(num_tokens=1)
         self.served = ActiveSpan(span, config.start, config.end, self._new_budget(span))
         self._announce()  # JOINING: visible while measuring
-        self.timings = cached_block_timings(span, config.prefill_tokens, config.compute_delay)
+        self.timings = self._measure_timings(span)
         logger.info(
             "blocks %d:%d loaded (%d bytes each); tau %.2f ms/block/token, tau_prefill(%d) %.2f ms/block; "
             "%d cache bytes for sessions",
@@ -397,6 +406,18 @@ class SwarmServer:
             logger.warning("reachability: %s -> %s", self.reachability.value, state.value)
             self.reachability = state
 
+    def _measure_timings(self, span: TransformerSpan) -> BlockTimings:
+        """`tau` and `tau_prefill` of `span`'s blocks as announced: measured (cached on disk), plus
+        the emulated delays, the per-token one counted for each token of the step."""
+        config = self.config
+        timings = cached_block_timings(span, config.prefill_tokens, config.compute_delay)
+        per_token = config.compute_delay_per_token
+        return dataclasses.replace(
+            timings,
+            tau=timings.tau + per_token,
+            tau_prefill=timings.tau_prefill + per_token * config.prefill_tokens,
+        )
+
     def _new_servicer(self, span: TransformerSpan, budget: CacheBudget) -> BlockServicer:
         return BlockServicer(
             span,
@@ -405,8 +426,10 @@ class SwarmServer:
             max_batch_size=self.config.max_batch_size,
             session_idle_timeout=self.config.session_idle_timeout,
             compute_delay=self.config.compute_delay,
+            compute_delay_per_token=self.config.compute_delay_per_token,
             compute_delay_overlap=self.config.compute_delay_overlap,
             batch_wait_ms=self.config.batch_wait_ms,
+            prefill_chunk=self.config.prefill_chunk,
             get_info=lambda: self.info().to_wire(),
             on_sessions_changed=self._sessions_changed.set,
             metrics=self.metrics,

@@ -122,6 +122,45 @@ def test_sixteen_concurrent_sessions_match_sequential_runs(span_and_client):
     assert stats.fallbacks == 0
 
 
+def test_chunked_prefills_between_other_sessions_decodes_equal_whole_prefills(span_and_client):
+    """`--prefill-chunk`: prompts of 2..14 tokens (padded batches among them) run in chunks of 3,
+    interleaved with the other sessions' decode steps; outputs equal whole prefills run alone."""
+    span, client = span_and_client
+    specs = session_specs(16)
+
+    async def alone(cache, hidden, position, mask):
+        return span(hidden, cache, position, mask)
+
+    async def sequential():
+        return [await generate(span, client, spec, alone) for spec in specs]
+
+    expected = asyncio.run(sequential())
+    engine = BatchingEngine(batch_wait=0.005, prefill_chunk=3)
+
+    async def chunked(cache, hidden, position, mask):
+        return await engine.run(span, cache, hidden, position, mask)
+
+    async def concurrent():
+        return await asyncio.gather(*(generate(span, client, spec, chunked) for spec in specs))
+
+    try:
+        results = asyncio.run(concurrent())
+    finally:
+        engine.shutdown(wait=True)
+    for index, ((tokens, outputs), (want_tokens, want_outputs)) in enumerate(
+        zip(results, expected, strict=True)
+    ):
+        assert torch.equal(tokens, want_tokens), index
+        worst = max((a - b).abs().max().item() for a, b in zip(outputs, want_outputs, strict=True))
+        assert worst <= 1e-5, (index, worst)
+    stats = engine.stats
+    chunks = sum(
+        len(spec.ranges) * -(-spec.prompt.shape[1] // 3) for spec in specs if spec.prompt.shape[1] > 3
+    )
+    assert stats.prefill_chunks == chunks, stats.summary()  # every chunk of every long prompt ran, per cache
+    assert stats.decode_iterations > 0
+
+
 def test_batched_decode_reads_caches_in_place_and_matches_replayed_caches(span_and_client, monkeypatch):
     """Issue 20: a batched decode step hands attention views of each session's own cache (same
     storage, nothing gathered), for mixed lengths and a padded session; a session whose cache was
