@@ -271,8 +271,8 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
             replacement = await self._open_chain(failed.hop.start, failed.hop.end)
             try:
                 hop_inputs = failed.history
-                for stream in replacement:  # each server's outputs are the next one's inputs
-                    hop_inputs = await self._catch_up(stream, hop_inputs)
+                for index, stream in enumerate(replacement):  # each server's outputs: the next one's inputs
+                    hop_inputs = await self._catch_up(stream, hop_inputs, last=index == len(replacement) - 1)
                 for stream in replacement:  # a step kept whole across a rewind replays past it
                     stream.rewind(failed.position)
             except Exception as error:
@@ -296,15 +296,16 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
             )
             return replacement
 
-    async def _catch_up(self, stream: ServerStream, history: list[StepInput]) -> list[StepInput]:
+    async def _catch_up(self, stream: ServerStream, history: list[StepInput], last: bool) -> list[StepInput]:
         """Rebuild `stream`'s cache from `history` (its hop's inputs); returns what the stream
-        computed, as the inputs of the next hop."""
+        computed, as the inputs of the next hop (none after the `last` server of a replacement)."""
         timeout = self.connection.options.request_timeout
         if not history:
             return []
         if self.connection.options.replay_mode == "prefill" and can_prefill(history):
             catch_up = catch_up_input(history, 0)
-            return [dataclasses.replace(catch_up, hidden=await stream.step(catch_up, timeout))]
+            output = await stream.step(catch_up, timeout, last_only=last)
+            return [] if last else [dataclasses.replace(catch_up, hidden=output)]
         mode = self.connection.options.replay_mode
         groups = replay_groups(history, self.shape.max_length) if mode != "steps" else None
         if groups is None:  # asked for, or deep prompts or unusual masks: step by step, as before

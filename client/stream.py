@@ -131,7 +131,8 @@ class ServerStream:
             return None
         return RemoteError(message.code, message.message, self.hop.peer_id)
 
-    async def step(self, step: StepInput, timeout: float) -> torch.Tensor:
+    async def step(self, step: StepInput, timeout: float, last_only: bool = False) -> torch.Tensor:
+        """Run `step` on the server; its output (only the last position's with `last_only`)."""
         hidden, position = step.hidden, step.position
         tensors = [hidden] if step.padding_mask is None else [hidden, step.padding_mask]
         # unique on the stream: the server answers a repeated id from its last result (a retry), and
@@ -142,10 +143,16 @@ class ServerStream:
         prompts = step.prompts_for(self.hop.start, self.hop.end)
         if prompts is not None:
             tensors.append(prompts)
-        message = Step(step_id=step_id, position=position, hypo_ids=hypo_ids, prompts=prompts is not None)
+        message = Step(
+            step_id=step_id,
+            position=position,
+            hypo_ids=hypo_ids,
+            prompts=prompts is not None,
+            last_only=last_only,
+        )
         await self._send(encode(message, tensors), timeout)
         reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
-        problem = output_problem(reply.step_id, step_id, outputs, hidden)
+        problem = output_problem(reply.step_id, step_id, outputs, hidden[:, -1:] if last_only else hidden)
         if problem is not None:  # this server's fault: blamed here, never the next server it would reach
             self.healthy = False
             raise StreamFailure(

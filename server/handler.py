@@ -287,6 +287,8 @@ class BlockServicer(UnaryRpcs, BlockRpc):
                 session.cache.reorder(hypo_ids)
             started = time.perf_counter()
             output = await self._compute(session, hidden, message.position, padding_mask, prompts)
+            if message.last_only:
+                output = output[:, -1:]
             kind = "decode" if hidden.shape[1] == 1 else "prefill"
             self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
             session.record(message.step_id, message.position, output)

@@ -75,6 +75,9 @@ class Step(Message):
     # deep prompt tuning: the last tensor holds a prompt per block of the session, added to the
     # block's input at positions below its length
     prompts: bool = False
+    # reply with the last position's output only: a failover's catch-up prefill into the last server
+    # of a replacement chain, whose outputs nobody reads (half the bytes on the wire)
+    last_only: bool = False
 
 
 class StepDone(Message):
@@ -190,7 +193,7 @@ def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = T
     # optional fields left empty are left out, so servers that predate them accept the message
     unused = {
         name
-        for name in ("swarm_proof", "hypo_ids", "prompts")
+        for name in ("swarm_proof", "hypo_ids", "prompts", "last_only")
         if getattr(message, name, 1) in ("", None) or getattr(message, name, 1) is False
     }
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))
