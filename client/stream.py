@@ -152,15 +152,9 @@ class ServerStream:
         )
         await self._send(encode(message, tensors), timeout)
         reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
-        problem = output_problem(reply.step_id, step_id, outputs, hidden[:, -1:] if last_only else hidden)
-        if problem is not None:  # this server's fault: blamed here, never the next server it would reach
-            self.healthy = False
-            raise StreamFailure(
-                self.hop.peer_id,
-                f"the server answered {problem}",
-                wrong_output=True,
-                blocks=(self.hop.start, self.hop.end),
-            )
+        self._check_answer(
+            output_problem(reply.step_id, step_id, outputs, hidden[:, -1:] if last_only else hidden)
+        )
         self.history.append(step)
         self.length = step.end
         return outputs[0]
@@ -179,6 +173,13 @@ class ServerStream:
         problem = output_problem(reply.replay_id, replay_id, outputs, tensors[1])
         if problem is None and reply.steps != len(group):
             problem = f"{reply.steps} steps replayed of {len(group)}"
+        self._check_answer(problem)
+        self.history.extend(group)
+        self.length = group[-1].end
+        return list(outputs[0].split([sent.hidden.shape[1] for sent in group], dim=1))
+
+    def _check_answer(self, problem: str | None) -> None:
+        """A wrong answer is this server's fault: blamed here, never the next server it would reach."""
         if problem is not None:
             self.healthy = False
             raise StreamFailure(
@@ -187,9 +188,6 @@ class ServerStream:
                 wrong_output=True,
                 blocks=(self.hop.start, self.hop.end),
             )
-        self.history.extend(group)
-        self.length = group[-1].end
-        return list(outputs[0].split([sent.hidden.shape[1] for sent in group], dim=1))
 
     @property
     def position(self) -> int:

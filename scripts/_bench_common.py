@@ -33,6 +33,19 @@ def bench_parser(doc: str, **defaults: int | str) -> argparse.ArgumentParser:
     return parser
 
 
+def measuring_parser(doc: str, *required: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The parser of a benchmark that runs its measuring client as a subprocess (e.g. inside an
+    emulated site), and the parser of that client's `measure` subcommand, which takes
+    `--initial-peers` and the `required` options."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command")
+    inner = commands.add_parser("measure", help="(internal) the measuring client")
+    for name in required:
+        inner.add_argument(name, required=True)
+    inner.add_argument("--initial-peers", nargs="+", required=True)
+    return parser, inner
+
+
 def parse_bench_args(doc: str, **defaults: int | str) -> argparse.Namespace:
     """The command line of a benchmark that reports one table: the options of `bench_parser(doc,
     **defaults)`, then `--write` (see `publish_table`)."""

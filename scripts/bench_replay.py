@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench_common import publish_table  # noqa: E402
+from _bench_common import measuring_parser, publish_table  # noqa: E402
 
 LAYERS = 6
 MODES = ("steps", "exact", "prefill")
@@ -159,14 +159,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command")
-    inner = sub.add_parser("measure", help="(internal) the measuring client")
-    for name in ("--model-dir", "--out", "--pids"):
-        inner.add_argument(name, required=True)
-    inner.add_argument("--initial-peers", nargs="+", required=True)
+    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--pids")
     for options in (parser, inner):
         options.add_argument("--history", default="50,200,500", help="tokens generated before each kill")
     parser.add_argument("--rtt", type=float, default=50.0, help="ms between the client and each server site")

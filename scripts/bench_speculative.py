@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench_common import publish_table  # noqa: E402
+from _bench_common import measuring_parser, publish_table  # noqa: E402
 
 LAYERS = 6
 SPANS = ("0:2", "2:4", "4:6")
@@ -276,14 +276,7 @@ def table(results: dict[str, dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command")
-    inner = sub.add_parser("measure", help="(internal) the measuring client")
-    inner.add_argument("--model-dir", required=True)
-    inner.add_argument("--initial-peers", nargs="+", required=True)
-    inner.add_argument("--out", required=True)
+    parser, inner = measuring_parser(__doc__, "--model-dir", "--out")
     for options in (parser, inner):
         options.add_argument("--tokens", type=int, default=64)
         options.add_argument("--repeats", type=int, default=3)

@@ -35,6 +35,19 @@ def single_file_dir(tmp_path_factory) -> Path:
     return build_tiny_model(path, TinyModelSpec(family="llama", num_layers=3))
 
 
+@pytest.fixture
+def swarm(tmp_path):
+    """A local swarm with its DHT peer started, for one test; everything it started is stopped after."""
+    from swarm.local_swarm import LocalSwarm  # imported here: it pulls in hivemind, which takes seconds
+
+    swarm = LocalSwarm(tmp_path)
+    swarm.start_dht()
+    try:
+        yield swarm
+    finally:
+        assert not swarm.close(), "process groups left running"
+
+
 @pytest.fixture(scope="session", params=["bloom", "llama"])
 def model_dir(request, bloom_dir, llama_dir) -> Path:
     return bloom_dir if request.param == "bloom" else llama_dir

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server.engine import BatchingEngine
+from server.engine import BatchingEngine, EngineStats
 from server.step_scheduler import (
     Action,
     CostModel,
@@ -79,14 +79,9 @@ async def generate(span, client, spec: SessionSpec, step) -> tuple[torch.Tensor,
     return torch.cat(tokens, dim=1), outputs
 
 
-@pytest.fixture(scope="module")
-def span_and_client(model_dir):
-    return load_span(model_dir, 0, NUM_BLOCKS)[0], load_client_parts(model_dir)
-
-
-def test_sixteen_concurrent_sessions_match_sequential_runs(span_and_client):
-    span, client = span_and_client
-    specs = session_specs(16)
+def run_against_sequential(span, client, specs: list[SessionSpec], engine: BatchingEngine) -> EngineStats:
+    """Every session of `specs` alone and whole (the reference), then all at once through `engine`:
+    the tokens must be equal and the outputs within 1e-5. Returns the engine's counters."""
 
     async def alone(cache, hidden, position, mask):
         return span(hidden, cache, position, mask)
@@ -96,13 +91,11 @@ def test_sixteen_concurrent_sessions_match_sequential_runs(span_and_client):
 
     expected = asyncio.run(sequential())
 
-    engine = BatchingEngine(batch_wait=0.005)
-
-    async def batched(cache, hidden, position, mask):
+    async def through_engine(cache, hidden, position, mask):
         return await engine.run(span, cache, hidden, position, mask)
 
     async def concurrent():
-        return await asyncio.gather(*(generate(span, client, spec, batched) for spec in specs))
+        return await asyncio.gather(*(generate(span, client, spec, through_engine) for spec in specs))
 
     try:
         results = asyncio.run(concurrent())
@@ -114,7 +107,17 @@ def test_sixteen_concurrent_sessions_match_sequential_runs(span_and_client):
         assert torch.equal(tokens, want_tokens), index
         worst = max((a - b).abs().max().item() for a, b in zip(outputs, want_outputs, strict=True))
         assert worst <= 1e-5, (index, worst)
-    stats = engine.stats
+    return engine.stats
+
+
+@pytest.fixture(scope="module")
+def span_and_client(model_dir):
+    return load_span(model_dir, 0, NUM_BLOCKS)[0], load_client_parts(model_dir)
+
+
+def test_sixteen_concurrent_sessions_match_sequential_runs(span_and_client):
+    span, client = span_and_client
+    stats = run_against_sequential(span, client, session_specs(16), BatchingEngine(batch_wait=0.005))
     # the sessions really were batched: far fewer decode iterations than decode steps (each block
     # range is its own batch: at most 6 of the 16 sessions share one)
     assert stats.max_batch >= 5, stats.summary()
@@ -127,33 +130,7 @@ def test_chunked_prefills_between_other_sessions_decodes_equal_whole_prefills(sp
     interleaved with the other sessions' decode steps; outputs equal whole prefills run alone."""
     span, client = span_and_client
     specs = session_specs(16)
-
-    async def alone(cache, hidden, position, mask):
-        return span(hidden, cache, position, mask)
-
-    async def sequential():
-        return [await generate(span, client, spec, alone) for spec in specs]
-
-    expected = asyncio.run(sequential())
-    engine = BatchingEngine(batch_wait=0.005, prefill_chunk=3)
-
-    async def chunked(cache, hidden, position, mask):
-        return await engine.run(span, cache, hidden, position, mask)
-
-    async def concurrent():
-        return await asyncio.gather(*(generate(span, client, spec, chunked) for spec in specs))
-
-    try:
-        results = asyncio.run(concurrent())
-    finally:
-        engine.shutdown(wait=True)
-    for index, ((tokens, outputs), (want_tokens, want_outputs)) in enumerate(
-        zip(results, expected, strict=True)
-    ):
-        assert torch.equal(tokens, want_tokens), index
-        worst = max((a - b).abs().max().item() for a, b in zip(outputs, want_outputs, strict=True))
-        assert worst <= 1e-5, (index, worst)
-    stats = engine.stats
+    stats = run_against_sequential(span, client, specs, BatchingEngine(batch_wait=0.005, prefill_chunk=3))
     chunks = sum(
         len(spec.ranges) * -(-spec.prompt.shape[1] // 3) for spec in specs if spec.prompt.shape[1] > 3
     )

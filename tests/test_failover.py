@@ -13,22 +13,11 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.models.span import load_span
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 FAST_FAILOVER = ClientOptions(request_timeout=20.0, ban_base=2.0, wait_for_servers=30.0)
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    swarm = LocalSwarm(tmp_path)
-    swarm.start_dht()
-    try:
-        yield swarm
-    finally:
-        assert not swarm.close(), "process groups left running"
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,6 @@ PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 BEFORE, AFTER = 60, 4
 
 
-@pytest.fixture
-def swarm(tmp_path):
-    swarm = LocalSwarm(tmp_path)
-    swarm.start_dht()
-    try:
-        yield swarm
-    finally:
-        assert not swarm.close(), "process groups left running"
-
-
 def _client(swarm: LocalSwarm, model_dir, mode: str) -> AutoDistributedModelForCausalLM:
     options = ClientOptions(request_timeout=20.0, ban_base=60.0, wait_for_servers=30.0, replay_mode=mode)
     return AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, options=options)
