@@ -78,7 +78,7 @@ class ClientOptions:
     # how a failover rebuilds a replacement server's cache (client/replay.py): "prefill" runs one
     # catch-up prefill (equal within the dtype's rounding; one forward of server compute), "exact"
     # reruns the recorded steps from one message (a bit-identical cache, but one forward per step:
-    # measured 4.5x a token after 50 tokens over 50 ms links, against 2.5x, BENCHMARKS.md), "steps"
+    # measured 14.4x a token after 500 tokens over 50 ms links, against 2.7x, BENCHMARKS.md), "steps"
     # sends the recorded steps one round trip each (what servers without the Replay message understand)
     replay_mode: str = "prefill"
 
