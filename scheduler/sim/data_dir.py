@@ -1,7 +1,8 @@
 """Where the real inputs live (topologies, the Azure trace, RIPE Atlas RTTs).
 
-`SWARM_DATA_DIR` wins; otherwise the `shared/data` folder beside the repository (how checkouts and
-CI are laid out), then a `data/` folder inside it.
+They ship with the project in its `data/` folder (see `data/README.md` for each file's source,
+licence and preparation). `SWARM_DATA_DIR` may point at another folder with the same layout, for
+instance a larger trace.
 """
 
 from __future__ import annotations
@@ -9,13 +10,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[2]
+REPOSITORY_DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def find_data_dir() -> Path:
-    candidates = [Path(os.environ["SWARM_DATA_DIR"])] if os.environ.get("SWARM_DATA_DIR") else []
-    candidates += [_REPO.parent / "shared" / "data", _REPO / "data"]
-    return next((path for path in candidates if path.is_dir()), candidates[0])
+    override = os.environ.get("SWARM_DATA_DIR")
+    return Path(override) if override else REPOSITORY_DATA
 
 
 DATA_DIR = find_data_dir()
