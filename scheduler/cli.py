@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--arrival-rate",
         default="auto",
-        help="requests/s used to choose R (SPEC 3.1), or 'auto' to estimate it online",
+        help="requests/s used to choose R (docs/reference.md 3.1), or 'auto' to estimate it online",
     )
     parser.add_argument(
         "--num-requests",

@@ -1,4 +1,5 @@
-"""`swarm-plan`: block placement, routing and chain composition from the command line (SPEC section 4).
+"""`swarm-plan`: block placement, routing and chain composition from the command line
+(docs/reference.md section 4).
 
 JSON in on stdin, JSON out on stdout. Exit status 0 on success, 2 for invalid input (one line on
 stderr), 3 when the swarm cannot serve the model (a JSON error naming the uncovered blocks).
@@ -42,15 +43,17 @@ exit status: 0 ok; 2 invalid input (message on stderr); 3 infeasible
 _PLACE_HELP = f"""\
 Place blocks on the servers of problem.json (read from stdin).
 
-  cg-bp   CG-BP (SPEC 3.1). Servers need tau and rtt. R is "num_requests"; or give
+  cg-bp   CG-BP (docs/reference.md 3.1). Servers need tau and rtt. R is "num_requests"; or give
           "arrival_rate" and "l_out" (servers then also need tau_prefill and rtt_prefill) and R is
           round(mean + std) of the arrivals during one request, capped by eq. 19.
           Output: {{"placement", "num_requests", "bound" (eq. 17, s/token), "order"}}.
-  petals  the PETALS baseline (SPEC 3.3). Needs model "hidden_size" (optional "kv_dim", default
-          hidden_size; "dtype_bytes", default 2); servers need tau, or "forward_rps" (default 1/tau)
-          and optionally "network_rps" (default unlimited). Output: {{"placement", "order"}}.
-  gbp-cr  GBP-CR (SPEC 3.4). Servers need tau_c and tau_p; the problem needs "c" (or "c": "auto"
-          with "arrival_rate"); optional "rho_bar" (default 0.7). Output: {{"placement", "c", "order"}}.
+  petals  the PETALS baseline (docs/reference.md 3.3). Needs model "hidden_size" (optional
+          "kv_dim", default hidden_size; "dtype_bytes", default 2); servers need tau, or
+          "forward_rps" (default 1/tau) and optionally "network_rps" (default unlimited).
+          Output: {{"placement", "order"}}.
+  gbp-cr  GBP-CR (docs/reference.md 3.4). Servers need tau_c and tau_p; the problem needs "c" (or
+          "c": "auto" with "arrival_rate"); optional "rho_bar" (default 0.7).
+          Output: {{"placement", "c", "order"}}.
 
 example:
   echo '{{"model": {{"num_blocks": 4, "block_bytes": 1e9, "cache_bytes": 1e7}},
@@ -63,10 +66,11 @@ _ROUTE_HELP = """\
 Route one request (routing.json on stdin: a problem.json plus "placement" as output by place,
 "client", "l_in", "l_out" and "active": {"server name": [[remaining_seconds, slots], ...]}).
 
-  ws-rr   WS-RR (SPEC 3.2): shortest path with link cost wait (eq. 20) + l_out * t^c (eq. 8).
-          Servers need tau, tau_prefill, and rtt/rtt_prefill to the client.
-  petals  PETALS' router (SPEC 3.3): per hop rtt/2 + 0.018 s + blocks/inference_rps (default
-          tau), +10 s where PETALS' fixed cache has no room. "cost" is PETALS' weight; "wait" is 0.
+  ws-rr   WS-RR (docs/reference.md 3.2): shortest path with link cost wait (eq. 20) +
+          l_out * t^c (eq. 8). Servers need tau, tau_prefill, and rtt/rtt_prefill to the client.
+  petals  PETALS' router (docs/reference.md 3.3): per hop rtt/2 + 0.018 s +
+          blocks/inference_rps (default tau), +10 s where PETALS' fixed cache has no room.
+          "cost" is PETALS' weight; "wait" is 0.
 
 output: {"chain": [{"name", "start", "end"} (blocks that server processes)], "cost", "wait"}
 
@@ -80,12 +84,12 @@ example:
 """
 
 _COMPOSE_HELP = """\
-GBP-CR placement + GCA cache allocation (SPEC 3.4) for problem.json on stdin. Servers need tau_c
-(communication time per request) and tau_p (computation time per block per request). The problem
-needs "c", or "c": "auto" with "arrival_rate" to pick c* in [1, c_max] by --c-objective; optional
-"rho_bar" (default 0.7). With an arrival rate, GBP-CR stops once the chains reach
-lambda/(rho_bar*c) and the output has Theorem 3.7's bounds on JFFC's mean response time (null if
-the load is unstable).
+GBP-CR placement + GCA cache allocation (docs/reference.md 3.4) for problem.json on stdin.
+Servers need tau_c (communication time per request) and tau_p (computation time per block per
+request). The problem needs "c", or "c": "auto" with "arrival_rate" to pick c* in [1, c_max] by
+--c-objective; optional "rho_bar" (default 0.7). With an arrival rate, GBP-CR stops once the
+chains reach lambda/(rho_bar*c) and the output has Theorem 3.7's bounds on JFFC's mean response
+time (null if the load is unstable).
 
 output: {"c", "chains": [{"servers", "blocks", "capacity", "service_time"}], "service_rate",
          "response_time_bounds": [lower, upper]}

@@ -1,4 +1,5 @@
-"""The `swarm-plan` commands as pure functions: parsed problem in, output document out (SPEC section 4).
+"""The `swarm-plan` commands as pure functions: parsed problem in, output document out
+(docs/reference.md section 4).
 
 `scheduler.plan_cli` wraps them with stdin/stdout and exit codes. The algorithms are reached through
 `scheduler.algorithms.placing`, typed, which the scheduler service calls too: a placement it
@@ -31,7 +32,7 @@ __all__ = ["Infeasible", "compose_chains", "place", "placement_output", "route_p
 
 
 def placement_output(problem: PlanProblem, placed: PlacedServers) -> dict[str, Any]:
-    """`swarm-plan place`'s output document (SPEC 4) for a computed placement."""
+    """`swarm-plan place`'s output document (docs/reference.md 4) for a computed placement."""
     output: dict[str, Any] = {"placement": placement_json(problem.servers, placed.spans)}
     if placed.num_requests is not None:
         output["num_requests"] = placed.num_requests

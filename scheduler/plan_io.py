@@ -1,4 +1,4 @@
-"""JSON in and out for `swarm-plan` (SPEC section 4): parsing, validation and output shapes.
+"""JSON in and out for `swarm-plan` (docs/reference.md section 4): parsing, validation and output shapes.
 
 Validation is strict because a planner fed a typo silently plans for the wrong swarm: unknown or
 duplicate keys, wrong types, missing, negative or non-finite values all raise `PlanInputError`
@@ -93,7 +93,8 @@ def _server_json(server: ServerSpec) -> dict[str, Any]:
 
 
 def placement_json(servers: Sequence[ServerSpec], spans: Sequence[Span | None]) -> list[dict[str, Any]]:
-    """`[{"name", "start", "end"}]` for every server; no blocks -> start and end null (SPEC 4)."""
+    """`[{"name", "start", "end"}]` for every server; no blocks -> start and end null
+    (docs/reference.md 4)."""
     return [
         {"name": server.name, "start": span.start if span else None, "end": span.end if span else None}
         for server, span in zip(servers, spans, strict=True)

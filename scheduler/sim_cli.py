@@ -1,4 +1,5 @@
-"""`swarm-sim`: run the discrete-event swarm simulator (SPEC 1, issue 7) and print SPEC 6 metrics.
+"""`swarm-sim`: run the discrete-event swarm simulator (docs/reference.md 1, issue 7) and print the metrics of
+docs/reference.md 6.
 
 Example:
     swarm-sim --scenario clustered --policy cg-bp --client-cluster 0 --rate 0.5 \\
@@ -106,7 +107,8 @@ def _run_sweep(args: argparse.Namespace, config: CellConfig) -> dict:
         rows, args.sweep, f"{config.scenario}: per-token time vs {args.sweep}", args.out / f"{stem}.png"
     )
     result = {"csv": str(args.out / f"{stem}.csv"), "png": str(args.out / f"{stem}.png"), "rows": rows}
-    if args.sweep == "rate" and "slo_attainment" in rows[0]:  # SPEC 6 goodput on the sweep's grid
+    # goodput (docs/reference.md 6) on the sweep's grid
+    if args.sweep == "rate" and "slo_attainment" in rows[0]:
         result["goodput"] = {
             policy: goodput(
                 [row["x"] for row in rows if row["policy"] == policy],

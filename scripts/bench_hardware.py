@@ -15,7 +15,7 @@ Per (dtype, quant) it loads block 0 with the servers' own loading code (`load_sp
 - the median decode time of one block at `--context` cached tokens (synchronized), against the
   bandwidth limit `s_m / B`, with `B` this device's measured copy bandwidth (a decode step must
   read every weight once, so no implementation beats that);
-- a session cache's real bytes against `s_c` of SPEC eq. 2;
+- a session cache's real bytes against `s_c` of eq. 2 (docs/reference.md 2);
 
 then starts a DHT and `--servers` servers splitting the blocks on the device and times
 `--tokens` greedy tokens through them (p50/p95 per token).

@@ -5,7 +5,7 @@ scenario `table2.json`: 3 clusters, 5 ms / 1 Gbit/s inside, 100 ms / 100 Mbit/s 
 
 1. place the 70 blocks with `swarm-plan place --algo cg-bp|petals|gbp-cr` on the *paper's* memory budgets
    (A100 79.13 GiB, MIG 8.2 GiB, BLOOM-176B NF4 blocks): PETALS gets its 53 / 4 blocks, CG-BP what
-   SPEC 3.1 gives for the cell's R;
+   docs/reference.md 3.1 gives for the cell's R;
 2. start a DHT, a scheduler (`--policy cg-bp`: WS-RR routing and admission; `--policy petals`:
    PETALS' router, clients back off when refused; `--policy chains`: paper 001's GBP-CR placement
    with c tuned for the rate, GCA chains and a JFFC queue) and 9 servers with those `--blocks`, a tiny
@@ -17,8 +17,8 @@ scenario `table2.json`: 3 clusters, 5 ms / 1 Gbit/s inside, 100 ms / 100 Mbit/s 
 4. simulate the same swarm (same spans, the servers' announced tau / tau_prefill, the client's
    measured round trips, the same arrival times, and as per-session set-up the time a session open
    took on the idle swarm just before the run, as paper 000 calibrates its simulator's set-up
-   delay) with `scheduler.sim` and put the prediction beside the measurement (SPEC 6 metrics of
-   both through `scheduler.sim.metrics.summarize`).
+   delay) with `scheduler.sim` and put the prediction beside the measurement (the metrics of
+   docs/reference.md 6 for both through `scheduler.sim.metrics.summarize`).
 
 `--time-scale k` multiplies every delay (link RTTs, per-block times, PETALS' backoff) by k and
 divides the arrival rate by k: the same queueing at k times the speed. Reported values are at the

@@ -1,4 +1,4 @@
-"""The performance and memory model of SPEC section 2 (paper 000, section 2.2).
+"""The performance and memory model of docs/reference.md section 2 (paper 000, section 2.2).
 
 Pure arithmetic: no torch modules are built here and nothing touches the network, so the
 scheduler, the simulator and the servers all share one definition of every formula.

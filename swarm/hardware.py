@@ -4,12 +4,12 @@ Resolving `auto` and checking what the user asked for are pure functions of the 
 given (`DeviceFacts`, free/total bytes), so every rule is testable without a GPU; `probe_device`
 and `probe_memory` are the only parts that ask torch about the machine.
 
-Memory (SPEC eq. 2 wants the budget `M_j` that blocks and attention caches may fill): on CUDA the
-free memory torch reports is what is left *after* this process's CUDA context (a few hundred MB
-that no tensor accounts for), and the caching allocator needs headroom for fragmentation and for
-the transient activations of a step (attention scores and MLP intermediates of a long prefill).
-So a GPU server budgets `free - headroom`, and `--memory X` larger than that is an error now rather
-than an out-of-memory crash under load later.
+Memory (eq. 2 of docs/reference.md 2 wants the budget `M_j` that blocks and attention caches may
+fill): on CUDA the free memory torch reports is what is left *after* this process's CUDA context (a
+few hundred MB that no tensor accounts for), and the caching allocator needs headroom for
+fragmentation and for the transient activations of a step (attention scores and MLP intermediates
+of a long prefill). So a GPU server budgets `free - headroom`, and `--memory X` larger than that is
+an error now rather than an out-of-memory crash under load later.
 """
 
 from __future__ import annotations

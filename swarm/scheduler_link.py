@@ -3,7 +3,7 @@
 Only a scheduler whose DHT record (`{prefix}._scheduler`) is signed by the key the user or operator
 gave is used: anyone can announce a scheduler. Every call returns None when no trusted scheduler
 answers in time, and the caller then decides locally (clients route, servers choose their blocks):
-the swarm never depends on the scheduler for liveness (SPEC section 1). The scheduler may restart
+the swarm never depends on the scheduler for liveness (docs/reference.md section 1). The scheduler may restart
 at a new address or be gone, so the link
 
 - looks the scheduler up in the DHT when it has none, and re-reads its record every

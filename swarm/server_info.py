@@ -1,4 +1,4 @@
-"""What a server announces about itself in the DHT (SPEC section 5), versioned and validated.
+"""What a server announces about itself in the DHT (docs/reference.md section 5), versioned and validated.
 
 Readers skip records that fail validation (a buggy or hostile peer cannot break routing), and
 ignore fields they do not know, so newer servers can add fields without breaking older clients.

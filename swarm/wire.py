@@ -1,4 +1,4 @@
-"""The session protocol between clients and servers, over hivemind P2P (SPEC section 5).
+"""The session protocol between clients and servers, over hivemind P2P (docs/reference.md section 5).
 
 Every message is a hivemind `ExpertRequest`/`ExpertResponse`: tensors plus msgpack metadata. The
 metadata is validated with pydantic models here, so a server never trusts a field it did not check.

@@ -1,4 +1,5 @@
-"""CG-BP (SPEC 3.1, paper 000 Alg. 1): worked examples, eq. 17/19, and properties on random swarms."""
+"""CG-BP (docs/reference.md 3.1, paper 000 Alg. 1): worked examples, eq. 17/19, and properties on random
+swarms."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_fig5_cg_bp_is_suboptimal_by_design():
 
 
 def test_clustered_swarm_fast_servers_first_and_eq17_bound():
-    """Two A100-like and two MIG-like servers (SPEC 7 constants): A100s cover the model first."""
+    """Two A100-like and two MIG-like servers (docs/reference.md 7 constants): A100s cover the model first."""
     model = ModelSpec(num_blocks=70, block_bytes=1323397667, cache_bytes=8486912)
     servers = [
         server("mig1", 9.1e9, 0.0162488, 0.055),

@@ -1,4 +1,4 @@
-"""Paper 001: GBP-CR, GCA, JFFC and the Theorem 3.7 bounds (SPEC 3.4), on its worked examples."""
+"""Paper 001: GBP-CR, GCA, JFFC and the Theorem 3.7 bounds (docs/reference.md 3.4), on its worked examples."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block and cache sizes come from the loaded modules and match SPEC section 2."""
+"""Block and cache sizes come from the loaded modules and match docs/reference.md section 2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The PETALS baseline (SPEC 3.3): block counts, join-order placement, its router and backoff."""
+"""The PETALS baseline (docs/reference.md 3.3): block counts, join-order placement, its router and backoff."""
 
 from __future__ import annotations
 

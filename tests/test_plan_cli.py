@@ -1,4 +1,4 @@
-"""`swarm-plan` end to end (SPEC section 4): JSON inputs, every exit path.
+"""`swarm-plan` end to end (docs/reference.md section 4): JSON inputs, every exit path.
 
 The cases run the command's `main` in this process with its own stdin, stdout and stderr (what a
 subprocess would see, without importing everything again for each); the last test runs the

@@ -1,4 +1,5 @@
-"""SPEC 6 SLO attainment and goodput on hand-computed inputs; the goodput search; sweep outputs."""
+"""SLO attainment and goodput (docs/reference.md 6) on hand-computed inputs; the goodput search; sweep
+outputs."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""Pure placement and routing algorithms (SPEC section 3): no I/O, only numbers in and decisions out.
+"""Pure placement and routing algorithms (docs/reference.md section 3): no I/O, only numbers in and
+decisions out.
 
 - `problem`: servers, model, spans; `feasibility`: Lemma 3.1; `routing_graph`: feasible links and
   the shortest chain under any link cost; `windows`: block-window choice rules.
-- `cgbp` (CG-BP, SPEC 3.1), `wsrr` (WS-RR, 3.2), `petals` (the PETALS baseline, 3.3).
-- `chains` (GBP-CR, GCA), `jffc` (JFFC), `queueing` (Theorem 3.7), `tuning` (c tuning), SPEC 3.4.
+- `cgbp` (CG-BP, docs/reference.md 3.1), `wsrr` (WS-RR, 3.2), `petals` (the PETALS baseline, 3.3).
+- `chains` (GBP-CR, GCA), `jffc` (JFFC), `queueing` (Theorem 3.7), `tuning` (c tuning), docs/reference.md 3.4.
 """
 
 from scheduler.algorithms.cgbp import CgBpResult, cg_bp, choose_num_requests, max_requests

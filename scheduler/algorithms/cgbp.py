@@ -1,11 +1,11 @@
-"""CG-BP: Conservative Greedy Block Placement (paper 000 Alg. 1 lines 1-8; SPEC 3.1).
+"""CG-BP: Conservative Greedy Block Placement (paper 000 Alg. 1 lines 1-8; docs/reference.md 3.1).
 
 CG-BP sizes every server for the worst case of `R` concurrent sessions each using all of its blocks
 (so memory never runs out while at most R sessions are active, eq. 6b), then hands out block ranges
 fastest server first (amortized time eq. 14), each to the blocks that "need service the most".
 
-Choosing R (SPEC 3.1, paper 000 section 3.3.1) needs the service time `T1` of one request under
-CG-BP with R = 1. SPEC leaves the client and the output length open; we take the per-request time
+Choosing R (docs/reference.md 3.1, paper 000 section 3.3.1) needs the service time `T1` of one request under
+CG-BP with R = 1. The paper leaves the client and the output length open; we take the per-request time
 of eq. 1 over the WS-RR shortest route (no other session), for the *slowest* client, i.e. the
 client the placement is made robust for, with the caller's `l_out`.
 """
@@ -56,7 +56,7 @@ def session_capacity(server: ServerSpec, model: ModelSpec, num_blocks: int) -> i
 
 
 def cg_bp(servers: Sequence[ServerSpec], model: ModelSpec, num_requests: int) -> CgBpResult:
-    """Run CG-BP for `R = num_requests` (SPEC 3.1 steps 1-6). Servers need `tau` and `rtt`."""
+    """Run CG-BP for `R = num_requests` (docs/reference.md 3.1 steps 1-6). Servers need `tau` and `rtt`."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if any(server.tau is None for server in servers):
@@ -129,7 +129,8 @@ def max_requests(servers: Sequence[ServerSpec], model: ModelSpec) -> int:
 def choose_num_requests(
     servers: Sequence[ServerSpec], model: ModelSpec, arrival_rate: float, l_out: int
 ) -> int | None:
-    """Default R (SPEC 3.1): `min(round(mean + std), R_max)`, Poisson `mean = lambda*T1`, `std = sqrt(mean)`.
+    """Default R (docs/reference.md 3.1): `min(round(mean + std), R_max)`, Poisson `mean = lambda*T1`,
+    `std = sqrt(mean)`.
 
     T1 is one request's eq. 1 time under CG-BP with R = 1 on its shortest route, for the slowest
     client (module docstring). Servers need `tau_prefill` and `rtt_prefill` as well. Returns None

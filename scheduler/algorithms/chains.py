@@ -1,4 +1,5 @@
-"""Server chain composition: GBP-CR block placement and GCA cache allocation (paper 001 Alg. 1-2; SPEC 3.4).
+"""Server chain composition: GBP-CR block placement and GCA cache allocation (paper 001 Alg. 1-2;
+docs/reference.md 3.4).
 
 Paper 001's servers are described by `tau_c` (communication time per request) and `tau_p`
 (computation time per block per request); a chain's mean service time is eq. 2,
@@ -77,7 +78,7 @@ def gbp_cr(
     arrival_rate: float | None = None,
     rho_bar: float = DEFAULT_RHO_BAR,
 ) -> GbpCrPlacement:
-    """GBP-CR for required capacity `c` (SPEC 3.4). Without an arrival rate every server is used.
+    """GBP-CR for required capacity `c` (docs/reference.md 3.4). Without an arrival rate every server is used.
 
     Servers, fastest amortized time `t_j(c)/m_j(c)` first, fill chains left to right; the last
     server of a chain is shifted back to keep its full `m_j` (overlapping its predecessor). Chains
@@ -117,13 +118,14 @@ def gbp_cr(
 
 
 def gca(servers: Sequence[ServerSpec], model: ModelSpec, placement: Placement) -> tuple[ServerChain, ...]:
-    """Greedy Cache Allocation (paper 001 Alg. 2; SPEC 3.4) on any placement.
+    """Greedy Cache Allocation (paper 001 Alg. 2; docs/reference.md 3.4) on any placement.
 
     Repeatedly take the fastest chain among links (i, j) whose server j still has `q_ij` free slots,
     give it as many concurrent jobs as its tightest hop allows, and charge the slots. A link is
-    usable exactly while `residual_j >= q_ij` (SPEC: "kept only while"); dropping exhausted links as
-    soon as they are exhausted, rather than after a zero-capacity path exposes them, yields the same
-    chains, since a zero-capacity path only ever removes links no positive-capacity chain could use.
+    usable exactly while `residual_j >= q_ij` (docs/reference.md 3.4: "usable only while"); dropping
+    exhausted links as soon as they are exhausted, rather than after a zero-capacity path exposes
+    them, yields the same chains, since a zero-capacity path only ever removes links no
+    positive-capacity chain could use.
     """
     graph = RoutingGraph(placement, model.num_blocks)
     residual = np.array(placement_cache_slots(servers, model, placement), dtype=np.int64)

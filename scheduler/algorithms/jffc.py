@@ -1,4 +1,4 @@
-"""JFFC: Join-the-Fastest-Free-Chain load balancing (paper 001 Alg. 3; SPEC 3.4).
+"""JFFC: Join-the-Fastest-Free-Chain load balancing (paper 001 Alg. 3; docs/reference.md 3.4).
 
 A small state machine for a discrete-event simulator or the scheduler: it decides, it does not keep
 time. `arrive` returns the chain a new job starts on (or None: it joins the central FIFO queue);
@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 class JffcDispatcher:
     """Dispatch jobs over chains given as (service rate mu_k, capacity c_k), in a fixed order.
 
-    "Fastest" is the largest mu_k; equal rates go to the lowest chain index (SPEC 3 tie rule).
+    "Fastest" is the largest mu_k; equal rates go to the lowest chain index (tie rule of docs/reference.md 3).
     """
 
     def __init__(self, chains: Sequence[tuple[float, int]]):

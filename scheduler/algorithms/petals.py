@@ -1,6 +1,7 @@
-"""The PETALS baseline: what PETALS itself does, for comparison (SPEC 3.3; paper 000 section 4.1).
+"""The PETALS baseline: what PETALS itself does, for comparison (docs/reference.md 3.3; paper 000
+section 4.1).
 
-Inputs SPEC leaves open, and what we chose:
+Inputs PETALS' rules do not fix, and what we chose:
 
 - The block count needs the model's width: `model.hidden_size` (autograd reserve
   `2 GiB * hidden_size / 14336`), `model.kv_dim` (d_kv; defaults to hidden_size, i.e. multi-head
@@ -13,7 +14,7 @@ Inputs SPEC leaves open, and what we chose:
 - Routing charges `1/inference_rps` per block, by default `tau_j`. "No cache room" means PETALS'
   fixed attention cache (`m_j` blocks x `attn_cache_tokens` tokens) has fewer free slots (in units
   of `s_c`) than the blocks the server would process. Without `hidden_size` the router falls back
-  to the memory model's `n_j` (SPEC 3.2).
+  to the memory model's `n_j` (docs/reference.md 3.2).
 - A route's cost is PETALS' own path weight; PETALS predicts no waiting time (it retries with
   backoff, `retry_delay`).
 """
@@ -84,7 +85,7 @@ def throughput(server: ServerSpec, num_blocks: int) -> float:
 
 
 def place(servers: Sequence[ServerSpec], model: ModelSpec) -> PetalsPlacement:
-    """Servers join one by one in input order, each on the least-served window (SPEC 3.3)."""
+    """Servers join one by one in input order, each on the least-served window (docs/reference.md 3.3)."""
     block_throughput = np.zeros(model.num_blocks)
     spans: list[Span | None] = [None] * len(servers)
     order = []
@@ -114,7 +115,8 @@ def route(
     client: str,
     used_slots: Sequence[int],
 ) -> Chain | None:
-    """PETALS' Dijkstra (SPEC 3.3): per hop `rtt/2 + 0.018 s + q/inference_rps` (+10 s without cache room).
+    """PETALS' Dijkstra (docs/reference.md 3.3): per hop `rtt/2 + 0.018 s + q/inference_rps` (+10 s without
+    cache room).
 
     `used_slots[j]` counts the cache slots active sessions hold at server j. Servers without an
     RTT to `client` are unreachable. Returns None when no chain covers the model.

@@ -1,4 +1,4 @@
-"""Block placement by policy: a typed problem in, a typed placement out (SPEC 3.1, 3.3, 3.4).
+"""Block placement by policy: a typed problem in, a typed placement out (docs/reference.md 3.1, 3.3, 3.4).
 
 The one place that knows which algorithm a policy name means and which server fields it needs.
 `swarm-plan place` (via `scheduler.plan_commands`) and the scheduler service both call it; neither
@@ -75,7 +75,7 @@ def server_where(j: int, name: str) -> str:
 
 
 def cg_bp_placement(problem: PlanProblem) -> PlacedServers:
-    """CG-BP (SPEC 3.1) for the problem's R, or for R chosen from its arrival rate."""
+    """CG-BP (docs/reference.md 3.1) for the problem's R, or for R chosen from its arrival rate."""
     require_server_fields(problem, ["tau", "rtt"], "cg-bp")
     requests = problem.num_requests
     if requests is None:
@@ -103,7 +103,7 @@ def _choose_requests(problem: PlanProblem) -> int:
 
 
 def petals_placement(problem: PlanProblem) -> PlacedServers:
-    """PETALS' own placement (SPEC 3.3), the baseline."""
+    """PETALS' own placement (docs/reference.md 3.3), the baseline."""
     if problem.model.hidden_size is None:
         raise PlanInputError(
             "model.hidden_size: required for petals (its block count reserves memory by width)"
@@ -116,7 +116,8 @@ def petals_placement(problem: PlanProblem) -> PlacedServers:
 
 
 def gbp_cr_placement(problem: PlanProblem) -> PlacedServers:
-    """GBP-CR (SPEC 3.4) for the problem's c, or for the c tuned to its arrival rate (`"auto"`)."""
+    """GBP-CR (docs/reference.md 3.4) for the problem's c, or for the c tuned to its arrival rate
+    (`"auto"`)."""
     require_server_fields(problem, ["tau_c", "tau_p"], "gbp-cr")
     if problem.capacity == "auto":
         composition = tuned_composition(problem, objective="lower-bound")
@@ -133,7 +134,7 @@ def gbp_cr_placement(problem: PlanProblem) -> PlacedServers:
 
 
 def tuned_composition(problem: PlanProblem, objective: str) -> Composition:
-    """c* for "c": "auto" (SPEC 3.4), with the chains composed for it."""
+    """c* for "c": "auto" (docs/reference.md 3.4), with the chains composed for it."""
     if problem.arrival_rate is None:
         raise PlanInputError('arrival_rate: required with "c": "auto"')
     composition = tune_capacity(

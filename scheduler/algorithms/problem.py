@@ -1,4 +1,4 @@
-"""Inputs and outputs shared by the placement and routing algorithms (SPEC sections 2 and 3).
+"""Inputs and outputs shared by the placement and routing algorithms (docs/reference.md sections 2 and 3).
 
 Plain data: nothing here parses JSON or does I/O (that is `scheduler.plan_io`). Units are seconds
 and bytes; block spans are 0-based and half-open, `[start, end)`.
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 
 def floor_ratio(numerator: float, denominator: float) -> int:
-    """`floor(numerator / denominator)` as SPEC writes it, for the memory formulas of SPEC 2-3.
+    """`floor(numerator / denominator)` as the memory formulas of docs/reference.md 2-3 mean it.
 
     Deliberately `math.floor(a / b)` and not `a // b`: for decimal inputs Python's float `//`
-    floors the exact binary quotient, so `1.0 // 0.1 == 9.0`, while the SPEC (and paper 001,
-    Fig. 2: 10 cache slots from 1 unit of memory at s_c = 0.1) means the real quotient, 10.
+    floors the exact binary quotient, so `1.0 // 0.1 == 9.0`, while the formulas (and paper 001,
+    Fig. 2: 10 cache slots from 1 unit of memory at s_c = 0.1) mean the real quotient, 10.
     For the integer byte counts of real deployments both agree.
     """
     if denominator <= 0:
@@ -31,7 +31,7 @@ class ModelSpec:
     num_blocks: int  # L
     block_bytes: float  # s_m
     cache_bytes: float  # s_c = 2 * d_kv * (l_in + l_out) * dtype_bytes (swarm.cost.cache_bytes_per_block)
-    # Only the PETALS baseline (SPEC 3.3) needs these: its block count reserves memory for a
+    # Only the PETALS baseline (docs/reference.md 3.3) needs these: its block count reserves memory for a
     # fixed-size attention cache and an autograd buffer that scale with the model's width.
     hidden_size: int | None = None
     kv_dim: int | None = None  # d_kv; None means multi-head attention (d_kv = hidden_size)
@@ -40,7 +40,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One server as the scheduler sees it (SPEC 2; paper 001 section 2.1 for tau_c/tau_p).
+    """One server as the scheduler sees it (docs/reference.md 2; paper 001 section 2.1 for tau_c/tau_p).
 
     Every algorithm reads only the fields it needs; `plan_io` checks those are present.
     """
@@ -53,7 +53,7 @@ class ServerSpec:
     rtt_prefill: Mapping[str, float] = field(default_factory=dict)  # client -> t_prefill_cj(l_in)
     tau_c: float | None = None  # paper 001: communication time per request
     tau_p: float | None = None  # paper 001: computation time per block per request
-    # PETALS' own measurements (SPEC 3.3); defaults derived from tau are documented in petals.py.
+    # PETALS' own measurements (docs/reference.md 3.3); defaults derived from tau are documented in petals.py.
     forward_rps: float | None = None
     network_rps: float | None = None
     inference_rps: float | None = None
@@ -84,7 +84,8 @@ Placement = Sequence[Span | None]
 
 
 def cache_slots(server: ServerSpec, model: ModelSpec, num_blocks: int) -> int:
-    """Cache slots `n_j = floor((M_j - s_m*m_j) / s_c)` (SPEC 3.2; paper 001 eq. 3), never negative."""
+    """Cache slots `n_j = floor((M_j - s_m*m_j) / s_c)` (docs/reference.md 3.2; paper 001 eq. 3), never
+    negative."""
     return max(floor_ratio(server.memory_bytes - model.block_bytes * num_blocks, model.cache_bytes), 0)
 
 
@@ -97,7 +98,8 @@ def placement_cache_slots(servers: Sequence[ServerSpec], model: ModelSpec, place
 
 
 def uncovered_blocks(placement: Placement, num_blocks: int) -> list[int]:
-    """Blocks that no span of the placement holds: why a placement is infeasible (SPEC 3.1 step 5)."""
+    """Blocks that no span of the placement holds: why a placement is infeasible
+    (docs/reference.md 3.1 step 5)."""
     covered = [False] * num_blocks
     for span in placement:
         if span is not None:

@@ -8,10 +8,11 @@ So a link is identified by (server j, boundary e = end_i), and there are only `s
 `RoutingGraph` stores exactly those, grouped by `end_j`. Ends strictly increase along a chain, so
 processing servers in increasing `end_j` is a topological order and one pass computes all distances.
 
-The result equals Dijkstra's with SPEC's tie rules (heap ordered by (distance, server index),
-relaxation with strict `<`): a node's predecessor is, among those reaching it at the minimal cost,
-the one Dijkstra pops first, i.e. the smallest (distance, index). Path reconstruction applies that
-rule explicitly, so ties resolve as they would in the plain algorithm (links of zero cost aside).
+The result equals Dijkstra's with the tie rules of docs/reference.md 3 (heap ordered by
+(distance, server index), relaxation with strict `<`): a node's predecessor is, among those
+reaching it at the minimal cost, the one Dijkstra pops first, i.e. the smallest (distance, index).
+Path reconstruction applies that rule explicitly, so ties resolve as they would in the plain
+algorithm (links of zero cost aside).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class RoutingGraph:
     def shortest_chain(self, link_cost: np.ndarray) -> Chain | None:
         """Shortest client -> client chain under `link_cost` (aligned with the links; inf = no link).
 
-        The last hop into the sink client costs 0 (SPEC 3.2). Returns None when no chain exists.
+        The last hop into the sink client costs 0 (docs/reference.md 3.2). Returns None when no chain exists.
         """
         if len(link_cost) != self.num_links:
             raise ValueError(f"expected {self.num_links} link costs, got {len(link_cost)}")

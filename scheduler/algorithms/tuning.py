@@ -1,4 +1,5 @@
-"""Composing job servers (GBP-CR then GCA) and tuning the required capacity c (paper 001 section 3; SPEC 3.4).
+"""Composing job servers (GBP-CR then GCA) and tuning the required capacity c (paper 001 section 3;
+docs/reference.md 3.4).
 
 c trades service time for concurrency (paper 001 Fig. 1): small c puts many blocks on each server
 (short, fast chains of low capacity), large c leaves cache room for many concurrent jobs on longer

@@ -1,6 +1,8 @@
-"""Choosing a window of consecutive blocks for a joining server (CG-BP SPEC 3.1 step 4, PETALS SPEC 3.3).
+"""Choosing a window of consecutive blocks for a joining server (CG-BP: docs/reference.md 3.1 step 4;
+PETALS: 3.3).
 
-Both rules scan every start `a` in `[0, L - m]` and break ties towards the lowest `a` (SPEC 3).
+Both rules scan every start `a` in `[0, L - m]` and break ties towards the lowest `a`
+(docs/reference.md 3).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def lexicographic_min_window(values: np.ndarray, width: int) -> int:
     """Lowest `a` whose window `values[a:a+width]`, sorted ascending, is lexicographically smallest.
 
     CG-BP's rule once every block is covered (paper 000 Alg. 1 line 6) and PETALS' block choice
-    (SPEC 3.3). Every server after the first few takes this branch, so it is CG-BP's hot spot:
+    (docs/reference.md 3.3). Every server after the first few takes this branch, so it is CG-BP's hot spot:
     the sorted windows become fixed-width byte strings of order-preserving big-endian keys, which
     compare lexicographically exactly like the windows, and one `argmin` (first minimum, i.e. the
     lowest `a`) picks the window. NumPy ignores trailing NUL bytes when comparing, which keeps the

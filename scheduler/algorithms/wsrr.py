@@ -1,4 +1,5 @@
-"""WS-RR: Waiting-penalized Shortest-path Request Routing (paper 000 eq. 20-21, Alg. 2; SPEC 3.2).
+"""WS-RR: Waiting-penalized Shortest-path Request Routing (paper 000 eq. 20-21, Alg. 2;
+docs/reference.md 3.2).
 
 `RoutingState` is the online half of the two-time-scale scheme: it holds one placement and the
 sessions currently routed through each server (expected end time, cache slots), answers routing
@@ -74,7 +75,7 @@ def link_request_time(
 
 
 class RoutingState:
-    """A placement plus the sessions routed through it; answers WS-RR queries (SPEC 3.2).
+    """A placement plus the sessions routed through it; answers WS-RR queries (docs/reference.md 3.2).
 
     Servers are referred to by their index in `servers`. Servers need
     `tau`, `tau_prefill` and, for every client they serve, `rtt` and `rtt_prefill`.
@@ -114,18 +115,24 @@ class RoutingState:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def route(self, client: str, l_out: int, now: float = 0.0) -> WsRrRoute | None:
+    def route(
+        self, client: str, l_out: int, now: float = 0.0, prefill_scale: float = 1.0
+    ) -> WsRrRoute | None:
         """The WS-RR route for a new request of `client` arriving at `now` (None: no chain can ever serve it).
 
-        Link cost `t^W_ij + l_out*t^c_ij`; the final hop to the client costs 0 (SPEC 3.2).
-        Read-only: call `admit` (or `add_session`) to record the decision.
+        Link cost `t^W_ij + l_out*t^c_ij`; the final hop to the client costs 0 (docs/reference.md 3.2).
+        `prefill_scale` multiplies the servers' `tau_prefill` (measured for the problem's prompt
+        length) for a request whose own prompt is that many times as long: prefill time is linear
+        in the prompt's tokens. Read-only: call `admit` (or `add_session`) to record the decision.
         """
         if l_out < 1:
             raise ValueError(f"l_out must be >= 1, got {l_out}")
+        if not (math.isfinite(prefill_scale) and prefill_scale > 0):
+            raise ValueError(f"prefill_scale must be positive, got {prefill_scale}")
         rtt_prefill, rtt = self._rtts_of(client)
-        times = link_request_time(
-            rtt_prefill, self._link_tau_prefill, rtt, self._link_tau, self.graph.link_blocks, l_out
-        )
+        tau_prefill = self._link_tau_prefill * prefill_scale
+        blocks = self.graph.link_blocks
+        times = link_request_time(rtt_prefill, tau_prefill, rtt, self._link_tau, blocks, l_out)
         times[~np.isfinite(rtt_prefill) | ~np.isfinite(rtt)] = math.inf  # no RTT known: no link
         waits = np.maximum(self._link_release - now, 0.0)
         chain = self.graph.shortest_chain(waits + times)

@@ -1,4 +1,4 @@
-"""JFFC over the live swarm: the `chains` policy's routing (paper 001 Alg. 2-3; SPEC 3.4), pure.
+"""JFFC over the live swarm: the `chains` policy's routing (paper 001 Alg. 2-3; docs/reference.md 3.4), pure.
 
 The policy places blocks with GBP-CR, composes job-server chains on the spans the servers serve
 now with GCA (each chain gets a capacity `c_k` of concurrent sessions, carved out of its servers'
@@ -50,9 +50,9 @@ def fastest_free_chain(
     units: int,
     has_room: Callable[[LiveChain], bool],
 ) -> int | None:
-    """JFFC's pick: the chain with the shortest `T_k` (ties: the lowest index, SPEC 3's tie rule)
-    with `units` of its capacity free whose servers also have that room (they may hold sessions
-    routed without the scheduler); None: every chain is full."""
+    """JFFC's pick: the chain with the shortest `T_k` (ties: the lowest index, the tie rule of
+    docs/reference.md 3) with `units` of its capacity free whose servers also have that room (they may
+    hold sessions routed without the scheduler); None: every chain is full."""
     for k in sorted(range(len(chains)), key=lambda k: chains[k].service_time):
         if busy[k] + units <= chains[k].capacity and has_room(chains[k]):
             return k

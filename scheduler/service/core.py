@@ -220,9 +220,9 @@ class SchedulerCore:
         if new_client and self.settings.plan.policy == "chains":
             self._refresh_book()  # GCA's chain times count this client's round trips (tau_c)
         self.book.expire(now)
-        decision = self.book.route(
-            uuid.uuid4().hex, client_id, rtts, l_out, self.book.units_for(batch_size, max_length), now
-        )
+        units = self.book.units_for(batch_size, max_length)
+        prefill_scale = max(shape.l_in, 1) / self.view.l_in  # servers' tau_prefill is for view.l_in tokens
+        decision = self.book.route(uuid.uuid4().hex, client_id, rtts, l_out, units, now, prefill_scale)
         if decision is None:
             return None
         problem = self._chain_cannot_hold(decision.session.hops, decision.session.units, max_length)
@@ -294,7 +294,8 @@ class SchedulerCore:
 
     # --- status --------------------------------------------------------------------------------------
     def end_session(self, session_id: str, ttft: float = 0.0, tpot: float = 0.0, tokens: int = 0) -> bool:
-        """The client is done; it may report what it measured (SPEC 6 metrics for operators)."""
+        """The client is done; it may report what it measured (the metrics of docs/reference.md 6, for
+        operators)."""
         self.requests.record_finished(ttft, tpot, tokens)
         return self.book.end(session_id)
 

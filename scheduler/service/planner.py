@@ -90,7 +90,8 @@ class Plan:
 
 @dataclass
 class ArrivalRate:
-    """Requests per second over a sliding window (SPEC 3.1: the scheduler re-estimates lambda)."""
+    """Requests per second over a sliding window (docs/reference.md 3.1: the scheduler re-estimates
+    lambda)."""
 
     window: float
     started_at: float
@@ -117,8 +118,8 @@ def compute_plan(
 ) -> Plan:
     """Place `peers` with the policy; raises `Infeasible`/`PlanInputError` like `swarm-plan place`.
 
-    `gbp-cr` places for capacity `c = R`; `chains` tunes c for the arrival rate (SPEC 3.4's c
-    tuning, paper 001's full design) when one is known, else uses `c = R` too."""
+    `gbp-cr` places for capacity `c = R`; `chains` tunes c for the arrival rate (the c tuning of
+    docs/reference.md 3.4, paper 001's full design) when one is known, else uses `c = R` too."""
     rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate
     if settings.policy == "cg-bp":
         problem = view.plan_problem(peers, num_requests=num_requests)
@@ -135,7 +136,8 @@ def compute_plan(
 def choose_requests(
     view: SwarmView, peers: Sequence[str], settings: PlanSettings, arrival_rate: float | None
 ) -> int:
-    """R (SPEC 3.1): fixed, or `min(round(mean + std), R_max)` for the given or estimated rate (>= 1)."""
+    """R (docs/reference.md 3.1): fixed, or `min(round(mean + std), R_max)` for the given or estimated rate
+    (>= 1)."""
     if settings.num_requests is not None:
         return settings.num_requests
     rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate

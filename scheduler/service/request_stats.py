@@ -1,4 +1,5 @@
-"""Recent request metrics (SPEC section 6) for operators: TTFT, TPOT and admission wait percentiles.
+"""Recent request metrics (docs/reference.md section 6) for operators: TTFT, TPOT and admission wait
+percentiles.
 
 Clients report TTFT and TPOT when they end a session; the scheduler measures the admission wait
 itself. A bounded window of the latest requests keeps memory constant and the numbers current.

@@ -7,7 +7,7 @@ that does not fit their cache instead of queueing it, so "waiting" happens here:
 sessions are admitted in the order WS-RR predicted (expected start time, then arrival), and none
 overtakes an earlier one on a server they share, so the prediction is also the order.
 
-Room is counted in cache slots (units of `s_c`, SPEC 3.2): what this scheduler granted, or what
+Room is counted in cache slots (units of `s_c`, docs/reference.md 3.2): what this scheduler granted, or what
 the server announces in use when that is more (sessions routed without the scheduler, or a
 client's local failover). A session of `batch x max_length` tokens takes
 `ceil(batch * max_length / (l_in + l_out))` slots per block, the same bytes the server reserves.
@@ -134,8 +134,11 @@ class SessionBook:
         l_out: int,
         units: int,
         now: float,
+        prefill_scale: float = 1.0,
     ) -> RouteDecision | None:
-        """Route and record a new session (None: no chain of reachable servers covers the model)."""
+        """Route and record a new session (None: no chain of reachable servers covers the model).
+        `l_out` and `prefill_scale` (its prompt's length over the one servers' `tau_prefill` is
+        measured for) are the session's own, so WS-RR's wait and completion estimates follow it."""
         if self._state is None:
             return None
         if self.policy == "chains":
@@ -145,7 +148,7 @@ class SessionBook:
             decision = self._route_petals(client_id, per_server, l_out)
         else:
             self._state.set_client_rtts(client_id, per_server)
-            route = self._state.route(client_id, l_out, now)
+            route = self._state.route(client_id, l_out, now, prefill_scale)
             decision = None if route is None else (route.chain, route.wait, route.completion, route.cost)
         if decision is None:
             return None
@@ -193,7 +196,7 @@ class SessionBook:
         return RouteDecision(session, start - now, start + fastest - now, fastest)
 
     def _route_petals(self, client_id: str, per_server_rtt: list[float], l_out: int):
-        """PETALS' own router (SPEC 3.3) over the live servers; it predicts no wait."""
+        """PETALS' own router (docs/reference.md 3.3) over the live servers; it predicts no wait."""
         specs = [
             ServerSpec(
                 name=spec.name,

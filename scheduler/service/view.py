@@ -1,11 +1,11 @@
 """What the scheduler knows about the swarm, turned into the algorithms' inputs (pure, no I/O).
 
 Servers are known from their DHT records (`ServerInfo`); clients' round trips from their routing
-queries. This module maps both to `ModelSpec`/`ServerSpec` (SPEC sections 2-3) and to the
+queries. This module maps both to `ModelSpec`/`ServerSpec` (docs/reference.md sections 2-3) and to the
 `swarm-plan` problem document, so a placement the service computes can be reproduced exactly with
 `swarm-plan place` from the document it publishes.
 
-Choices SPEC leaves open:
+Choices made here (the cost model does not fix them):
 - `s_m` is the largest `block_bytes` servers announce (all serve the same model; the largest
   is the safe one when dtypes differ), `s_c = cache_token_bytes * (l_in + l_out)`.
 - A client that has not measured some server (it may not have existed when the client asked) is

@@ -1,4 +1,4 @@
-"""CPU-only discrete-event simulator of a swarm (SPEC 1, issue 7).
+"""CPU-only discrete-event simulator of a swarm (docs/reference.md 1, issue 7).
 
 Modules, one job each:
 
@@ -9,7 +9,7 @@ Modules, one job each:
 - `prefill`: per-request prefill terms of eq. 1, so replayed requests pay for their own `l_in`.
 - `policies`: placement + routing policies composed from `scheduler.algorithms` (no second copy).
 - `engine`: the event loop: admission, cache slots per eq. 2, waiting, completion.
-- `metrics`: SPEC 6 per-run summary, SLO attainment and goodput on probed rates.
+- `metrics`: the per-run summary of docs/reference.md 6, SLO attainment and goodput on probed rates.
 - `goodput`: the rate search behind `swarm-sim --goodput`.
 - `runner`: one cell averaged over Monte Carlo seeds; `sweeps`/`plots`: figure sweeps.
 

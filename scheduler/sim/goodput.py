@@ -1,4 +1,4 @@
-"""Goodput search (SPEC 6): the highest arrival rate at which >= 90% of requests meet both SLOs.
+"""Goodput search (docs/reference.md 6): the highest arrival rate at which >= 90% of requests meet both SLOs.
 
 `search_rates` is pure: it probes a caller-supplied `attainment_at(rate)` on a doubling grid until
 the target is missed, then bisects between the last passing and the first failing rate. Attainment

@@ -1,5 +1,5 @@
-"""Per-run summary of SPEC 6: per-token time, TTFT, TPOT, waiting, service, percentiles, throughput,
-SLO attainment and goodput (the definitions of DistServe, paper 003: a request meets its SLOs when
+"""Per-run summary of docs/reference.md 6: per-token time, TTFT, TPOT, waiting, service, percentiles,
+throughput, SLO attainment and goodput (the definitions of DistServe, paper 003: a request meets its SLOs when
 both its TTFT and its TPOT are within bounds; goodput is the highest arrival rate at which at least
 90% of requests do)."""
 
@@ -15,7 +15,7 @@ from scheduler.sim.engine import RequestRecord
 PERCENTILES = (50, 95, 99)
 # Per-request quantities summarized with mean and percentiles.
 PER_REQUEST = ("per_token_time", "ttft", "tpot", "waiting", "service", "total")
-GOODPUT_ATTAINMENT = 0.9  # SPEC 6
+GOODPUT_ATTAINMENT = 0.9  # docs/reference.md 6
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class Slo:
 
 
 def per_request(records: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
-    """SPEC 6 per request: per-token time (total / l_out, paper 000's metric), TTFT, TPOT, waiting, ..."""
+    """docs/reference.md 6 per request: per-token time (total / l_out, paper 000's metric), TTFT, TPOT,
+    waiting, ..."""
     arrival = np.array([r.arrival for r in records])
     setup = np.array([r.setup for r in records])
     start = np.array([r.start for r in records])

@@ -52,7 +52,7 @@ class SetupDelays:
     250 s for PETALS' code path and 60 s for CG-BP's, plus 70 ms initialization for both
     (the authors' released simulator); that is most of its Table 7 first-token times. The engine
     spends it before routing (see `engine`).
-    `PAPER000` reproduces that calibration, `NONE` is the pure model of SPEC 2.
+    `PAPER000` reproduces that calibration, `NONE` is the pure model of docs/reference.md 2.
     """
 
     petals_s: float
@@ -213,7 +213,8 @@ def petals_placement(
 def petals_window_placement(
     servers: Sequence[ServerSpec], model: ModelSpec, counts: Sequence[int], join_order: Sequence[int]
 ) -> list[Span | None]:
-    """PETALS' join rule (SPEC 3.3) with given block counts ('Optimized Number', paper 000 section 4.3).
+    """PETALS' join rule (docs/reference.md 3.3) with given block counts ('Optimized Number', paper 000
+    section 4.3).
 
     `petals.place` derives the counts itself, so this re-runs its loop with CG-BP's `m_j`, using the
     same window rule (`lexicographic_min_window`) and throughput (`petals.throughput`).
@@ -230,7 +231,7 @@ def petals_window_placement(
 
 
 def proposed_placement(servers: Sequence[ServerSpec], model: ModelSpec, rate: float, l_out: int):
-    """CG-BP with SPEC 3.1's default R, lowered until the placement is feasible."""
+    """CG-BP with the default R of docs/reference.md 3.1, lowered until the placement is feasible."""
     chosen = choose_num_requests(servers, model, rate, l_out)
     if chosen is None:
         raise SimulationError("CG-BP cannot place the model even for R = 1")

@@ -1,11 +1,11 @@
 """Profiled hardware and model constants used by the scenarios (all times in seconds, sizes in bytes).
 
 Paper 000 (section 4.1, Table 2) runs BLOOM-176B in NF4 on A100-80GB GPUs and MIG 1g slices; the
-decode times `tau` and memory budgets are those of SPEC 7. SPEC gives no prefill times or RTT
-overheads, so we take the authors' published profile (their released simulator), which is linear
+decode times `tau` and memory budgets are those of docs/reference.md 7. For prefill times and RTT overheads
+we take the authors' published profile (their released simulator), which is linear
 in the input length: per-block prefill `0.0743*l_in + 32.99` ms (A100) and `0.1041*l_in + 206.35`
-ms (MIG). Memory budgets are read as GiB: that is the reading under which SPEC 3.3's PETALS block
-count gives the 53 blocks per A100 and 4 per MIG that paper 000 reports.
+ms (MIG). Memory budgets are read as GiB: that is the reading under which the PETALS block count
+(docs/reference.md 3.3) gives the 53 blocks per A100 and 4 per MIG that paper 000 reports.
 
 Paper 001's experiment (Table 1) serves LLaMA-2-7B on MIG 3g.40gb / 2g.20gb slices. It prints no
 per-block times (its Fig. 9 only validates the shape), so they follow its footnote 11 with the GPU
@@ -53,7 +53,8 @@ class ModelProfile:
     dtype_bytes: int = 2
 
     def cache_bytes(self, l_in: int, l_out: int) -> int:
-        """SPEC 2: `s_c = 2 * d_kv * (l_in + l_out) * dtype_bytes` (keys and values, 16-bit cache)."""
+        """docs/reference.md 2: `s_c = 2 * d_kv * (l_in + l_out) * dtype_bytes` (keys and values, 16-bit
+        cache)."""
         return cache_bytes_per_block(self.kv_dim, l_in + l_out, self.dtype_bytes)
 
     def embedding_bytes(self) -> int:
@@ -90,6 +91,6 @@ MIG_3G = footnote11_profile("MIG-3g.40gb", 40e9, LLAMA_2_7B, tflops=120, gb_per_
 MIG_2G = footnote11_profile("MIG-2g.20gb", 20e9, LLAMA_2_7B, tflops=80, gb_per_ms=0.51)
 
 # Per-message overhead (serialization, framing) added to every network round trip: PETALS' own
-# router assumes 18 ms (SPEC 3.3) and paper 001 section 4.1.1 adds the same 18 ms to RIPE RTTs.
+# router assumes 18 ms (docs/reference.md 3.3) and paper 001 section 4.1.1 adds the same 18 ms to RIPE RTTs.
 # With it an inter-cluster embedding round trip costs ~0.12 s, as paper 000 section 4.2.1 states.
 MESSAGE_OVERHEAD_S = 0.018

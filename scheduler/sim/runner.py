@@ -35,11 +35,11 @@ class CellConfig:
     fast_fraction: float | None = None  # eta
     arrivals: str = "poisson"  # or "azure" (trace replay)
     # Trace replay: caps on each request's own lengths (None: keep them). `l_in`/`l_out` above stay
-    # the nominal lengths the cache size s_c and the planners use (SPEC 2).
+    # the nominal lengths the cache size s_c and the planners use (docs/reference.md 2).
     max_l_in: int | None = None
     max_l_out: int | None = None
     compute_scale: float = 1.0  # multiplies every per-block time (`scenarios.scale_compute`)
-    slo_ttft: float | None = None  # SPEC 6 SLOs (seconds); either one adds `slo_attainment`
+    slo_ttft: float | None = None  # SLOs of docs/reference.md 6 (seconds); either one adds `slo_attainment`
     slo_tpot: float | None = None
     setup: str = "paper"  # "paper": paper 000's calibrated session set-up delays; "none"
 
@@ -117,7 +117,7 @@ def run_seed(config: CellConfig, seed: int) -> SimResult:
 def run_cell(
     config: CellConfig, seeds: int, first_seed: int = 0, progress: Callable[[], None] | None = None
 ) -> dict[str, float]:
-    """SPEC 6 summary averaged over seeds `first_seed .. first_seed + seeds - 1`."""
+    """docs/reference.md 6 summary averaged over seeds `first_seed .. first_seed + seeds - 1`."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     slo = Slo(config.slo_ttft, config.slo_tpot)

@@ -8,9 +8,9 @@
 - `ripe_atlas`: paper 001 section 4. RTTs between an orchestrator (one of the RIPE Atlas
   measurement origins) and servers placed on random EU anchors; 3 x MIG 3g.40gb + 6 x 2g.20gb.
 
-Per-token round trip (SPEC 2, `t_cj`): ping RTT + per-message overhead + the transfer of one hidden
-state each way; the prefill round trip (`t_prefill_cj`) sends `l_in` of them. PETALS' router uses
-the raw ping RTT (SPEC 3.3), which every scenario keeps in `ping_rtt`.
+Per-token round trip (docs/reference.md 2, `t_cj`): ping RTT + per-message overhead + the transfer of
+one hidden state each way; the prefill round trip (`t_prefill_cj`) sends `l_in` of them. PETALS' router uses
+the raw ping RTT (docs/reference.md 3.3), which every scenario keeps in `ping_rtt`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def build_scenario(
     l_in: int,
     l_out: int,
 ) -> Scenario:
-    """Servers with SPEC 2's per-token and prefill round trips to the (single) client."""
+    """Servers with the per-token and prefill round trips of docs/reference.md 2 to the (single) client."""
     if l_in < 1 or l_out < 1:
         raise ValueError(f"l_in and l_out must be >= 1, got {l_in}, {l_out}")
     message_bits = 8 * model.embedding_bytes()

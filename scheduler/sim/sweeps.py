@@ -62,7 +62,8 @@ def sweep(
     policies: Sequence[str] = SWEEP_POLICIES,
     progress: Callable[[], None] | None = None,
 ) -> list[dict[str, float | str]]:
-    """One row per (point, policy): the x value, the policy and the averaged SPEC 6 summary."""
+    """One row per (point, policy): the x value, the policy and the averaged summary of
+    docs/reference.md 6."""
     rows: list[dict[str, float | str]] = []
     for x, config in sweep_points(kind, base):
         for policy in policies:

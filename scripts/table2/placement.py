@@ -30,7 +30,7 @@ def problem_document(
     scale: float,
     tiny: TinyCosts,
 ) -> dict:
-    """SPEC 4 problem.json at the paper's memory scale with the emulation's times."""
+    """problem.json (docs/reference.md 4) at the paper's memory scale with the emulation's times."""
     servers = []
     for plan in plans:
         rtt = scenario.link(client_site, plan.site).rtt_ms / 1e3 + PLANNING_OVERHEAD_S
@@ -92,7 +92,7 @@ def cache_slot_counts(
     policy: str, plans: list[ServerPlan], model: ModelSpec, spans: list[Span | None]
 ) -> list[int]:
     """Sessions' cache slots per server on the paper's GPUs: eq. 2's `n_j` (cg-bp) or PETALS'
-    fixed 4096-token cache (SPEC 3.3)."""
+    fixed 4096-token cache (docs/reference.md 3.3)."""
     counts = []
     for plan, span in zip(plans, spans, strict=True):
         spec = ServerSpec(plan.name, plan.memory_paper)

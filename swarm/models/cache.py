@@ -1,7 +1,7 @@
 """An explicit, preallocated per-session attention cache for one span of blocks.
 
-Each session reserves `max_length` positions per block at open time, exactly the bytes that eq. 2 of
-the SPEC charges against a server's memory budget; nothing grows afterwards. Steps carry their
+Each session reserves `max_length` positions per block at open time, exactly the bytes that eq. 2
+(docs/reference.md 2) charges against a server's memory budget; nothing grows afterwards. Steps carry their
 absolute position, so writing at position `p` discards anything cached at `>= p`: a replayed or
 retried step simply overwrites what it wrote before, which is what makes replays safe.
 
