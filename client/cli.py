@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, TextStreamer
 
 from client.backend import LocalSpans
 from client.connection import ClientOptions
+from client.generate_report import (
+    ChainHop,
+    TokenCheck,
+    chain_lines,
+    local_tokens,
+    session_chain,
+    speed_line,
+)
 from client.model import DistributedModelForCausalLM
 from client.speculation.assistant import load_assistant, speculation_summary
 from swarm.cli.args import (
@@ -30,6 +40,7 @@ EXAMPLES = """examples:
   swarm-generate models/tiny-llama --local-spans 0:3,3:6 --prompt "Once upon a time" --max-new-tokens 20
   swarm-generate models/llama-7b --initial-peers $PEER --prompt "def fib(n):" --assistant models/llama-160m
   swarm-generate models/tiny-llama --initial-peers $PEER --prompt "a b c a b c a b" --prompt-lookup 4
+  swarm-generate models/tiny-llama --initial-peers $PEER --prompt "Once upon a time" --check
 """
 
 
@@ -87,15 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="speculative decoding without a draft model: up to N tokens copied from earlier text",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="afterwards, generate again with plain transformers on this checkpoint (loaded whole, here) "
+        "and compare the token ids; exit status 1 if they differ",
+    )
     add_swarm_secret_argument(parser)
     return parser
 
 
 def generate(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise SwarmUserError("--max-new-tokens must be at least 1")
-    if (args.local_spans is None) == (args.initial_peers is None):
-        raise SwarmUserError("give either --initial-peers (run on the swarm) or --local-spans (run locally)")
+    check_arguments(args)
     facts = probe_device()
     device = resolve_device(args.device, facts)
     dtype = resolve_dtype(args.dtype, device, facts, checkpoint_dtype_name(load_config(args.model_dir)))
@@ -115,9 +129,29 @@ def generate(args: argparse.Namespace) -> None:
             options=options,
         )
     try:
-        run_generation(model, args)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        run = run_generation(model, tokenizer, args)
     finally:
-        model.shutdown()
+        model.shutdown()  # before the check: it loads the whole model, and needs no swarm
+    for line in [*chain_lines(run.initial_chain, run.final_chain), run.speed]:
+        print(line)
+    if args.check:
+        check_against_local(args, tokenizer, run, dtype, device)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse what cannot work before connecting to anything."""
+    if args.max_new_tokens < 1:
+        raise SwarmUserError("--max-new-tokens must be at least 1")
+    if (args.local_spans is None) == (args.initial_peers is None):
+        raise SwarmUserError("give either --initial-peers (run on the swarm) or --local-spans (run locally)")
+    speculates = getattr(args, "assistant", None) or getattr(args, "prompt_lookup", None) is not None
+    if args.check and args.do_sample and speculates:
+        # speculative sampling keeps the distribution but draws other random numbers than plain
+        # sampling does: its tokens cannot be compared one by one with plain transformers generation
+        raise SwarmUserError(
+            "--check with --do-sample cannot be exact with --assistant/--prompt-lookup; drop one of them"
+        )
 
 
 def local_backend(
@@ -144,24 +178,84 @@ def speculation_kwargs(model: DistributedModelForCausalLM, args: argparse.Namesp
     return {}
 
 
-def run_generation(model: DistributedModelForCausalLM, args: argparse.Namespace) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+@dataclass(frozen=True)
+class GenerationRun:
+    """What one swarm-generate run produced, for the report and the check."""
+
+    input_ids: torch.Tensor  # the prompt's token ids
+    new_tokens: list[int]
+    seconds: float  # generate()'s wall time
+    open_seconds: float  # opening the session: routing and opening a stream on every server
+    initial_chain: list[ChainHop]
+    final_chain: list[ChainHop]  # differs from the initial one after a failover
+
+    @property
+    def speed(self) -> str:
+        return speed_line(len(self.new_tokens), self.seconds, self.open_seconds)
+
+
+def decoding_kwargs(args: argparse.Namespace, tokenizer) -> dict:
+    """generate()'s decoding settings: the swarm run and `--check`'s local run use the very same ones."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "do_sample": args.do_sample,
+        "temperature": args.temperature if args.do_sample else None,
+        "top_p": args.top_p if args.do_sample else None,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def run_generation(model: DistributedModelForCausalLM, tokenizer, args: argparse.Namespace) -> GenerationRun:
+    """Generate in an explicitly opened session, streaming the text to stdout as it comes (transformers'
+    `TextStreamer`, also through speculative decoding), and read the chain from that same session."""
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(model.device)
     extra = speculation_kwargs(model, args)
-    torch.manual_seed(args.seed)
-    with model.inference_session(max_length=input_ids.shape[1] + args.max_new_tokens) as session:
-        model.generate(
+    opening = time.perf_counter()
+    length = input_ids.shape[1] + args.max_new_tokens
+    with model.inference_session(length, prompt_tokens=input_ids.shape[1]) as session:
+        initial_chain = session_chain(session)
+        torch.manual_seed(args.seed)  # right before generate(): `--check` seeds its local run alike
+        started = time.perf_counter()
+        output = model.generate(
             input_ids,
-            max_new_tokens=args.max_new_tokens,
-            do_sample=args.do_sample,
-            temperature=args.temperature if args.do_sample else None,
-            top_p=args.top_p if args.do_sample else None,
+            session=session,
             streamer=TextStreamer(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
+            **decoding_kwargs(args, tokenizer),
             **extra,
         )
+        seconds = time.perf_counter() - started
+        final_chain = session_chain(session)  # before closing: a closed session forgets its servers
     if extra:
         print(speculation_summary(session.draft_stats), file=sys.stderr)
+    return GenerationRun(
+        input_ids=input_ids.cpu(),
+        new_tokens=output[0, input_ids.shape[1] :].tolist(),
+        seconds=seconds,
+        open_seconds=started - opening,
+        initial_chain=initial_chain,
+        final_chain=final_chain,
+    )
+
+
+def check_against_local(
+    args: argparse.Namespace, tokenizer, run: GenerationRun, dtype: torch.dtype, device: torch.device
+) -> None:
+    """`--check`: plain transformers generation of the same prompt with the same settings (greedy, or
+    sampling seeded alike) must give the same token ids; print the verdict, exit 1 if they differ."""
+    kwargs = decoding_kwargs(args, tokenizer)
+    local = local_tokens(args.model_dir, run.input_ids, kwargs, dtype, device, args.seed)
+    decoding = f"sampling, seed {args.seed}" if args.do_sample else "greedy"
+    how = f"{str(dtype).removeprefix('torch.')}, {decoding}"
+    source = "the swarm" if args.local_spans is None else "the local spans"
+    report_check(TokenCheck(tuple(run.new_tokens), tuple(local)), tokenizer.decode, how, source)
+
+
+def report_check(check: TokenCheck, decode, how: str = "", source: str = "the swarm") -> None:
+    """Print `check`'s verdict; a difference ends the command with exit status 1 (a failed check,
+    told apart from a usage error's 2)."""
+    print(check.verdict(decode, how, source), flush=True)
+    if not check.equal:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The main job: build a tiny LLaMA model locally, start a real swarm on loopback (a DHT peer and
 # three servers holding blocks 0:2, 2:4 and 4:6), generate text through it, and shut it all down.
+# The text streams as it is generated; then swarm-generate prints the chain of servers the session
+# used, the speed, and `--check`'s verdict: the same generation with plain transformers on the same
+# checkpoint must give the same token ids, else the demo exits with status 1.
 # Everything started here is stopped on exit, on Ctrl-C and on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,4 +50,4 @@ for blocks in 0:2 2:4 4:6; do
   echo "server for blocks $blocks is online"
 done
 
-.venv/bin/swarm-generate "$MODEL_DIR" --initial-peers "$PEER" --prompt "$PROMPT" --max-new-tokens 24
+.venv/bin/swarm-generate "$MODEL_DIR" --initial-peers "$PEER" --prompt "$PROMPT" --max-new-tokens 24 --check
