@@ -64,8 +64,11 @@ class BlockBackend(abc.ABC):
     Implementations define `open_session` and `run_sequence`."""
 
     @abc.abstractmethod
-    def open_session(self, batch_size: int, max_length: int) -> BlockSession:
-        """A session for `batch_size` sequences of up to `max_length` positions."""
+    def open_session(
+        self, batch_size: int, max_length: int, prompt_tokens: int | None = None
+    ) -> BlockSession:
+        """A session for `batch_size` sequences of up to `max_length` positions; `prompt_tokens`, when
+        known, is how many of them the first step brings (routing weighs prefill against decoding)."""
 
     def forward_sequence(
         self,
@@ -97,7 +100,9 @@ class LocalSpans(BlockBackend):
             raise ValueError("local spans must be consecutive and start at block 0")
         self.spans = spans
 
-    def open_session(self, batch_size: int, max_length: int) -> _LocalSession:
+    def open_session(
+        self, batch_size: int, max_length: int, prompt_tokens: int | None = None
+    ) -> _LocalSession:
         return _LocalSession([span.new_cache(batch_size, max_length) for span in self.spans], self.spans)
 
     def run_sequence(

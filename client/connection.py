@@ -62,8 +62,9 @@ class ClientOptions:
     max_failovers: int = 8  # failures one step survives before the session gives up
     ban_base: float = 1.0  # a failed server is avoided for ban_base * 2^(failures-1) s, at most ban_max
     ban_max: float = 60.0
+    # the prompt length routing assumes for a session opened without `prompt_tokens` (generate()
+    # always gives the real one); the rest of the session's max_length counts as generated tokens
     expected_l_in: int = 20
-    expected_l_out: int = 128
     use_scheduler: bool = True  # ask the scheduler for routes when one signed by scheduler_key is announced
     scheduler_key: str | None = None  # the scheduler's public key (ssh-rsa ...); None: never use one
     scheduler_timeout: float = 3.0  # seconds to wait for a scheduler reply before routing locally

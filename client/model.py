@@ -114,17 +114,26 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             connection.shutdown()
 
     # --- sessions -------------------------------------------------------------------------------
-    def open_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
+    def open_session(
+        self, max_length: int, batch_size: int = 1, prompt_tokens: int | None = None
+    ) -> InferenceSession:
         if max_length < 1 or batch_size < 1:
             raise ValueError("max_length and batch_size must be positive")
-        return InferenceSession(self.backend.open_session(batch_size, max_length), batch_size, max_length)
+        if prompt_tokens is not None and not 0 < prompt_tokens <= max_length:
+            raise ValueError(f"prompt_tokens must be in 1..max_length ({max_length}), got {prompt_tokens}")
+        blocks = self.backend.open_session(batch_size, max_length, prompt_tokens)
+        return InferenceSession(blocks, batch_size, max_length)
 
     @contextlib.contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
+    def inference_session(
+        self, max_length: int, batch_size: int = 1, prompt_tokens: int | None = None
+    ) -> Iterator[InferenceSession]:
         """A session that several `generate()` calls continue, reusing server caches: inside the `with`
         block it is this thread's active session (PETALS' semantics: `generate(None, ...)` continues it),
-        or pass it explicitly as `generate(..., session=s)`."""
-        session = self.open_session(max_length, batch_size)
+        or pass it explicitly as `generate(..., session=s)`. `prompt_tokens`: the first step's length if
+        known; routing (and the scheduler's wait estimate) then weighs that prefill and the rest of
+        `max_length` as generated tokens, instead of a default guess of `ClientOptions.expected_l_in`."""
+        session = self.open_session(max_length, batch_size, prompt_tokens)
         try:
             with self._use_session(session):
                 yield session
@@ -154,7 +163,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if session is None and self._active_session is None:
                 length = embeds.shape[1] + (kwargs.get("max_new_tokens") or self.generation_config.max_length)
                 length += self.prompts.length if self.prompts is not None else 0
-                with self.inference_session(max_length=length, batch_size=embeds.shape[0]) as own:
+                prompt = length - (kwargs.get("max_new_tokens") or self.generation_config.max_length)
+                with self.inference_session(length, embeds.shape[0], prompt_tokens=prompt) as own:
                     return self._generate_in(own, None, kwargs)
             return self._generate_in(session or self._active_session, None, kwargs)
         if input_ids is None:  # PETALS' form: continue the active session where generate() left it
@@ -176,9 +186,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 # rows of a batch accept different numbers of drafts: the positions they leave masked
                 # need room (without it, speculation turns itself off as the session fills up)
                 max_length += max_length - input_ids.shape[1]
-            max_length += self.prompts.length if self.prompts is not None else 0  # the trained prefix
+            prefix = self.prompts.length if self.prompts is not None else 0  # the trained prefix
+            max_length += prefix
             beams = kwargs.get("num_beams") or self.generation_config.num_beams or 1
-            with self.inference_session(max_length=max_length, batch_size=input_ids.shape[0] * beams) as own:
+            rows, prompt = input_ids.shape[0] * beams, min(input_ids.shape[1] + prefix, max_length)
+            with self.inference_session(max_length, rows, prompt_tokens=max(prompt, 1)) as own:
                 return self._generate_in(own, input_ids, kwargs)
         active = session or self._active_session
         output = self._generate_in(active, input_ids, kwargs)

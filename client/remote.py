@@ -44,6 +44,16 @@ class Admission:
     admitted_at: float | None = None
 
 
+def session_shape(
+    batch_size: int, max_length: int, prompt_tokens: int | None, default_prompt_tokens: int
+) -> SessionShape:
+    """What routing is told about a session: its real prompt length when the caller knows it (else
+    `default_prompt_tokens`), and the rest of `max_length` as the tokens it may generate. `generate()`
+    sizes its own sessions as prompt + `max_new_tokens`, so there `l_out` is `max_new_tokens`."""
+    l_in = min(max(prompt_tokens if prompt_tokens is not None else default_prompt_tokens, 1), max_length)
+    return SessionShape(batch_size, max_length, l_in=l_in, l_out=max(max_length - l_in, 1))
+
+
 class RemoteBlockSession(ReplicaChecks, BlockSession):
     """A session over a chain of servers covering every block.
 
@@ -59,15 +69,11 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
         max_length: int,
         start: int = 0,
         end: int | None = None,
+        prompt_tokens: int | None = None,
     ):
         self.connection = connection
         self.start, self.end = start, connection.num_blocks if end is None else end  # the blocks it runs
-        self.shape = SessionShape(
-            batch_size=batch_size,
-            max_length=max_length,
-            l_in=min(connection.options.expected_l_in, max_length),
-            l_out=max(1, min(connection.options.expected_l_out, max_length)),
-        )
+        self.shape = session_shape(batch_size, max_length, prompt_tokens, connection.options.expected_l_in)
         self.session_id = uuid.uuid4().hex
         self.created_at = time.monotonic()
         self.first_step_done_at: float | None = None
@@ -345,8 +351,10 @@ class RemoteBlocks(BlockBackend):
     def __init__(self, connection: SwarmConnection):
         self.connection = connection
 
-    def open_session(self, batch_size: int, max_length: int) -> RemoteBlockSession:
-        return RemoteBlockSession(self.connection, batch_size, max_length)
+    def open_session(
+        self, batch_size: int, max_length: int, prompt_tokens: int | None = None
+    ) -> RemoteBlockSession:
+        return RemoteBlockSession(self.connection, batch_size, max_length, prompt_tokens=prompt_tokens)
 
     def run_sequence(
         self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None

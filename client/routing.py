@@ -2,7 +2,7 @@
 
 Pure: takes what the DHT and RTT probes said, returns hops. The graph and its shortest path are the
 scheduler's (`scheduler.algorithms.routing_graph`), with link costs of eq. 8 times `l_out`; a link
-into a server without cache room for the blocks it would process is removed (SPEC section 2).
+into a server without cache room for the blocks it would process is removed (docs/reference.md section 2).
 Routing a sub-range `[start, end)` (to replace a failed server) clips every span to that range,
 which our servers allow because a session may ask any server for any blocks inside its span.
 """

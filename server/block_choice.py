@@ -1,7 +1,8 @@
-"""Choosing a span without a scheduler: what a joining PETALS server does (SPEC 3.3).
+"""Choosing a span without a scheduler: what a joining PETALS server does (docs/reference.md 3.3).
 
 A managed server normally takes its span from the scheduler, but the swarm must never depend on
-the scheduler for liveness (SPEC 1): when none answers, the server falls back to PETALS' own rule.
+the scheduler for liveness (docs/reference.md 1): when none answers, the server falls back to PETALS' own
+rule.
 It takes as many blocks as PETALS' memory formula allows (at least one, so it always adds
 something) and puts them where the swarm is weakest: on the window whose per-block throughputs,
 sorted ascending, are lexicographically smallest (uncovered blocks first, lowest start on ties).
@@ -97,7 +98,8 @@ def block_throughput(spans: Iterable[ServedSpan], num_blocks: int) -> np.ndarray
 def choose_blocks(
     model: ModelSpec, memory_bytes: float, tau: float, others: Iterable[ServedSpan]
 ) -> BlockChoice:
-    """PETALS' choice for a server with `memory_bytes` and per-block decode time `tau` (SPEC 3.3)."""
+    """PETALS' choice for a server with `memory_bytes` and per-block decode time `tau`
+    (docs/reference.md 3.3)."""
     fitted = petals.block_count(ServerSpec(name="self", memory_bytes=memory_bytes, tau=tau), model)
     count = min(max(fitted, 1), model.num_blocks)
     totals = block_throughput(others, model.num_blocks)

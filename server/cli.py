@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--session-timeout": "close sessions idle this long (s)",
             "--compute-delay": "emulation: extra seconds per block per step, to make a CPU server behave "
             "like a slower GPU",
-            "--compute-delay-per-token": "emulation: extra seconds per block per token of a step (a prefill "
-            "of n tokens costs n times this more than one token), like a GPU's compute-bound prefill",
+            "--compute-delay-per-token": "emulation: seconds per block per token of a step; a step costs "
+            "max(--compute-delay, this x its tokens) per block, like a GPU (launch-bound decode, "
+            "compute-bound prefill)",
             "--prefill-chunk": "run prefills longer than this many tokens in chunks, other sessions' decode "
             "steps in between (0: whole prefills)",
             "--compute-delay-overlap": "emulation: concurrent sessions' delays overlap (an accelerator whose "

@@ -39,6 +39,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from server import step_scheduler
+from server.emulated_delay import emulated_seconds_per_block
 from swarm.models.cache import SpanCache
 from swarm.models.span import TransformerSpan
 
@@ -290,6 +291,7 @@ class BatchingEngine:
             prefill_tokens=prefill.tokens if prefill else 0,
             prefill_oldest=prefill.arrived if prefill else None,
             prefill_skips=prefill.skips if prefill else 0,
+            prefill_started=bool(prefill and prefill.started),
         )
         return view, batch
 
@@ -396,8 +398,7 @@ class BatchingEngine:
             step.future.set_exception(error)
 
     def _delay(self, cache: SpanCache, tokens: int) -> None:
-        """Emulation: `compute_delay` per block per iteration, plus `compute_delay_per_token` per block
-        for each token it computed (a prefill's cost grows with its length, a GPU's way)."""
-        seconds = self.compute_delay + self.compute_delay_per_token * tokens
+        """Emulation: launch-bound or compute-bound, whichever is longer (`emulated_delay`)."""
+        seconds = emulated_seconds_per_block(self.compute_delay, self.compute_delay_per_token, tokens)
         if seconds:
             time.sleep(seconds * cache.num_blocks)

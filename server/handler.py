@@ -23,6 +23,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from server.bounded_stream import StreamLimit, add_bounded_stream_handler
+from server.emulated_delay import emulated_seconds_per_block
 from server.engine import BatchingEngine
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
@@ -86,8 +87,9 @@ class BlockServicer(UnaryRpcs, BlockRpc):
         self.span, self.budget = span, budget
         self.max_length, self.max_batch_size = max_length, max_batch_size
         self.session_idle_timeout = session_idle_timeout
-        # emulation: seconds added per block per step (SPEC section 8). By default the delay holds the
-        # compute thread (an accelerator busy with one step at a time; a batched decode pays it once).
+        # emulation: seconds added per block per step (docs/reference.md section 8). By default the
+        # delay holds the compute thread (an accelerator busy with one step at a time; a batched
+        # decode pays it once).
         # With `compute_delay_overlap` each step waits out its own delay off the compute thread, so
         # concurrent sessions' delays overlap: an accelerator whose step time does not depend on how
         # many sessions it serves, which is paper 000's cost model and the simulator's.
@@ -359,7 +361,8 @@ class BlockServicer(UnaryRpcs, BlockRpc):
 
             def run() -> torch.Tensor:
                 output = self.span(hidden, session.cache, position, padding_mask, prompts)
-                delay = thread_delay + self.compute_delay_per_token * hidden.shape[0] * hidden.shape[1]
+                tokens = hidden.shape[0] * hidden.shape[1]
+                delay = emulated_seconds_per_block(thread_delay, self.compute_delay_per_token, tokens)
                 if delay:
                     time.sleep(delay * session.cache.num_blocks)
                 return output.to(hidden.device, hidden.dtype)  # back to the wire's CPU tensors

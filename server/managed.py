@@ -2,7 +2,7 @@
 
 It measures its speed on a probe block, announces itself without blocks, and takes its span from
 `swarm-scheduler`; when no scheduler answers within `scheduler_timeout` it chooses a span
-itself, PETALS-style (SPEC 3.3), so the swarm never depends on the scheduler for liveness. While
+itself, PETALS-style (docs/reference.md 3.3), so the swarm never depends on the scheduler for liveness. While
 serving it keeps asking the scheduler and moves when the placement changes: it stops accepting
 sessions, drains the open ones, keeps the blocks both spans share and loads only the missing ones.
 
@@ -127,8 +127,8 @@ class SpanManager:
         return False
 
     async def _choose_locally(self) -> BlockChoice:
-        """PETALS-style fallback (SPEC 3.3): as many blocks as PETALS' memory rule gives (at least one),
-        on the window the servers already announced serve least."""
+        """PETALS-style fallback (docs/reference.md 3.3): as many blocks as PETALS' memory rule gives
+        (at least one), on the window the servers already announced serve least."""
         server, config = self.server, self.config
         span = server.model_span()
         try:

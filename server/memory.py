@@ -1,4 +1,4 @@
-"""The server's attention-cache budget (eq. 2 of the SPEC): `s_m*m_j + s_c*sum_r k_j^r <= M_j`.
+"""The server's attention-cache budget (eq. 2, docs/reference.md 2): `s_m*m_j + s_c*sum_r k_j^r <= M_j`.
 
 Blocks take their bytes once at start-up; every session reserves its whole cache (all positions up
 to its `max_length`, for each block it processes) at open time and gives it back when it ends, on

@@ -21,6 +21,7 @@ from hivemind.dht import DHT
 from tqdm import tqdm
 
 from server.active_span import ActiveSpan, run_bounded
+from server.emulated_delay import emulated_seconds_per_block
 from server.handler import BlockServicer, PeerLimits
 from server.joining import RELAY_MODES, JoinOptions, current_relay_state, join_dht
 from server.managed import SpanManager
@@ -124,9 +125,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        delays = (self.compute_delay, self.compute_delay_per_token, self.drain_timeout)
-        if not all(value >= 0 for value in delays):
-            raise SwarmUserError("--compute-delay, --compute-delay-per-token and --drain-timeout must be >=0")
+        for name in ("compute_delay", "compute_delay_per_token", "drain_timeout"):
+            value = getattr(self, name)
+            if not value >= 0:  # also refuses NaN
+                raise SwarmUserError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
         if self.prefill_chunk < 0:
             raise SwarmUserError("--prefill-chunk must be >= 0 (0: prefills run whole)")
         if not self.batch_wait_ms >= 0:
@@ -408,14 +410,15 @@ class SwarmServer:
 
     def _measure_timings(self, span: TransformerSpan) -> BlockTimings:
         """`tau` and `tau_prefill` of `span`'s blocks as announced: measured (cached on disk), plus
-        the emulated delays, the per-token one counted for each token of the step."""
+        the emulated delay of a one-token step and of a `prefill_tokens` prefill (`emulated_delay`)."""
         config = self.config
-        timings = cached_block_timings(span, config.prefill_tokens, config.compute_delay)
-        per_token = config.compute_delay_per_token
+        timings = cached_block_timings(span, config.prefill_tokens)
+        delay, per_token = config.compute_delay, config.compute_delay_per_token
         return dataclasses.replace(
             timings,
-            tau=timings.tau + per_token,
-            tau_prefill=timings.tau_prefill + per_token * config.prefill_tokens,
+            tau=timings.tau + emulated_seconds_per_block(delay, per_token, 1),
+            tau_prefill=timings.tau_prefill
+            + emulated_seconds_per_block(delay, per_token, config.prefill_tokens),
         )
 
     def _new_servicer(self, span: TransformerSpan, budget: CacheBudget) -> BlockServicer:

@@ -19,6 +19,14 @@ comparison for a long time, and a stream of cheap prefills could hold decoding u
 the waits: a prefill runs once it was passed over `max_prefill_skips` decode iterations or waited
 `max_prefill_wait` seconds, and decoding runs once its oldest step waited `max_decode_wait`.
 
+A chunked prefill (`--prefill-chunk`) is inserted by the same rule, as a stage of one chunk. Once
+its first chunk has run, its remaining chunks strictly alternate with decode iterations: a waiting
+decode batch runs before the next chunk, and the next chunk runs after at most one decode
+iteration. Without that, every chunk would again be "cheaper than the decoding ahead" and the
+chunks would run back to back, stalling decoders as long as an unchunked prefill (up to
+`max_decode_wait`); with it, a decoder waits at most one chunk, and the prompt at most one decode
+iteration per chunk.
+
 Decode steps are also batched over a short window (`batch_wait`): the first decode step that
 arrives waits up to that long for others, unless the batch is already full or every session that
 has been decoding lately on this block range is already in it (so a lone session, or sessions in
@@ -73,7 +81,8 @@ class QueueView:
     decode_ahead_rows: int = 0  # sum over their rows of the tokens each may still decode
     prefill_tokens: int = 0  # tokens (rows x new positions) of the oldest waiting prefill
     prefill_oldest: float | None = None  # its arrival time (None: no prefill waits)
-    prefill_skips: int = 0  # decode iterations that ran while it waited
+    prefill_skips: int = 0  # decode iterations that ran while it waited (since its last chunk)
+    prefill_started: bool = False  # it is a chunked prefill whose first chunk has run
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,10 @@ def decide(view: QueueView, costs: CostModel, policy: SchedulerPolicy) -> Decisi
     everyone_here = 0 < view.decode_expected <= view.decode_sessions
     full = view.decode_rows >= policy.max_batch_rows or everyone_here
     window_left = 0.0 if full else policy.batch_wait - decode_age
+    if has_prefill and view.prefill_started:
+        if view.prefill_skips >= 1:
+            return Decision(Action.PREFILL, "chunk-turn")  # a decode iteration ran since its last chunk
+        has_prefill = False  # decoding goes first; the window rule below still applies
     if has_prefill:
         prefill_age = view.now - view.prefill_oldest
         if view.prefill_skips >= policy.max_prefill_skips:

@@ -281,7 +281,15 @@ COSTS = CostModel(decode=LinearCost(0.010, 0.001), prefill=LinearCost(0.005, 0.0
 
 
 def view(
-    now=1.0, rows=0, decode_at=None, tokens=0, prefill_at=None, skips=0, expected=0, ahead=()
+    now=1.0,
+    rows=0,
+    decode_at=None,
+    tokens=0,
+    prefill_at=None,
+    skips=0,
+    expected=0,
+    ahead=(),
+    started=False,
 ) -> QueueView:
     """`ahead`: tokens each waiting decode session (one row each) may still decode; () = unknown."""
     return QueueView(
@@ -295,6 +303,7 @@ def view(
         prefill_skips=skips,
         decode_ahead_max=max(ahead, default=0),
         decode_ahead_rows=sum(ahead),
+        prefill_started=started,
     )
 
 
@@ -355,6 +364,23 @@ def test_rule_caps_keep_either_side_from_starving():
     cheap = dict(rows=8, tokens=2, prefill_at=1.4)
     assert decide(view(now=1.45, decode_at=1.0, **cheap), COSTS, POLICY).action is Action.PREFILL
     assert decide(view(now=1.5, decode_at=1.0, **cheap), COSTS, POLICY).action is Action.DECODE
+
+
+def test_rule_alternates_a_started_chunked_prefill_with_decoding():
+    """After its first chunk, a chunked prefill's chunks alternate with decode iterations: a waiting
+    decode batch goes first (even though one chunk is "cheaper than the decoding ahead"), and the
+    next chunk goes as soon as one decode iteration has run."""
+    chunk = dict(tokens=20, prefill_at=1.0, started=True)  # C_p 15 ms < C_d: would win if not started
+    assert decide(view(now=1.003, rows=8, decode_at=1.0, **chunk), COSTS, POLICY).action is Action.DECODE
+    # the decode batch's window still applies
+    filling = decide(view(now=1.001, rows=8, decode_at=1.0, **chunk), COSTS, POLICY)
+    assert filling.action is Action.WAIT
+    turn = decide(view(now=1.003, rows=8, decode_at=1.0, skips=1, **chunk), COSTS, POLICY)
+    assert (turn.action, turn.rule) == (Action.PREFILL, "chunk-turn")
+    assert decide(view(now=1.003, **chunk), COSTS, POLICY).action is Action.PREFILL  # nobody decodes
+    # a prefill that has not started is inserted by the cost rule, as before
+    fresh = decide(view(now=1.003, rows=8, decode_at=1.0, tokens=20, prefill_at=1.0), COSTS, POLICY)
+    assert (fresh.action, fresh.rule) == (Action.PREFILL, "prefill-cheaper")
 
 
 def test_linear_fit_learns_costs():

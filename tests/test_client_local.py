@@ -127,7 +127,7 @@ def test_beam_search_equals_transformers(models):
     "flags", [["--assistant", "{model}"], ["--prompt-lookup", "4"]], ids=["assistant", "lookup"]
 )
 def test_generate_command_speculates_and_prints_the_same_text(llama_dir, flags):
-    """`swarm-generate --assistant DIR` / `--prompt-lookup N` print what plain decoding prints, then a
+    """`swarm-generate --assistant DIR` / `--prompt-lookup N` print the text plain decoding prints, then a
     one-line summary of the drafts on stderr."""
 
     def run(*extra: str) -> subprocess.CompletedProcess:
@@ -135,10 +135,14 @@ def test_generate_command_speculates_and_prints_the_same_text(llama_dir, flags):
         argv += ["--prompt", "a b c a b c a b", "--max-new-tokens", "16", *extra]
         return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
+    def text(result: subprocess.CompletedProcess) -> str:
+        """The streamed text, without the report after it (chain, speed: the timings differ)."""
+        return result.stdout.rsplit("\nchain: ", 1)[0]
+
     plain = run()
     speculative = run(*(flag.format(model=llama_dir) for flag in flags))
     assert plain.returncode == speculative.returncode == 0, speculative.stderr
-    assert speculative.stdout == plain.stdout
+    assert text(speculative) == text(plain) != plain.stdout
     assert "speculation:" in speculative.stderr
 
 
@@ -176,3 +180,34 @@ def test_the_session_as_generates_cache_crops_by_rewinding(models):
         with pytest.raises(SwarmUserError, match="cannot rewind"):
             rewound.rewind(7)
     assert torch.allclose(got, want[:, -2:], atol=1e-5, rtol=0)
+
+
+class _RecordingSpans(LocalSpans):
+    """In-process spans that remember what each session was opened for (what routing is told)."""
+
+    def __init__(self, spans):
+        super().__init__(spans)
+        self.opened: list[tuple[int, int, int | None]] = []
+
+    def open_session(self, batch_size, max_length, prompt_tokens=None):
+        self.opened.append((batch_size, max_length, prompt_tokens))
+        return super().open_session(batch_size, max_length, prompt_tokens)
+
+
+def test_generate_tells_routing_the_real_prompt_and_answer_lengths(model_dir):
+    """Issue 34: a one-off generate() opens its session with the prompt's real length; routing then
+    counts the rest of max_length (max_new_tokens) as generated tokens."""
+    from client.remote import session_shape
+
+    backend = _RecordingSpans([load_span(model_dir, 0, 6)[0]])
+    model = DistributedModelForCausalLM.from_local_parts(model_dir, backend)
+    model.generate(torch.tensor([[5, 17, 99, 200, 33, 41, 7]]), max_new_tokens=9, do_sample=False)
+    model.generate(torch.tensor([[5, 17], [99, 200]]), max_new_tokens=3, num_beams=2, do_sample=False)
+    assert backend.opened == [(1, 16, 7), (4, 5, 2)]
+    shape = session_shape(1, 16, 7, default_prompt_tokens=20)
+    assert (shape.l_in, shape.l_out) == (7, 9)
+    # an explicit session without a prompt length: the default guess, capped by max_length
+    assert (session_shape(1, 64, None, 20).l_in, session_shape(1, 64, None, 20).l_out) == (20, 44)
+    assert (session_shape(1, 8, None, 20).l_in, session_shape(1, 8, None, 20).l_out) == (8, 1)
+    with pytest.raises(ValueError, match="prompt_tokens must be in 1..max_length"):
+        model.open_session(max_length=8, prompt_tokens=9)

@@ -189,6 +189,23 @@ def test_announced_use_blocks_admission_and_leases_expire():
     assert not core.book.sessions
 
 
+def test_a_requests_own_lengths_set_its_predicted_completion():
+    """Routing on real lengths (issue 34): the scheduler's estimate follows the request's prompt and
+    answer, not its configured l_in/l_out (4 and 6 here)."""
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    servers = {"peer-a": info(L * BLOCK + 8 * SLOT * L, 0.001)}
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    core.update_roster(serving(core.assignment, servers), 0.2)
+    short = core.route(_request("c1", {"peer-a": 0.01}, 4, 6, 1, 10), now=1.0)
+    long_prompt = core.route(_request("c2", {"peer-a": 0.01}, 40, 6, 1, 46), now=1.0)
+    long_answer = core.route(_request("c3", {"peer-a": 0.01}, 4, 60, 1, 64), now=1.0)
+    per_block_token = 0.001  # tau_prefill is 4 x tau for 4 tokens: tau per prompt token per block
+    assert long_prompt.completion - short.completion == pytest.approx(36 * per_block_token * L)
+    assert long_answer.completion - short.completion == pytest.approx(54 * (0.01 + L * 0.001))
+
+
 def test_sessions_longer_than_a_slot_take_several():
     core = core_with()
     assert core.book.units_for(batch_size=1, max_length=10) == 1

@@ -273,7 +273,8 @@ def generate_and_compare(swarm: LocalSwarm, model_dir, prompt_text: str) -> None
 
 
 def petals_memory(model_dir, blocks: int) -> int:
-    """A budget for which PETALS' formula (SPEC 3.3) gives exactly `blocks` blocks of this model."""
+    """A budget for which PETALS' formula (docs/reference.md 3.3) gives exactly `blocks` blocks of this
+    model."""
     probe, _ = load_span(model_dir, 0, 1)
     family, config = probe.family, probe.config
     model = petals_model_spec(

@@ -1,10 +1,12 @@
-"""WS-RR (SPEC 3.2, paper 000 eq. 20-21): waits, session book-keeping, and brute force agreement."""
+"""WS-RR (docs/reference.md 3.2, paper 000 eq. 20-21): waits, session book-keeping, and brute force
+agreement."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +81,28 @@ def test_waiting_penalty_steers_to_a_free_but_slower_chain():
     assert state.end_session("first") and not state.end_session("first")
     assert state.expire(now=29.0) == [] and state.expire(now=30.0) == ["second"]
     assert state.num_sessions == 0 and state.used_slots(1) == 0
+
+
+def test_the_prompts_real_length_decides_between_fast_prefill_and_fast_decoding():
+    """Routing on real lengths (issue 34): `prefill_scale` scales the servers' measured prefill time
+    to the request's own prompt, so a long prompt goes to the server that prefills fast and a short
+    one to the server that decodes fast."""
+    decoder = ServerSpec(
+        "decoder", 100.0, tau=0.001, tau_prefill=0.05, rtt={"c1": 0.05}, rtt_prefill={"c1": 0.05}
+    )
+    prefiller = ServerSpec(
+        "prefiller", 100.0, tau=0.003, tau_prefill=0.01, rtt={"c1": 0.05}, rtt_prefill={"c1": 0.05}
+    )
+    state = RoutingState([decoder, prefiller], MODEL, [Span(0, 4), Span(0, 4)])
+    long_prompt = state.route("c1", l_out=10, prefill_scale=1.0)
+    short_prompt = state.route("c1", l_out=10, prefill_scale=0.1)
+    assert [hop.server for hop in long_prompt.chain.hops] == [1]
+    assert [hop.server for hop in short_prompt.chain.hops] == [0]
+    expected = link_time_all_tokens(HopCost(0.05, 0.05, 0.001, 0.05 * 0.1, 4), 10)
+    assert math.isclose(short_prompt.completion, expected)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="prefill_scale"):
+            state.route("c1", l_out=10, prefill_scale=bad)
 
 
 def test_ties_go_to_the_lowest_server_index():

@@ -74,6 +74,8 @@ def start_swarm(emulation: Emulation, model_dir: Path) -> dict:
             options.get("blocks"),
             options.get("memory", "1GB"),
             float(options.get("compute_delay_ms", 0.0)) / 1e3,
+            "--compute-delay-per-token",
+            repr(float(options.get("compute_delay_per_token_us", 0.0)) / 1e6),
             *map(str, options.get("args", [])),
         )
     if not servers:

@@ -12,7 +12,7 @@ closes the session.
 How a request waits for cache room depends on the policy, as in the systems compared:
 - `cg-bp` (and anything else): the scheduler's WS-RR admission, however long it predicts;
 - `petals`: PETALS' client. The scheduler (PETALS' router) admits at once; when no chain has room
-  the session open fails, and the client retries after `min(2^(n-1), 60) s` (SPEC 3.3), times the
+  the session open fails, and the client retries after `min(2^(n-1), 60) s` (docs/reference.md 3.3), times the
   experiment's time scale.
 
 OUT: per request `arrival`, `opened` (the chain's caches are reserved: first server work),
@@ -60,7 +60,6 @@ def run(spec: dict) -> dict:
     l_out = max(r["l_out"] for r in requests)
     options = ClientOptions(
         expected_l_in=l_in,
-        expected_l_out=l_out,
         rtt_ttl=600.0,  # one RTT measurement per server per run: no periodic ping bursts in the data
         # the server list (70 DHT keys, fetched across the emulated WAN) is re-read at most every 30 s,
         # and at once after a refusal; routes come from the scheduler, which reads the DHT itself
@@ -84,7 +83,7 @@ def run(spec: dict) -> dict:
     probes = []
     for _ in range(3):
         opened = time.monotonic()
-        probe = model.open_session(max_length=l_in + l_out)
+        probe = model.open_session(max_length=l_in + l_out, prompt_tokens=l_in)
         probes.append(time.monotonic() - opened)
         probe.close()
     results: list[dict] = [{} for _ in requests]
@@ -102,7 +101,9 @@ def run(spec: dict) -> dict:
         try:
             while True:
                 try:
-                    session = model.open_session(max_length=request["l_in"] + request["l_out"])
+                    session = model.open_session(
+                        max_length=request["l_in"] + request["l_out"], prompt_tokens=request["l_in"]
+                    )
                     break
                 except SwarmUnavailable:
                     if policy != "petals":
