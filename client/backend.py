@@ -65,10 +65,15 @@ class BlockBackend(abc.ABC):
 
     @abc.abstractmethod
     def open_session(
-        self, batch_size: int, max_length: int, prompt_tokens: int | None = None
+        self,
+        batch_size: int,
+        max_length: int,
+        prompt_tokens: int | None = None,
+        expected_new_tokens: int | None = None,
     ) -> BlockSession:
-        """A session for `batch_size` sequences of up to `max_length` positions; `prompt_tokens`, when
-        known, is how many of them the first step brings (routing weighs prefill against decoding)."""
+        """A session for `batch_size` sequences of up to `max_length` positions; `prompt_tokens` and
+        `expected_new_tokens`, when known, are how many of them the first step brings and how many
+        will be generated (routing weighs prefill against decoding with them)."""
 
     def forward_sequence(
         self,
@@ -101,7 +106,11 @@ class LocalSpans(BlockBackend):
         self.spans = spans
 
     def open_session(
-        self, batch_size: int, max_length: int, prompt_tokens: int | None = None
+        self,
+        batch_size: int,
+        max_length: int,
+        prompt_tokens: int | None = None,
+        expected_new_tokens: int | None = None,
     ) -> _LocalSession:
         return _LocalSession([span.new_cache(batch_size, max_length) for span in self.spans], self.spans)
 

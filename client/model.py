@@ -115,25 +115,35 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # --- sessions -------------------------------------------------------------------------------
     def open_session(
-        self, max_length: int, batch_size: int = 1, prompt_tokens: int | None = None
+        self,
+        max_length: int,
+        batch_size: int = 1,
+        prompt_tokens: int | None = None,
+        expected_new_tokens: int | None = None,
     ) -> InferenceSession:
         if max_length < 1 or batch_size < 1:
             raise ValueError("max_length and batch_size must be positive")
-        if prompt_tokens is not None and not 0 < prompt_tokens <= max_length:
-            raise ValueError(f"prompt_tokens must be in 1..max_length ({max_length}), got {prompt_tokens}")
-        blocks = self.backend.open_session(batch_size, max_length, prompt_tokens)
+        for name, value in (("prompt_tokens", prompt_tokens), ("expected_new_tokens", expected_new_tokens)):
+            if value is not None and not 0 < value <= max_length:
+                raise ValueError(f"{name} must be in 1..max_length ({max_length}), got {value}")
+        blocks = self.backend.open_session(batch_size, max_length, prompt_tokens, expected_new_tokens)
         return InferenceSession(blocks, batch_size, max_length)
 
     @contextlib.contextmanager
     def inference_session(
-        self, max_length: int, batch_size: int = 1, prompt_tokens: int | None = None
+        self,
+        max_length: int,
+        batch_size: int = 1,
+        prompt_tokens: int | None = None,
+        expected_new_tokens: int | None = None,
     ) -> Iterator[InferenceSession]:
         """A session that several `generate()` calls continue, reusing server caches: inside the `with`
         block it is this thread's active session (PETALS' semantics: `generate(None, ...)` continues it),
-        or pass it explicitly as `generate(..., session=s)`. `prompt_tokens`: the first step's length if
-        known; routing (and the scheduler's wait estimate) then weighs that prefill and the rest of
-        `max_length` as generated tokens, instead of a default guess of `ClientOptions.expected_l_in`."""
-        session = self.open_session(max_length, batch_size, prompt_tokens)
+        or pass it explicitly as `generate(..., session=s)`. `prompt_tokens` and `expected_new_tokens`:
+        the first step's length and how many tokens will be generated, if known; routing (and the
+        scheduler's wait estimate) prices the session with them, else with `ClientOptions.expected_l_in`
+        as the prompt and the rest of `max_length` as generated tokens."""
+        session = self.open_session(max_length, batch_size, prompt_tokens, expected_new_tokens)
         try:
             with self._use_session(session):
                 yield session
@@ -189,8 +199,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             prefix = self.prompts.length if self.prompts is not None else 0  # the trained prefix
             max_length += prefix
             beams = kwargs.get("num_beams") or self.generation_config.num_beams or 1
-            rows, prompt = input_ids.shape[0] * beams, min(input_ids.shape[1] + prefix, max_length)
-            with self.inference_session(max_length, rows, prompt_tokens=max(prompt, 1)) as own:
+            rows, prompt = input_ids.shape[0] * beams, max(min(input_ids.shape[1] + prefix, max_length), 1)
+            new = min(max_new, max_length) if max_new else None  # room for masked drafts is not output
+            with self.inference_session(max_length, rows, prompt, expected_new_tokens=new) as own:
                 return self._generate_in(own, input_ids, kwargs)
         active = session or self._active_session
         output = self._generate_in(active, input_ids, kwargs)

@@ -45,13 +45,19 @@ class Admission:
 
 
 def session_shape(
-    batch_size: int, max_length: int, prompt_tokens: int | None, default_prompt_tokens: int
+    batch_size: int,
+    max_length: int,
+    prompt_tokens: int | None,
+    default_prompt_tokens: int,
+    expected_new_tokens: int | None = None,
 ) -> SessionShape:
     """What routing is told about a session: its real prompt length when the caller knows it (else
-    `default_prompt_tokens`), and the rest of `max_length` as the tokens it may generate. `generate()`
-    sizes its own sessions as prompt + `max_new_tokens`, so there `l_out` is `max_new_tokens`."""
+    `default_prompt_tokens`), and as the tokens it will generate `expected_new_tokens` if given,
+    else the rest of `max_length`. `generate()` sizes its own sessions as prompt + `max_new_tokens`,
+    so there `l_out` is `max_new_tokens`."""
     l_in = min(max(prompt_tokens if prompt_tokens is not None else default_prompt_tokens, 1), max_length)
-    return SessionShape(batch_size, max_length, l_in=l_in, l_out=max(max_length - l_in, 1))
+    l_out = max_length - l_in if expected_new_tokens is None else expected_new_tokens
+    return SessionShape(batch_size, max_length, l_in=l_in, l_out=min(max(l_out, 1), max_length))
 
 
 class RemoteBlockSession(ReplicaChecks, BlockSession):
@@ -70,10 +76,12 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
         start: int = 0,
         end: int | None = None,
         prompt_tokens: int | None = None,
+        expected_new_tokens: int | None = None,
     ):
         self.connection = connection
         self.start, self.end = start, connection.num_blocks if end is None else end  # the blocks it runs
-        self.shape = session_shape(batch_size, max_length, prompt_tokens, connection.options.expected_l_in)
+        default_prompt = connection.options.expected_l_in
+        self.shape = session_shape(batch_size, max_length, prompt_tokens, default_prompt, expected_new_tokens)
         self.session_id = uuid.uuid4().hex
         self.created_at = time.monotonic()
         self.first_step_done_at: float | None = None
@@ -352,9 +360,19 @@ class RemoteBlocks(BlockBackend):
         self.connection = connection
 
     def open_session(
-        self, batch_size: int, max_length: int, prompt_tokens: int | None = None
+        self,
+        batch_size: int,
+        max_length: int,
+        prompt_tokens: int | None = None,
+        expected_new_tokens: int | None = None,
     ) -> RemoteBlockSession:
-        return RemoteBlockSession(self.connection, batch_size, max_length, prompt_tokens=prompt_tokens)
+        return RemoteBlockSession(
+            self.connection,
+            batch_size,
+            max_length,
+            prompt_tokens=prompt_tokens,
+            expected_new_tokens=expected_new_tokens,
+        )
 
     def run_sequence(
         self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None

@@ -187,11 +187,11 @@ class _RecordingSpans(LocalSpans):
 
     def __init__(self, spans):
         super().__init__(spans)
-        self.opened: list[tuple[int, int, int | None]] = []
+        self.opened: list[tuple[int, int, int | None, int | None]] = []
 
-    def open_session(self, batch_size, max_length, prompt_tokens=None):
-        self.opened.append((batch_size, max_length, prompt_tokens))
-        return super().open_session(batch_size, max_length, prompt_tokens)
+    def open_session(self, batch_size, max_length, prompt_tokens=None, expected_new_tokens=None):
+        self.opened.append((batch_size, max_length, prompt_tokens, expected_new_tokens))
+        return super().open_session(batch_size, max_length, prompt_tokens, expected_new_tokens)
 
 
 def test_generate_tells_routing_the_real_prompt_and_answer_lengths(model_dir):
@@ -203,11 +203,17 @@ def test_generate_tells_routing_the_real_prompt_and_answer_lengths(model_dir):
     model = DistributedModelForCausalLM.from_local_parts(model_dir, backend)
     model.generate(torch.tensor([[5, 17, 99, 200, 33, 41, 7]]), max_new_tokens=9, do_sample=False)
     model.generate(torch.tensor([[5, 17], [99, 200]]), max_new_tokens=3, num_beams=2, do_sample=False)
-    assert backend.opened == [(1, 16, 7), (4, 5, 2)]
+    model.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=4, prompt_lookup_num_tokens=2)
+    model.generate(torch.tensor([[5, 17], [99, 200]]), max_new_tokens=4, prompt_lookup_num_tokens=2)
+    # batched speculation reserves room for masked drafts: that room is not counted as output
+    assert backend.opened == [(1, 16, 7, 9), (4, 5, 2, 3), (1, 7, 3, 4), (2, 10, 2, 4)]
     shape = session_shape(1, 16, 7, default_prompt_tokens=20)
     assert (shape.l_in, shape.l_out) == (7, 9)
     # an explicit session without a prompt length: the default guess, capped by max_length
     assert (session_shape(1, 64, None, 20).l_in, session_shape(1, 64, None, 20).l_out) == (20, 44)
     assert (session_shape(1, 8, None, 20).l_in, session_shape(1, 8, None, 20).l_out) == (8, 1)
+    assert session_shape(1, 64, 10, 20, expected_new_tokens=5).l_out == 5  # the caller's own estimate
     with pytest.raises(ValueError, match="prompt_tokens must be in 1..max_length"):
         model.open_session(max_length=8, prompt_tokens=9)
+    with pytest.raises(ValueError, match="expected_new_tokens must be in 1..max_length"):
+        model.open_session(max_length=8, expected_new_tokens=0)

@@ -3,7 +3,9 @@
     python -m netem.loadgen SPEC.json OUT.json
 
 SPEC: `{"model_dir", "initial_peers", "policy", "time_scale", "requests": [{"id", "arrival", "l_in",
-"l_out"}], "seed"}` (arrivals in seconds from the start). Before the clock starts it measures its
+"l_out"}], "seed"}` (arrivals in seconds from the start); optional `"route_lengths": [l_in, l_out]`
+makes every session tell routing those lengths instead of its own (how clients routed before they
+sent real lengths). Before the clock starts it measures its
 RTTs to every server and times three session opens on the idle swarm (`setup_probe_s`). Every
 request opens an inference session sized `l_in + l_out`, feeds `l_in` random prompt tokens and
 generates exactly `l_out` tokens greedily (`min_new_tokens` keeps EOS from ending it early), then
@@ -16,7 +18,9 @@ How a request waits for cache room depends on the policy, as in the systems comp
   experiment's time scale.
 
 OUT: per request `arrival`, `opened` (the chain's caches are reserved: first server work),
-`first_token`, `finish` (monotonic seconds relative to the run's start), `retries`, `error`.
+`first_token`, `finish` (monotonic seconds relative to the run's start), `retries`, `error`, and
+with a scheduler `predicted_wait` (its WS-RR estimate when routing) and `measured_wait` (routing to
+admission).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def run(spec: dict) -> dict:
     from client.connection import SwarmUnavailable, run_sync
 
     policy = spec["policy"]
+    fixed_lengths = spec.get("route_lengths")  # None: each request tells routing its own lengths
     scale = float(spec.get("time_scale", 1.0))
     requests = spec["requests"]
     l_in = max(r["l_in"] for r in requests)
@@ -101,8 +106,10 @@ def run(spec: dict) -> dict:
         try:
             while True:
                 try:
+                    length = request["l_in"] + request["l_out"]
+                    told = fixed_lengths or (request["l_in"], request["l_out"])
                     session = model.open_session(
-                        max_length=request["l_in"] + request["l_out"], prompt_tokens=request["l_in"]
+                        length, prompt_tokens=min(told[0], length), expected_new_tokens=min(told[1], length)
                     )
                     break
                 except SwarmUnavailable:
@@ -135,6 +142,8 @@ def run(spec: dict) -> dict:
             admission = getattr(session.blocks, "admission", None)
             if admission is not None:
                 record["predicted_wait"] = admission.expected_wait
+                if admission.admitted_at is not None:
+                    record["measured_wait"] = admission.admitted_at - admission.routed_at
         except Exception as error:  # recorded per request; the run goes on
             record["error"] = f"{type(error).__name__}: {error}"
             record["traceback"] = traceback.format_exc()[-2000:]
