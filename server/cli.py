@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--compute-delay-per-token": "emulation: seconds per block per token of a step; a step costs "
             "max(--compute-delay, this x its tokens) per block, like a GPU (launch-bound decode, "
             "compute-bound prefill)",
-            "--prefill-chunk": "run prefills longer than this many tokens in chunks, other sessions' decode "
-            "steps in between (0: whole prefills)",
+            "--prefill-chunk": "run prefills longer than this many tokens in chunks (default 256, "
+            "measured), other sessions' decode steps in between (0: whole prefills)",
             "--compute-delay-overlap": "emulation: concurrent sessions' delays overlap (an accelerator whose "
             "step time does not depend on how many sessions it serves, paper 000's model); default: a "
             "delay holds the compute thread",

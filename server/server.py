@@ -78,7 +78,11 @@ class ServerConfig:
     batch_wait_ms: float = 2.0  # window for batching concurrent decode steps; 0 = no batching
     # a prefill longer than this runs in chunks of this many tokens, decode iterations of other
     # sessions in between (server/engine.py); 0: whole prefills
-    prefill_chunk: int = 0
+    # longer prefills run in chunks of this many tokens, decode iterations in between; 256 measured
+    # best over emulated links (BENCHMARKS.md "Chunked prefill"): decoders' p99 gap 1.31x the quiet
+    # one while 2,000-token prompts arrive (3.02x whole), prompts' first token 1.07x; 128 costs them
+    # 1.43x, 512 lets decoders wait 1.61x
+    prefill_chunk: int = 256
     drain_timeout: float = 10.0  # on SIGTERM or a move, let open sessions finish for up to this long
     prefill_tokens: int = 20
     scheduler_timeout: float = 10.0  # managed: choose blocks locally if no scheduler answers this long
