@@ -82,10 +82,10 @@ class RawStream:
 
         self.responses = await self.connection.stub(self.peer_id).rpc_inference(requests())
 
-    async def ask(self, request) -> tuple[dict, list[torch.Tensor]]:
+    async def ask(self, request, timeout: float = 60.0) -> tuple[dict, list[torch.Tensor]]:
         self.queue.put_nowait(request)
         try:
-            response = await asyncio.wait_for(anext(self.responses), timeout=60)  # slow CI hosts
+            response = await asyncio.wait_for(anext(self.responses), timeout=timeout)  # slow CI hosts
         except StopAsyncIteration:
             return {"type": "closed"}, []
         return MSGPackSerializer.loads(response.metadata), decode_tensors(response)
@@ -492,13 +492,34 @@ def test_one_peer_holding_200_sessions_gets_its_share_and_others_still_have_room
         """One peer opens 200 sessions and keeps them: it gets its per-peer share (64 sessions by
         default), the rest are refused as over that share, not as a full server."""
         outcomes: list[str] = []
+
+        async def open_one(index: int) -> tuple[dict, list]:
+            """The open's reply. A stream whose open gets no reply (reproduced about once in eight
+            runs under CPU load, exactly while the server closes dozens of idled-out sessions at
+            once; in the case captured, the server logged nothing after those closings, so the
+            stream was lost between the p2p daemons and hivemind's stub, which has no timeout of
+            its own) is replaced once by a new stream, as our client's request timeout and retry
+            do; what this test checks is the server's per-peer share, not the transport."""
+            try:
+                return await streams[index].ask(open_message(), timeout=20)
+            except TimeoutError:
+                streams[index].close()
+                streams[index] = RawStream(target.connection, target.peer_id)
+                await streams[index].start()
+                return await streams[index].ask(open_message())
+
         for batch in range(0, len(streams), 16):
-            chunk = streams[batch : batch + 16]
-            await asyncio.gather(*(s.start() for s in chunk))
-            replies = await asyncio.gather(*(s.ask(open_message()) for s in chunk))
-            outcomes += [
-                reply["type"] if reply["type"] == "opened" else reply["message"] for reply, _ in replies
-            ]
+            chunk = range(batch, min(batch + 16, len(streams)))
+            await asyncio.gather(*(streams[index].start() for index in chunk))
+            replies = await asyncio.gather(*(open_one(index) for index in chunk))
+            for stream, (reply, _) in zip([streams[index] for index in chunk], replies, strict=True):
+                outcomes.append(reply["type"] if reply["type"] == "opened" else reply["message"])
+                if reply["type"] != "opened":
+                    # end our side of a refused stream at once: the server has ended its own, and
+                    # a stream left half-open still counts against the p2p daemons' per-peer stream
+                    # limits, where one more open is reset and hivemind's stub then waits forever
+                    # (the 60 s "no reply" this test once hit in a full run)
+                    stream.close()
         return outcomes
 
     honest = None
