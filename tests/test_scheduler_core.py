@@ -206,6 +206,37 @@ def test_a_requests_own_lengths_set_its_predicted_completion():
     assert long_answer.completion - short.completion == pytest.approx(54 * (0.01 + L * 0.001))
 
 
+def test_ended_sessions_teach_the_scheduler_how_long_sessions_really_run():
+    """Sessions that ran 3x their eq. 1 time stretch later predictions 3x (after a few of them); a
+    session's end moves with its real admission; lease expiries teach nothing."""
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    servers = {"peer-a": info(L * BLOCK + 2 * SLOT * L, 0.001)}  # room for two sessions at a time
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    core.update_roster(serving(core.assignment, servers), 0.2)
+    first = core.route(_request("c0", {"peer-a": 0.01}, 4, 6, 1, 10), now=1.0)
+    service = first.completion  # admitted at once: its whole predicted run time
+    now = 1.0
+    for k in range(5):
+        decision = core.route(_request(f"c{k}", {"peer-a": 0.01}, 4, 6, 1, 10), now=now)
+        assert decision.completion == pytest.approx(service)  # nothing learned yet
+        now += 3 * service
+        assert core.end_session(decision.session.session_id, now=now)
+    assert core.book.durations.scale == pytest.approx(3.0)
+    later = core.route(_request("c9", {"peer-a": 0.01}, 4, 6, 1, 10), now=now)
+    assert later.completion == pytest.approx(3 * service)
+    # the room is now full (first and later): the next one waits
+    waiting = core.route(_request("c10", {"peer-a": 0.01}, 4, 6, 1, 10), now=now)
+    assert not waiting.session.admitted
+    core.end_session(first.session.session_id)  # without `now`: teaches nothing
+    assert core.book.durations.scale == pytest.approx(3.0)
+    admitted_at = now + 0.5
+    assert core.tick(admitted_at) == [waiting.session.session_id]
+    record = core.book.sessions[waiting.session.session_id]
+    assert record.ends_at == pytest.approx(admitted_at + 3 * service)  # re-anchored at its admission
+
+
 def test_sessions_longer_than_a_slot_take_several():
     core = core_with()
     assert core.book.units_for(batch_size=1, max_length=10) == 1

@@ -200,3 +200,30 @@ def test_ws_rr_cost_equals_brute_force_over_all_chains(case, l_out, now):
     assert math.isclose(route.cost, sum(route.hop_waits) + sum(route.hop_times))
     assert route.wait == max(route.hop_waits)
     assert math.isclose(route.completion, route.wait + sum(route.hop_times))
+
+
+def test_a_rescheduled_session_releases_its_room_at_its_new_end():
+    servers = [server("a", 46.0)]  # 6 slots
+    state = RoutingState(servers, MODEL, [Span(0, 4)])
+    state.add_session("x", {0: 4}, ends_at=7.0)
+    assert state.route("c1", l_out=1, now=0.0).wait == 7.0
+    state.reschedule("x", 3.0)
+    assert state.route("c1", l_out=1, now=0.0).wait == 3.0
+    assert state.end_session("x") and state.route("c1", l_out=1, now=0.0).wait == 0.0
+
+
+def test_duration_calibration_is_a_bounded_median_of_enough_sessions():
+    from scheduler.service.durations import MIN_SAMPLES, DurationCalibration
+
+    calibration = DurationCalibration()
+    for _ in range(MIN_SAMPLES - 1):
+        calibration.observe(3.0, 1.0)
+    assert calibration.scale == 1.0  # too few to trust
+    calibration.observe(3.0, 1.0)
+    assert calibration.scale == 3.0
+    for bad in ((math.nan, 1.0), (1.0, 0.0), (-1.0, 1.0), (math.inf, 1.0)):
+        calibration.observe(*bad)  # ignored
+    assert calibration.scale == 3.0
+    for _ in range(100):
+        calibration.observe(1000.0, 1.0)  # a lying client (or a stuck one) is bounded
+    assert calibration.scale == 10.0

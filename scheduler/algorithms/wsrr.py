@@ -186,6 +186,16 @@ class RoutingState:
         if lease_expires_at is not None:
             heapq.heappush(self._leases, (lease_expires_at, order, session_id))
 
+    def reschedule(self, session_id: Hashable, ends_at: float) -> None:
+        """A session now expects to end at `ends_at` (e.g. admitted earlier or later than predicted)."""
+        session = self._sessions[session_id]
+        for server, slots in session.slots_by_server.items():
+            entries = self._by_server[server]
+            del entries[bisect.bisect_left(entries, (session.ends_at, session.order, slots))]
+            bisect.insort(entries, (float(ends_at), session.order, slots))
+            self._refresh_server(server)
+        session.ends_at = float(ends_at)
+
     def end_session(self, session_id: Hashable) -> bool:
         """Forget a session (the client reported its end); False if it was not active."""
         session = self._sessions.pop(session_id, None)

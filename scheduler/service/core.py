@@ -293,11 +293,18 @@ class SchedulerCore:
         return True
 
     # --- status --------------------------------------------------------------------------------------
-    def end_session(self, session_id: str, ttft: float = 0.0, tpot: float = 0.0, tokens: int = 0) -> bool:
+    def end_session(
+        self,
+        session_id: str,
+        ttft: float = 0.0,
+        tpot: float = 0.0,
+        tokens: int = 0,
+        now: float | None = None,
+    ) -> bool:
         """The client is done; it may report what it measured (the metrics of docs/reference.md 6, for
-        operators)."""
+        operators). With `now`, its run time calibrates later predictions (`durations`)."""
         self.requests.record_finished(ttft, tpot, tokens)
-        return self.book.end(session_id)
+        return self.book.end(session_id, now)
 
     def status(self, now: float) -> dict:
         book = self.book

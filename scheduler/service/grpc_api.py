@@ -120,7 +120,9 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
 
     async def EndSession(self, request: pb.SessionRef, context) -> pb.EndReply:
         await _check_id(context, request.session_id, "session_id")
-        known = self.core.end_session(request.session_id, request.ttft, request.tpot, request.tokens)
+        known = self.core.end_session(
+            request.session_id, request.ttft, request.tpot, request.tokens, now=self.clock()
+        )
         if known:
             self.metrics.ended.inc()
             if request.ttft > 0:

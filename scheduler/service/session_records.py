@@ -21,6 +21,7 @@ class SessionRecord:
     admitted_at: float | None = None
     routed_at: float = 0.0
     chain: int | None = None  # `chains` policy: the index of the live chain it runs on
+    service: float = 0.0  # WS-RR policies: eq. 1's predicted run time once admitted (unstretched)
 
     def slots(self) -> dict[str, int]:
         return {hop.peer_id: hop.num_blocks * self.units for hop in self.hops}

@@ -36,6 +36,7 @@ from scheduler.service.chain_routing import (
     queue_start_times,
     timings_moved,
 )
+from scheduler.service.durations import DurationCalibration
 from scheduler.service.session_records import RouteDecision, SessionRecord
 from swarm.route_request import RouteHop
 
@@ -56,6 +57,7 @@ class SessionBook:
         self._announced_use: dict[str, int] = {}
         self._granted: dict[str, int] = {}  # slots held by admitted sessions, by server
         self._chains: tuple[LiveChain, ...] = ()  # `chains` policy: GCA's job servers on the live spans
+        self.durations = DurationCalibration()  # measured / predicted run times of ended sessions
 
     # --- the servers routes go through ----------------------------------------------------------
     def set_servers(
@@ -154,22 +156,24 @@ class SessionBook:
             return None
         chain, wait, completion, cost = decision
         hops = tuple(RouteHop(self._peers[hop.server], hop.start, hop.end) for hop in chain.hops)
+        service = completion - wait
         session = SessionRecord(
             session_id=session_id,
             client_id=client_id,
             hops=hops,
             units=units,
             expected_start=now + wait,
-            ends_at=now + completion,
+            ends_at=now + wait + service * self.durations.scale,
             lease_expires_at=now + self.lease_s,
             order=next(self._order),
             routed_at=now,
+            service=service,
         )
         self.sessions[session_id] = session
         index = {peer: j for j, peer in enumerate(self._peers)}
         by_index = {index[peer]: count for peer, count in session.slots().items()}
         self._state.add_session(session_id, by_index, session.ends_at)
-        return RouteDecision(session, wait, completion, cost)
+        return RouteDecision(session, wait, session.ends_at - now, cost)
 
     def _route_chains(self, session_id: str, client_id: str, units: int, now: float) -> RouteDecision | None:
         """Queue the session for JFFC (admission picks its chain); None: no chain covers the model, or
@@ -245,6 +249,10 @@ class SessionBook:
             if self.policy == "petals" or (fits and not blocked.intersection(peers)):
                 session.admitted, session.admitted_at = True, now
                 self._grant(session, +1)
+                if session.service > 0 and self._state is not None:
+                    # from now on it runs: its end moves with its real start, not the predicted one
+                    session.ends_at = now + session.service * self.durations.scale
+                    self._state.reschedule(session.session_id, session.ends_at)
                 for hop in session.hops:
                     free[hop.peer_id] = free.get(hop.peer_id, 0) - hop.num_blocks * session.units
                 admitted.append(session.session_id)
@@ -291,10 +299,14 @@ class SessionBook:
         session.lease_expires_at = now + self.lease_s
         return True
 
-    def end(self, session_id: str) -> bool:
+    def end(self, session_id: str, now: float | None = None) -> bool:
+        """Forget a session; `now` when its client reported the end (its run time teaches the
+        calibration; an expired lease or a refusal does not)."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
+        if now is not None and session.admitted_at is not None and session.service > 0:
+            self.durations.observe(now - session.admitted_at, session.service)
         if session.admitted:
             self._grant(session, -1)
             # the servers' records still count its cache until they re-announce and we re-read them:
