@@ -12,8 +12,9 @@ recorded, stretched by `--stretch`; prompts divided by `--prompt-divisor`, answe
 - `fixed`: every session tells routing l_in = 20, l_out = 128 (what every client said before issue 34);
 - `real`: every session tells routing its own prompt and answer lengths.
 
-For every request the load generator records the scheduler's WS-RR wait estimate when it routed the
-session and the wait measured from routing to admission.
+Each run has its own swarm and scheduler (what a scheduler learns of sessions' run times stays
+in its run). For every request the load generator records the scheduler's WS-RR wait estimate
+when it routed the session and the wait measured from routing to admission.
 
     sudo .venv/bin/python scripts/bench_wait_prediction.py [--requests 80] [--write]
 """
@@ -86,22 +87,24 @@ def run(args: argparse.Namespace, work: Path) -> list[dict]:
     )
     requests = trace_requests(args)
     rows = []
-    with Emulation(scenario, work / "netem") as emulation:
-        emulation.start_dht("client")
-        emulation.start_scheduler(
-            "client", model_dir, "--policy", "cg-bp", "--l-in", str(SCHEDULER_L_IN),
-            "--l-out", str(SCHEDULER_L_OUT), "--lease", "600",
-        )  # fmt: skip
-        for name in servers:
-            emulation.start_server(
-                name, name, model_dir, f"0:{args.layers}", memory, args.compute_delay,
-                "--compute-delay-per-token", repr(args.compute_delay_per_token),
-                "--slot-tokens", str(slot_tokens), "--session-timeout", "600", "--torch-threads", "1",
-            )  # fmt: skip
-        emulation.wait_online("client", model_dir, list(servers))
-        for round_index in range(args.rounds):
-            for mode in MODES if round_index % 2 == 0 else MODES[::-1]:
-                label = f"{mode}-{round_index}"
+    for round_index in range(args.rounds):
+        for mode in MODES if round_index % 2 == 0 else MODES[::-1]:
+            label = f"{mode}-{round_index}"
+            # a fresh swarm and scheduler per run: what the scheduler learns of run times in one
+            # mode must not carry over into the other
+            with Emulation(scenario, work / f"netem-{label}") as emulation:
+                emulation.start_dht("client")
+                emulation.start_scheduler(
+                    "client", model_dir, "--policy", "cg-bp", "--l-in", str(SCHEDULER_L_IN),
+                    "--l-out", str(SCHEDULER_L_OUT), "--lease", "600",
+                )  # fmt: skip
+                for name in servers:
+                    emulation.start_server(
+                        name, name, model_dir, f"0:{args.layers}", memory, args.compute_delay,
+                        "--compute-delay-per-token", repr(args.compute_delay_per_token),
+                        "--slot-tokens", str(slot_tokens), "--session-timeout", "600", "--torch-threads", "1",
+                    )  # fmt: skip
+                emulation.wait_online("client", model_dir, list(servers))
                 spec = {
                     "model_dir": str(model_dir),
                     "initial_peers": emulation.initial_peers,
@@ -114,25 +117,21 @@ def run(args: argparse.Namespace, work: Path) -> list[dict]:
                 }
                 spec_path, out_path = work / f"{label}.json", work / f"{label}.results.json"
                 spec_path.write_text(json.dumps(spec))
-                process = emulation.start(
-                    f"loadgen-{label}",
-                    "client",
-                    emulation.python("netem.loadgen", str(spec_path), str(out_path)),
-                )
+                loadgen = emulation.python("netem.loadgen", str(spec_path), str(out_path))
+                process = emulation.start(f"loadgen-{label}", "client", loadgen)
                 while process.poll() is None:
                     emulation.check_alive(["dht", "scheduler", *servers])
                     time.sleep(1.0)
                 if not out_path.exists():
-                    raise SystemExit(
-                        f"{label}: the load generator failed:\n{emulation.log(f'loadgen-{label}')[-3000:]}"
-                    )
-                measured = json.loads(out_path.read_text())["requests"]
-                failed = [r for r in measured if "error" in r]
-                if failed:
-                    raise SystemExit(f"{label}: {len(failed)} requests failed, e.g. {failed[0]['error']}")
-                for record in measured:
-                    rows.append({"mode": mode, "round": round_index, **record})
-                print(f"{label}: {summary_line(rows, mode, round_index)}", flush=True)
+                    log = emulation.log(f"loadgen-{label}")[-3000:]
+                    raise SystemExit(f"{label}: the load generator failed:\n{log}")
+            measured = json.loads(out_path.read_text())["requests"]
+            failed = [r for r in measured if "error" in r]
+            if failed:
+                raise SystemExit(f"{label}: {len(failed)} requests failed, e.g. {failed[0]['error']}")
+            for record in measured:
+                rows.append({"mode": mode, "round": round_index, **record})
+            print(f"{label}: {summary_line(rows, mode, round_index)}", flush=True)
     return rows
 
 
