@@ -21,6 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client.backend import BlockBackend
 from client.connection import ClientOptions, SwarmConnection
+from client.continuation import continuation, mask_after
 from client.prompt_tuning import PromptTuning
 from client.remote import RemoteBlocks
 from client.sequential import RemoteSequential
@@ -177,14 +178,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 with self.inference_session(length, embeds.shape[0], prompt_tokens=prompt) as own:
                     return self._generate_in(own, None, kwargs)
             return self._generate_in(session or self._active_session, None, kwargs)
-        if input_ids is None:  # PETALS' form: continue the active session where generate() left it
-            continued = session or self._active_session
-            if continued is None or continued.last_output_ids is None:
-                raise ValueError(
-                    "generate(None) continues an inference session that generate() already produced "
-                    "tokens in; otherwise pass input_ids"
-                )
-            input_ids = continued.last_output_ids
+        if input_ids is None and session is None and self._active_session is None:
+            raise ValueError(
+                "generate(None) continues an inference session that generate() already produced "
+                "tokens in; otherwise pass input_ids"
+            )
         if session is None and self._active_session is None:
             # a one-off generation: size the session for the prompt plus every token it may add, and
             # for every hypothesis of a beam search
@@ -203,10 +201,20 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             new = min(max_new, max_length) if max_new else None  # room for masked drafts is not output
             with self.inference_session(max_length, rows, prompt, expected_new_tokens=new) as own:
                 return self._generate_in(own, input_ids, kwargs)
+        # a session that already generated: transformers' or PETALS' convention (`client.continuation`)
         active = session or self._active_session
-        output = self._generate_in(active, input_ids, kwargs)
+        call = continuation(input_ids, kwargs.get("attention_mask"), active.last_output_ids, active.last_mask)
+        if call.attention_mask is not None:
+            kwargs = {**kwargs, "attention_mask": call.attention_mask}
+        output = self._generate_in(active, call.input_ids, kwargs)
+        sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
+        if not isinstance(sequences, torch.Tensor):
+            return output
+        active.last_output_ids = sequences  # what the next call continues from
+        active.last_mask = mask_after(sequences, call.attention_mask, call.input_ids.shape[1])
         if isinstance(output, torch.Tensor):
-            active.last_output_ids = output  # what generate(None) continues from
+            return sequences[:, call.returned_from :]
+        output.sequences = sequences[:, call.returned_from :]
         return output
 
     def _speculates(self, kwargs: dict) -> bool:

@@ -27,6 +27,7 @@ class InferenceSession:
         # the sequences the last generate() in this session returned: its last token is not processed
         # yet, and generate(None) continues from there
         self.last_output_ids: torch.Tensor | None = None
+        self.last_mask: torch.Tensor | None = None  # its attention mask (None: no padding given)
         self._pending_reorder: torch.Tensor | None = None  # beam search: sent with the next step
         self.closed = False
         # seconds per step by its number of new tokens, as generate() measured them: what a round

@@ -46,23 +46,70 @@ def test_session_reused_across_generate_calls(model_dir, models):
         follow_up = torch.cat([first, tokenizer(" one two", return_tensors="pt").input_ids], dim=1)
         second = distributed.generate(follow_up, max_new_tokens=6, do_sample=False, session=session)
         assert session.position == second.shape[1] - 1  # the last sampled token is never fed back
-        with pytest.raises(SwarmUserError, match="must start with the tokens"):
-            distributed.generate(prompt, max_new_tokens=2, session=session)
+        # ids that do not start with the last output are new tokens appended to it (PETALS' chat turn)
+        turn = distributed.generate(prompt, max_new_tokens=2, session=session)
     assert torch.equal(second, reference.generate(follow_up, max_new_tokens=6, do_sample=False))
+    whole = reference.generate(torch.cat([second, prompt], dim=1), max_new_tokens=2, do_sample=False)
+    assert torch.equal(turn, whole[:, second.shape[1] :])
+
+
+def make_generate_calls(model, inputs, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """PETALS' own pattern (its tests/test_full_model.py): three calls in one session, the session
+    given explicitly and implicitly, their outputs concatenated. (Our sessions take their batch size
+    when opened; PETALS' learn it from the first step.)"""
+    length = inputs.shape[1] + max_new_tokens
+    with model.inference_session(max_length=length, batch_size=inputs.shape[0]) as session:
+        return torch.cat(
+            [
+                model.generate(inputs, max_new_tokens=1, **kwargs, session=session),
+                model.generate(None, max_new_tokens=max_new_tokens - 2, **kwargs),
+                model.generate(None, max_new_tokens=1, **kwargs, session=session),
+            ],
+            dim=1,
+        )
+
+
+@pytest.mark.parametrize("batch", ["single", "padded"])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_petals_generate_calls_in_one_session_equal_one_local_generation(model_dir, models, batch, sampling):
+    """Issue 36: after the first call, PETALS' generate(None) returns only the new tokens, so its
+    three-call pattern concatenates to what one local transformers call generates (greedy, and
+    seeded sampling: the calls draw from the same generator in the same order)."""
+    reference, distributed = models
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["A cat sat on a mat"] if batch == "single" else ["A cat sat on a mat", "one two"]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left").input_ids
+    options = {"do_sample": True, "temperature": 0.8, "top_k": 20} if sampling else {"do_sample": False}
+    options["pad_token_id"] = tokenizer.pad_token_id
+    torch.manual_seed(7)
+    expected = reference.generate(inputs, max_new_tokens=6, **options)
+    torch.manual_seed(7)
+    assert torch.equal(make_generate_calls(distributed, inputs, 6, **options), expected)
 
 
 def test_generate_none_continues_the_active_session(models):
     """PETALS' form: inside `with model.inference_session(...)`, generate(None) goes on where the last
-    generate() stopped, and equals one call that generates all the tokens."""
+    generate() stopped and returns only the new tokens; ids passed later are appended (a chat turn);
+    our transformers-style continuation (the whole sequence again) returns the whole sequence."""
     reference, distributed = models
     prompt = torch.tensor([[5, 17, 99, 200]])
-    with distributed.inference_session(max_length=32):
+    with distributed.inference_session(max_length=40):
         first = distributed.generate(prompt, max_new_tokens=5, do_sample=False)
         second = distributed.generate(None, max_new_tokens=5, do_sample=False)
         third = distributed.generate(None, max_new_tokens=3, do_sample=False)
+        so_far = torch.cat([first, second, third], dim=1)
+        turn = distributed.generate(torch.tensor([[7, 8]]), max_new_tokens=2, do_sample=False)
+        whole = distributed.generate(torch.cat([so_far, turn], dim=1), max_new_tokens=2, do_sample=False)
     assert torch.equal(first, reference.generate(prompt, max_new_tokens=5, do_sample=False))
-    assert torch.equal(third, reference.generate(prompt, max_new_tokens=13, do_sample=False))
-    assert torch.equal(second, third[:, : second.shape[1]])
+    assert (second.shape[1], third.shape[1]) == (5, 3)
+    assert torch.equal(so_far, reference.generate(prompt, max_new_tokens=13, do_sample=False))
+    appended = torch.cat([so_far, torch.tensor([[7, 8]])], dim=1)
+    assert torch.equal(
+        turn, reference.generate(appended, max_new_tokens=2, do_sample=False)[:, so_far.shape[1] :]
+    )
+    assert torch.equal(
+        whole, reference.generate(torch.cat([so_far, turn], 1), max_new_tokens=2, do_sample=False)
+    )
     with pytest.raises(ValueError, match="generate\\(None\\) continues"):
         distributed.generate(None, max_new_tokens=2)
 

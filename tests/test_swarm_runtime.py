@@ -213,9 +213,10 @@ def test_generate_none_and_inputs_embeds_through_the_swarm(client, reference):
     model, tokenizer = reference
     prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
     with client.inference_session(max_length=prompt.shape[1] + 16):
-        client.generate(prompt, max_new_tokens=6, do_sample=False)
-        continued = client.generate(None, max_new_tokens=10, do_sample=False)
-    assert torch.equal(continued, model.generate(prompt, max_new_tokens=16, do_sample=False))
+        first = client.generate(prompt, max_new_tokens=6, do_sample=False)
+        continued = client.generate(None, max_new_tokens=10, do_sample=False)  # only the new tokens
+    whole = torch.cat([first, continued], dim=1)
+    assert torch.equal(whole, model.generate(prompt, max_new_tokens=16, do_sample=False))
     embeds = client.get_input_embeddings()(prompt)
     expected = model.generate(inputs_embeds=embeds, max_new_tokens=8, do_sample=False)
     assert torch.equal(client.generate(inputs_embeds=embeds, max_new_tokens=8, do_sample=False), expected)
