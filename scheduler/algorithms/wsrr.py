@@ -187,8 +187,11 @@ class RoutingState:
             heapq.heappush(self._leases, (lease_expires_at, order, session_id))
 
     def reschedule(self, session_id: Hashable, ends_at: float) -> None:
-        """A session now expects to end at `ends_at` (e.g. admitted earlier or later than predicted)."""
-        session = self._sessions[session_id]
+        """A session now expects to end at `ends_at` (e.g. admitted earlier or later than predicted);
+        nothing happens for a session this state does not hold (none of its servers is in it)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return
         for server, slots in session.slots_by_server.items():
             entries = self._by_server[server]
             del entries[bisect.bisect_left(entries, (session.ends_at, session.order, slots))]
