@@ -23,10 +23,21 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
 )
 
 from swarm.dtypes import parse_dtype
 from swarm.errors import SwarmUserError
+
+# families whose tiny configs take LLaMA's arguments (Qwen2 adds q/k/v biases, Qwen3 q/k norms: both
+# inside their own layers)
+LLAMA_LIKE: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+FAMILIES = ("llama", "bloom", "qwen2", "qwen3")
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -47,7 +58,7 @@ four five six seven eight nine ten. It learned places: Paris, London, Tokyo, Nai
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    family: str = "llama"  # "llama" or "bloom"
+    family: str = "llama"  # one of FAMILIES
     num_layers: int = 6
     hidden_size: int = 64
     num_heads: int = 4
@@ -76,17 +87,18 @@ class TinyModelSpec:
                 bos_token_id=BOS_ID,
                 eos_token_id=EOS_ID,
             )
-        if self.family == "llama":
+        if self.family in LLAMA_LIKE:
             kv_heads = self.num_kv_heads or self.num_heads
             if self.num_heads % kv_heads:
                 raise SwarmUserError("--heads must be a multiple of --kv-heads")
-            return LlamaConfig(
+            return LLAMA_LIKE[self.family](
                 vocab_size=self.vocab_size,
                 hidden_size=self.hidden_size,
                 intermediate_size=self.intermediate_size or 2 * self.hidden_size,
                 num_hidden_layers=self.num_layers,
                 num_attention_heads=self.num_heads,
                 num_key_value_heads=kv_heads,
+                head_dim=self.hidden_size // self.num_heads,  # Qwen3's default is 128 whatever the width
                 max_position_embeddings=2048,
                 initializer_range=self.initializer_range,
                 tie_word_embeddings=False,
@@ -94,7 +106,7 @@ class TinyModelSpec:
                 bos_token_id=BOS_ID,
                 eos_token_id=EOS_ID,
             )
-        raise SwarmUserError(f"unknown family {self.family!r}; choose bloom or llama")
+        raise SwarmUserError(f"unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}")
 
 
 def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("out_dir", help="directory to write the checkpoint to")
-    parser.add_argument("--family", choices=["llama", "bloom"], default="llama")
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)

@@ -1,0 +1,106 @@
+"""The Qwen2 (q/k/v biases) and Qwen3 (q/k norms) families (issue 36): in-process spans and real
+servers give local transformers' tokens (greedy, beam search, a padded batch); concurrent sessions
+batched on a server equal each alone; a session survives its server being killed; a sharded
+checkpoint loads only its span's shards; sliding-window configs are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from client import AutoDistributedModelForCausalLM, ClientOptions
+from client.backend import LocalSpans
+from client.model import DistributedModelForCausalLM
+from swarm.dht_keys import default_prefix
+from swarm.errors import UnsupportedModelError
+from swarm.models import load_span
+from swarm.models.tiny import TinyModelSpec, build_tiny_model
+
+LAYERS = 4
+PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def qwen_dir(request, tmp_path_factory):
+    spec = TinyModelSpec(family=request.param, num_layers=LAYERS, num_kv_heads=2)
+    return build_tiny_model(tmp_path_factory.mktemp(request.param) / "model", spec, max_shard_size="60KB")
+
+
+def test_in_process_spans_generate_what_transformers_generates(qwen_dir):
+    reference = AutoModelForCausalLM.from_pretrained(qwen_dir).eval()
+    spans = [load_span(qwen_dir, 0, 1)[0], load_span(qwen_dir, 1, LAYERS)[0]]
+    model = DistributedModelForCausalLM.from_local_parts(qwen_dir, LocalSpans(spans))
+    for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
+        expected = reference.generate(PROMPT, max_new_tokens=10, **options)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=10, **options), expected), options
+    tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
+    batch = tokenizer(
+        ["A cat sat on a mat", "one two"], return_tensors="pt", padding=True, padding_side="left"
+    )
+    expected = reference.generate(**batch, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
+
+
+def test_a_span_loads_only_its_own_shards(qwen_dir):
+    weight_map = json.loads((qwen_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    expected = {file for name, file in weight_map.items() if name.startswith("model.layers.1.")}
+    span, files = load_span(qwen_dir, 1, 2)
+    assert set(files) == expected and len(expected) < len(set(weight_map.values()))
+    assert span.num_blocks == 1
+
+
+def test_sliding_window_configs_are_refused(qwen_dir, tmp_path):
+    copy = tmp_path / "windowed"
+    shutil.copytree(qwen_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4)
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        load_span(copy, 0, 1)
+
+
+def test_real_servers_batching_and_failover(swarm, qwen_dir):
+    prefix = default_prefix(str(qwen_dir))
+    swarm.start_server("a", qwen_dir, "0:2")
+    swarm.start_server("b", qwen_dir, "2:4")
+    swarm.start_server("a2", qwen_dir, "0:2")
+    swarm.wait_online(prefix, LAYERS, ["a", "b", "a2"])
+    reference = AutoModelForCausalLM.from_pretrained(qwen_dir).eval()
+    options = ClientOptions(request_timeout=20.0, ban_base=60.0, wait_for_servers=30.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(qwen_dir, swarm.initial_peers, options=options)
+    try:
+        for kwargs in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
+            expected = reference.generate(PROMPT, max_new_tokens=10, **kwargs)
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=10, **kwargs), expected), kwargs
+        # concurrent sessions: their decode steps batch on the servers, each equals its own run
+        prompts = [PROMPT[:, : 3 + k] for k in range(4)]
+        results: dict[int, torch.Tensor] = {}
+
+        def run(k: int) -> None:
+            results[k] = model.generate(prompts[k], max_new_tokens=12, do_sample=False)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for k, prompt in enumerate(prompts):
+            assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=12, do_sample=False))
+        # a failover mid-generation: the first server of the chain is killed between two calls
+        expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+        with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
+            first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
+            victim = session.blocks.streams[0].hop.peer_id
+            name = model.backend.connection.known_servers[victim].public_name
+            swarm.stop(name, signal.SIGKILL)
+            rest = model.generate(None, max_new_tokens=8, do_sample=False)
+            assert victim not in [stream.hop.peer_id for stream in session.blocks.streams]
+        assert torch.equal(torch.cat([first, rest], dim=1), expected)
+    finally:
+        model.shutdown()
