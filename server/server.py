@@ -204,7 +204,7 @@ class SwarmServer:
             cache_bytes_left=budget.bytes_left if budget else 0,
             cache_slots_left=budget.slots_left(slot_bytes) if budget else 0,
             slot_tokens=config.slot_tokens,
-            max_length=config.max_length,
+            max_length=self.session_limit(self.model_span()),
             tau=timings.tau if timings else None,
             tau_prefill=timings.tau_prefill if timings else None,
             prefill_tokens=timings.prefill_tokens if timings else 0,
@@ -240,6 +240,12 @@ class SwarmServer:
         """`L`, the model's number of blocks."""
         span = self.model_span()
         return span.family.num_blocks(span.config)
+
+    def session_limit(self, span: TransformerSpan | None) -> int:
+        """The longest session served: `--max-length`, or less where the model's blocks compute what
+        it defines only up to some length (a sliding attention window, `longest_session`)."""
+        longest = span.family.longest_session(span.config) if span is not None else None
+        return min(self.config.max_length, longest) if longest else self.config.max_length
 
     def model_span(self) -> TransformerSpan:
         """Whatever blocks we hold (the probe until a span is loaded): they know the model's shape."""
@@ -426,10 +432,16 @@ class SwarmServer:
         )
 
     def _new_servicer(self, span: TransformerSpan, budget: CacheBudget) -> BlockServicer:
+        if self.session_limit(span) < self.config.max_length:
+            logger.info(
+                "sessions capped at %d positions (the model's sliding attention window; --max-length %d)",
+                self.session_limit(span),
+                self.config.max_length,
+            )
         return BlockServicer(
             span,
             budget,
-            max_length=self.config.max_length,
+            max_length=self.session_limit(span),
             max_batch_size=self.config.max_batch_size,
             session_idle_timeout=self.config.session_idle_timeout,
             compute_delay=self.config.compute_delay,

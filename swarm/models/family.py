@@ -55,6 +55,12 @@ class ModelFamily(ABC):
     def head_dim(self, config: PretrainedConfig) -> int:
         return self.hidden_size(config) // self.num_heads(config)
 
+    def longest_session(self, config: PretrainedConfig) -> int | None:
+        """The most positions a session may hold for the blocks to compute what the model defines
+        (None: no limit of the family's own). Spans attend over the whole cache, so a model with a
+        sliding attention window is served exactly for sessions no longer than the window."""
+        return None
+
     # --- blocks ---------------------------------------------------------------------------------
     @abstractmethod
     def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:

@@ -22,7 +22,7 @@ from swarm.errors import CheckpointError, SpanError
 from swarm.hardware import prepare_attention_kernels
 from swarm.models import bloom as _bloom  # noqa: F401  (registers the family)
 from swarm.models import llama as _llama  # noqa: F401  (registers the family)
-from swarm.models import qwen as _qwen  # noqa: F401  (registers the families)
+from swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
 from swarm.models.cache import BatchedStepCache, SpanCache
 from swarm.models.checkpoint import CheckpointReader, load_config
 from swarm.models.family import ModelFamily, family_for

@@ -21,6 +21,8 @@ from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
     LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -36,8 +38,16 @@ LLAMA_LIKE: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "mistral": MistralConfig,
+    "mixtral": MixtralConfig,
 }
-FAMILIES = ("llama", "bloom", "qwen2", "qwen3")
+# what a family's tiny config sets beyond LLaMA's arguments: Mistral's default sliding window (4096)
+# would cap sessions; a tiny Mixtral gets 4 experts, 2 per token
+FAMILY_EXTRAS: dict[str, dict] = {
+    "mistral": {"sliding_window": None},
+    "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+FAMILIES = ("llama", "bloom", "qwen2", "qwen3", "mistral", "mixtral")
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -105,6 +115,7 @@ class TinyModelSpec:
                 pad_token_id=PAD_ID,
                 bos_token_id=BOS_ID,
                 eos_token_id=EOS_ID,
+                **FAMILY_EXTRAS.get(self.family, {}),
             )
         raise SwarmUserError(f"unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}")
 

@@ -1,7 +1,9 @@
-"""The Qwen2 (q/k/v biases) and Qwen3 (q/k norms) families (issue 36): in-process spans and real
+"""Families with LLaMA's layout (issue 36): Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral (a
+sliding window) and Mixtral (a mixture of experts in every block). In-process spans and real
 servers give local transformers' tokens (greedy, beam search, a padded batch); concurrent sessions
 batched on a server equal each alone; a session survives its server being killed; a sharded
-checkpoint loads only its span's shards; sliding-window configs are refused."""
+checkpoint loads only its span's shards; Qwen2's sliding-window layers are refused and a Mistral
+window caps the sessions a server accepts."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.backend import LocalSpans
+from client.connection import SwarmUnavailable
 from client.model import DistributedModelForCausalLM
 from swarm.dht_keys import default_prefix
 from swarm.errors import UnsupportedModelError
@@ -26,20 +29,20 @@ LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
-def qwen_dir(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral"])
+def family_dir(request, tmp_path_factory):
     spec = TinyModelSpec(family=request.param, num_layers=LAYERS, num_kv_heads=2)
     return build_tiny_model(tmp_path_factory.mktemp(request.param) / "model", spec, max_shard_size="60KB")
 
 
-def test_in_process_spans_generate_what_transformers_generates(qwen_dir):
-    reference = AutoModelForCausalLM.from_pretrained(qwen_dir).eval()
-    spans = [load_span(qwen_dir, 0, 1)[0], load_span(qwen_dir, 1, LAYERS)[0]]
-    model = DistributedModelForCausalLM.from_local_parts(qwen_dir, LocalSpans(spans))
+def test_in_process_spans_generate_what_transformers_generates(family_dir):
+    reference = AutoModelForCausalLM.from_pretrained(family_dir).eval()
+    spans = [load_span(family_dir, 0, 1)[0], load_span(family_dir, 1, LAYERS)[0]]
+    model = DistributedModelForCausalLM.from_local_parts(family_dir, LocalSpans(spans))
     for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
         expected = reference.generate(PROMPT, max_new_tokens=10, **options)
         assert torch.equal(model.generate(PROMPT, max_new_tokens=10, **options), expected), options
-    tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
+    tokenizer = AutoTokenizer.from_pretrained(family_dir)
     batch = tokenizer(
         ["A cat sat on a mat", "one two"], return_tensors="pt", padding=True, padding_side="left"
     )
@@ -47,33 +50,37 @@ def test_in_process_spans_generate_what_transformers_generates(qwen_dir):
     assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
 
 
-def test_a_span_loads_only_its_own_shards(qwen_dir):
-    weight_map = json.loads((qwen_dir / "model.safetensors.index.json").read_text())["weight_map"]
+def test_a_span_loads_only_its_own_shards(family_dir):
+    weight_map = json.loads((family_dir / "model.safetensors.index.json").read_text())["weight_map"]
     expected = {file for name, file in weight_map.items() if name.startswith("model.layers.1.")}
-    span, files = load_span(qwen_dir, 1, 2)
+    span, files = load_span(family_dir, 1, 2)
     assert set(files) == expected and len(expected) < len(set(weight_map.values()))
     assert span.num_blocks == 1
 
 
-def test_sliding_window_configs_are_refused(qwen_dir, tmp_path):
+def test_sliding_windows_are_refused_or_cap_sessions(family_dir, tmp_path):
     copy = tmp_path / "windowed"
-    shutil.copytree(qwen_dir, copy)
+    shutil.copytree(family_dir, copy)
     config = json.loads((copy / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=4)
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        load_span(copy, 0, 1)
+    if config["model_type"].startswith("qwen"):
+        with pytest.raises(UnsupportedModelError, match="sliding-window"):
+            load_span(copy, 0, 1)
+    else:  # Mistral, Mixtral: served exactly for sessions within the window
+        span, _ = load_span(copy, 0, 1)
+        assert span.family.longest_session(span.config) == 4
 
 
-def test_real_servers_batching_and_failover(swarm, qwen_dir):
-    prefix = default_prefix(str(qwen_dir))
-    swarm.start_server("a", qwen_dir, "0:2")
-    swarm.start_server("b", qwen_dir, "2:4")
-    swarm.start_server("a2", qwen_dir, "0:2")
+def test_real_servers_batching_and_failover(swarm, family_dir):
+    prefix = default_prefix(str(family_dir))
+    swarm.start_server("a", family_dir, "0:2")
+    swarm.start_server("b", family_dir, "2:4")
+    swarm.start_server("a2", family_dir, "0:2")
     swarm.wait_online(prefix, LAYERS, ["a", "b", "a2"])
-    reference = AutoModelForCausalLM.from_pretrained(qwen_dir).eval()
+    reference = AutoModelForCausalLM.from_pretrained(family_dir).eval()
     options = ClientOptions(request_timeout=20.0, ban_base=60.0, wait_for_servers=30.0)
-    model = AutoDistributedModelForCausalLM.from_pretrained(qwen_dir, swarm.initial_peers, options=options)
+    model = AutoDistributedModelForCausalLM.from_pretrained(family_dir, swarm.initial_peers, options=options)
     try:
         for kwargs in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
             expected = reference.generate(PROMPT, max_new_tokens=10, **kwargs)
@@ -102,5 +109,31 @@ def test_real_servers_batching_and_failover(swarm, qwen_dir):
             rest = model.generate(None, max_new_tokens=8, do_sample=False)
             assert victim not in [stream.hop.peer_id for stream in session.blocks.streams]
         assert torch.equal(torch.cat([first, rest], dim=1), expected)
+    finally:
+        model.shutdown()
+
+
+def test_a_mistral_window_caps_the_sessions_a_server_accepts(swarm, tmp_path):
+    """Within its sliding window a Mistral block equals full attention: the server announces the
+    window as its longest session, serves sessions that fit exactly, and no chain takes a longer one."""
+    spec = TinyModelSpec(family="mistral", num_layers=2, num_kv_heads=2)
+    model_dir = build_tiny_model(tmp_path / "mistral", spec)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["sliding_window"] = 16
+    (model_dir / "config.json").write_text(json.dumps(config))
+    prefix = default_prefix(str(model_dir))
+    swarm.start_server("windowed", model_dir, "0:2")
+    swarm.wait_online(prefix, 2, ["windowed"])
+    ((_, info),) = swarm.servers(prefix, 2).items()
+    assert info.max_length == 16
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    options = ClientOptions(wait_for_room=2.0, request_timeout=20.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, options=options)
+    try:
+        expected = reference.generate(PROMPT, max_new_tokens=16 - PROMPT.shape[1], do_sample=False)
+        output = model.generate(PROMPT, max_new_tokens=16 - PROMPT.shape[1], do_sample=False)
+        assert torch.equal(output, expected)
+        with pytest.raises(SwarmUnavailable, match="a session of 17 tokens"):
+            model.generate(PROMPT, max_new_tokens=17 - PROMPT.shape[1], do_sample=False)
     finally:
         model.shutdown()

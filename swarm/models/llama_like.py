@@ -1,16 +1,30 @@
-"""The Qwen2 and Qwen3 families: LLaMA's layout (rotary embeddings, RMSNorm, grouped-query attention)
-with biases on the q/k/v projections (Qwen2) or RMS norms on queries and keys (Qwen3), both inside
-`transformers`' own decoder layers, so a block needs from the client exactly what a LLaMA block
-needs: its tokens' positions (rotary embeddings) and, for padded batches, the padding mask.
+"""Families with LLaMA's layout (rotary embeddings, RMSNorm, grouped-query attention) and their own
+`transformers` decoder layers: Qwen2 (biases on the q/k/v projections), Qwen3 (RMS norms on
+queries and keys), Mistral (a sliding attention window) and Mixtral (Mistral's attention with a
+sparse mixture of experts as its MLP: a block holds all its experts, and routing tokens to them is
+the block's own business). A block needs from the client exactly what a LLaMA block needs: its
+tokens' positions (rotary embeddings) and, for padded batches, the padding mask.
 
-Sliding-window attention (`use_sliding_window`, set in some Qwen2 checkpoints' configs) is refused:
-the spans' attention masks are causal over the whole cache, so a window would silently differ.
+Spans attend over the whole cache. Qwen2's optional sliding-window layers (`use_sliding_window`) are
+refused; a Mistral/Mixtral `sliding_window` caps the sessions served at that many positions
+(`longest_session`), within which the window changes nothing (Mistral-7B v0.1: 4096; later
+versions set no window).
 """
 
 from __future__ import annotations
 
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.models.mistral.modeling_mistral import (
+    MistralDecoderLayer,
+    MistralRMSNorm,
+    MistralRotaryEmbedding,
+)
+from transformers.models.mixtral.modeling_mixtral import (
+    MixtralDecoderLayer,
+    MixtralRMSNorm,
+    MixtralRotaryEmbedding,
+)
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
@@ -53,5 +67,28 @@ class Qwen3Family(Qwen2Family):
     rotary_embedding = Qwen3RotaryEmbedding
 
 
+class MistralFamily(Qwen2Family):
+    model_types = ("mistral",)
+    decoder_layer = MistralDecoderLayer
+    rms_norm = MistralRMSNorm
+    rotary_embedding = MistralRotaryEmbedding
+
+    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+        return self.decoder_layer(config, layer_idx=local_index)
+
+    def longest_session(self, config: PretrainedConfig) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        return int(window) if window else None
+
+
+class MixtralFamily(MistralFamily):
+    model_types = ("mixtral",)
+    decoder_layer = MixtralDecoderLayer
+    rms_norm = MixtralRMSNorm
+    rotary_embedding = MixtralRotaryEmbedding
+
+
 QWEN2 = register_family(Qwen2Family())
 QWEN3 = register_family(Qwen3Family())
+MISTRAL = register_family(MistralFamily())
+MIXTRAL = register_family(MixtralFamily())
