@@ -137,3 +137,29 @@ def test_a_mistral_window_caps_the_sessions_a_server_accepts(swarm, tmp_path):
             model.generate(PROMPT, max_new_tokens=17 - PROMPT.shape[1], do_sample=False)
     finally:
         model.shutdown()
+
+
+def test_llama3_rope_scaling_is_the_models_own(tmp_path):
+    """LLaMA 3.x's rope scaling comes from the config into the spans' rotary tables: generation past
+    the original context length equals transformers'."""
+    model_dir = build_tiny_model(
+        tmp_path / "llama3", TinyModelSpec(family="llama", num_layers=2, num_kv_heads=2)
+    )
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, rope_scaling=None).eval()
+    model = DistributedModelForCausalLM.from_local_parts(
+        model_dir, LocalSpans([load_span(model_dir, 0, 2)[0]])
+    )
+    expected = reference.generate(PROMPT, max_new_tokens=40, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=40, do_sample=False), expected)
+    unscaled = plain(expected).logits
+    assert not torch.allclose(reference(expected).logits, unscaled)  # the scaling does change the model
