@@ -170,12 +170,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     ):
         embeds = kwargs.get("inputs_embeds")
         if input_ids is None and embeds is not None:  # a prompt given as embeddings (returns new tokens)
-            input_ids = torch.empty(embeds.shape[0], 0, dtype=torch.long, device=embeds.device)
             if session is None and self._active_session is None:
-                length = embeds.shape[1] + (kwargs.get("max_new_tokens") or self.generation_config.max_length)
-                length += self.prompts.length if self.prompts is not None else 0
-                prompt = length - (kwargs.get("max_new_tokens") or self.generation_config.max_length)
-                with self.inference_session(length, embeds.shape[0], prompt_tokens=prompt) as own:
+                new = kwargs.get("max_new_tokens") or self.generation_config.max_length
+                prompt = embeds.shape[1] + (self.prompts.length if self.prompts is not None else 0)
+                with self.inference_session(prompt + new, embeds.shape[0], prompt_tokens=prompt) as own:
                     return self._generate_in(own, None, kwargs)
             return self._generate_in(session or self._active_session, None, kwargs)
         if input_ids is None and session is None and self._active_session is None:

@@ -118,7 +118,7 @@ def prompter(args: argparse.Namespace) -> None:
 # --- the emulated swarm --------------------------------------------------------------------------------
 def run(args: argparse.Namespace, work: Path) -> list[dict]:
     from netem.emulator import Emulation
-    from netem.scenario import parse_scenario
+    from netem.scenario import equidistant_scenario
 
     from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
@@ -126,21 +126,7 @@ def run(args: argparse.Namespace, work: Path) -> list[dict]:
         work / "tiny-llama", TinyModelSpec(family="llama", num_layers=args.layers, num_kv_heads=2)
     )
     sites = ("decoder", "prompter", "server")
-    pairs = [
-        {"sites": [a, b], "rtt_ms": args.rtt, "bandwidth_mbit": args.bandwidth}
-        for a, b in (("decoder", "server"), ("prompter", "server"), ("decoder", "prompter"))
-    ]
-    scenario = parse_scenario(
-        {
-            "name": "chunked-prefill",
-            "links": {"pairs": pairs},
-            "sites": [
-                {"name": "decoder", "group": "d", "processes": [{"role": "dht", "name": "dht"}]},
-                *({"name": site, "group": site, "processes": []} for site in sites[1:]),
-            ],
-        },
-        "bench_chunked_prefill",
-    )
+    scenario = equidistant_scenario("bench_chunked_prefill", sites, args.rtt, args.bandwidth)
     chunks = [int(value) for value in args.chunks.split(",")]
     rows = []
     with Emulation(scenario, work / "netem") as emulation:

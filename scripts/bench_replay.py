@@ -91,30 +91,14 @@ def measure(args: argparse.Namespace) -> None:
 # --- the emulated swarm -----------------------------------------------------------------------------------
 def run(args: argparse.Namespace, work: Path) -> list[dict]:
     from netem.emulator import Emulation
-    from netem.scenario import parse_scenario
+    from netem.scenario import equidistant_scenario
 
     from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     model_dir = build_tiny_model(
         work / "tiny-llama", TinyModelSpec(family="llama", num_layers=LAYERS, num_kv_heads=2)
     )
-    sites = ("s0", "s1", "s2")
-    pairs = [{"sites": ["client", site], "rtt_ms": args.rtt, "bandwidth_mbit": 100} for site in sites]
-    pairs += [
-        {"sites": [a, b], "rtt_ms": args.rtt, "bandwidth_mbit": 100}
-        for a, b in (("s0", "s1"), ("s0", "s2"), ("s1", "s2"))
-    ]
-    scenario = parse_scenario(
-        {
-            "name": "replay",
-            "links": {"pairs": pairs},
-            "sites": [
-                {"name": "client", "group": "c", "processes": [{"role": "dht", "name": "dht"}]},
-                *({"name": site, "group": site, "processes": []} for site in sites),
-            ],
-        },
-        "bench_replay",
-    )
+    scenario = equidistant_scenario("bench_replay", ("client", "s0", "s1", "s2"), args.rtt)
     kills = len(args.history.split(",")) * len(MODES)
     with Emulation(scenario, work / "netem") as emulation:
         emulation.start_dht("client")

@@ -60,7 +60,7 @@ def trace_requests(args: argparse.Namespace) -> list[dict]:
 
 def run(args: argparse.Namespace, work: Path) -> list[dict]:
     from netem.emulator import Emulation
-    from netem.scenario import parse_scenario
+    from netem.scenario import equidistant_scenario
 
     from swarm.models import load_span
     from swarm.models.tiny import TinyModelSpec, build_tiny_model
@@ -72,19 +72,7 @@ def run(args: argparse.Namespace, work: Path) -> list[dict]:
     slot_tokens = SCHEDULER_L_IN + SCHEDULER_L_OUT
     memory = args.layers * (span.block_bytes + args.slots * slot_tokens * span.cache_bytes(num_tokens=1))
     servers = ("s0", "s1")
-    pairs = [{"sites": ["client", site], "rtt_ms": args.rtt, "bandwidth_mbit": 100} for site in servers]
-    pairs.append({"sites": list(servers), "rtt_ms": args.rtt, "bandwidth_mbit": 100})
-    scenario = parse_scenario(
-        {
-            "name": "wait-prediction",
-            "links": {"pairs": pairs},
-            "sites": [
-                {"name": "client", "group": "c", "processes": [{"role": "dht", "name": "dht"}]},
-                *({"name": site, "group": site, "processes": []} for site in servers),
-            ],
-        },
-        "bench_wait_prediction",
-    )
+    scenario = equidistant_scenario("bench_wait_prediction", ("client", *servers), args.rtt)
     requests = trace_requests(args)
     rows = []
     for round_index in range(args.rounds):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -285,3 +286,25 @@ def load_scenario(path: str | Path) -> Scenario:
         except json.JSONDecodeError as error:
             raise ScenarioError(f"{path}: {error}") from None
     return parse_scenario(raw, str(path))
+
+
+def equidistant_scenario(
+    name: str, sites: Sequence[str], rtt_ms: float, bandwidth_mbit: float = 100.0
+) -> Scenario:
+    """Every site `rtt_ms` (round trip) and `bandwidth_mbit` from every other, each its own group,
+    the DHT at the first site: the emulated internet of the benchmarks that measure round trips."""
+    return parse_scenario(
+        {
+            "name": name,
+            "links": {"between_groups": {"rtt_ms": rtt_ms, "bandwidth_mbit": bandwidth_mbit}},
+            "sites": [
+                {
+                    "name": site,
+                    "group": site,
+                    "processes": [{"role": "dht", "name": "dht"}] if index == 0 else [],
+                }
+                for index, site in enumerate(sites)
+            ],
+        },
+        name,
+    )
