@@ -118,3 +118,28 @@ def test_replay_groups_split_by_tokens_and_refuse_masks_they_cannot_carry():
     # a mask that changed below a later step's position in another way cannot travel in one replay
     odd = [masked[1], StepInput(torch.zeros(1, 1, 2), 3, torch.tensor([[1, 1, 1, 1]]))]
     assert session_mask(odd) is None and replay_groups(odd, 8) is None
+
+
+def test_continuation_tells_the_two_conventions_apart_and_refuses_what_fits_neither():
+    from client.continuation import continuation, mask_after
+
+    last = torch.tensor([[0, 5, 6, 7]])
+    last_mask = torch.tensor([[0, 1, 1, 1]])
+    first = continuation(torch.tensor([[5, 6]]), None, None, None)
+    assert first.returned_from == 0 and first.attention_mask is None
+    with pytest.raises(ValueError, match="generate\\(None\\) continues"):
+        continuation(None, None, None, None)
+    whole = continuation(torch.cat([last, torch.tensor([[9]])], 1), None, last, last_mask)
+    assert whole.returned_from == 0 and whole.attention_mask.tolist() == [[0, 1, 1, 1, 1]]
+    petals = continuation(None, None, last, last_mask)
+    assert torch.equal(petals.input_ids, last) and petals.returned_from == 4
+    turn = continuation(torch.tensor([[8, 9]]), torch.tensor([[1, 1]]), last, last_mask)
+    assert turn.input_ids.tolist() == [[0, 5, 6, 7, 8, 9]] and turn.attention_mask.tolist() == [
+        [0, 1, 1, 1, 1, 1]
+    ]
+    with pytest.raises(ValueError, match="must have 1 rows"):
+        continuation(torch.tensor([[8], [9]]), None, last, last_mask)
+    with pytest.raises(ValueError, match="attention_mask covers 3 positions"):
+        continuation(torch.tensor([[8, 9]]), torch.ones(1, 3, dtype=torch.long), last, last_mask)
+    assert mask_after(torch.zeros(1, 6), torch.tensor([[0, 1, 1, 1]]), 4).tolist() == [[0, 1, 1, 1, 1, 1]]
+    assert mask_after(torch.zeros(1, 6), None, 4) is None
