@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import time
 
 from hivemind.dht import DHT
@@ -27,6 +26,7 @@ from swarm.cli.args import (
 )
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
 from swarm.dht_peer import start_dht
 from swarm.dht_records import fetch_roster_async
 from swarm.errors import SwarmUserError
@@ -95,8 +95,7 @@ async def serve(args: argparse.Namespace, prefix: str, shape: ModelShape, limits
             return
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop_on_signals(loop, stop.set)
         app = make_app(monitor.status, f"llm-swarm: {prefix}", "health monitor (DHT only)")
         runner, port = await start_web(app, args.host, args.port)
         url = f"http://{args.host}:{port}/"
@@ -129,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SwarmUserError("--refresh must be positive and --port in 0..65535")
         model_config = load_config(args.model_dir)
         shape, limits = ModelShape.from_config(model_config), ModelLimits.from_config(model_config)
+        terminate_like_interrupt()  # while joining: a SIGTERM still leaves the DHT through `finally`
         asyncio.run(serve(args, dht_prefix_from_args(args), shape, limits))
 
     run_cli("swarm-health", run)

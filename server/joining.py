@@ -23,6 +23,7 @@ from functools import partial
 from hivemind.dht import DHT
 
 from swarm.dht_peer import PeerIdentity, dht_options
+from swarm.dht_process import SwarmDHT
 from swarm.p2p_daemon_flags import behind_nat_flags, daemon_flags, relay_flags
 from swarm.reachability import check_reachability, has_circuit
 from swarm.server_info import Reachability
@@ -127,7 +128,7 @@ def _start(
     if rejoining:
         dht_kwargs["check_if_identity_free"] = False  # we held it a moment ago
     with daemon_flags(flags):
-        return DHT(
+        return SwarmDHT(
             initial_peers=options.initial_peers,
             host_maddrs=[f"/ip4/{options.host}/tcp/{options.port}"],
             client_mode=client_mode,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -28,6 +27,7 @@ from server.managed import SpanManager
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
 from server.throughput import BlockTimings, cached_block_timings
+from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
 from swarm.dht_records import announce
@@ -38,6 +38,7 @@ from swarm.models.span import TransformerSpan, load_span, rebuild_span
 from swarm.reachability import DialBackService
 from swarm.record_validator import MAX_RECORD_TTL
 from swarm.server_info import Reachability, ServerInfo, ServerState
+from swarm.stop_deadline import STOP_DEADLINE
 
 logger = logging.getLogger(__name__)
 
@@ -363,8 +364,8 @@ class SwarmServer:
     # --- serving --------------------------------------------------------------------------------
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopped.set)
+        # the deadline leaves the drain its whole time, then the usual bound for leaving
+        stop_on_signals(loop, self.stopped.set, STOP_DEADLINE + self.config.drain_timeout)
         if self.config.managed:
             self.manager = SpanManager(self)
         try:
@@ -584,6 +585,7 @@ async def _stop_follower(follower: asyncio.Task) -> None:
 def run_server(config: ServerConfig, torch_threads: int | None = None) -> None:
     if torch_threads:
         torch.set_num_threads(torch_threads)
+    terminate_like_interrupt()  # while loading: a SIGTERM still leaves the DHT through `finally`
     server = SwarmServer(config)
     try:
         server.start()

@@ -22,6 +22,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.closed_swarm import SwarmSecret
+from swarm.dht_process import SwarmDHT
 from swarm.errors import SwarmUserError
 from swarm.identity import load_identity, owner_subkey, public_key_text, temporary_identity_path
 from swarm.record_validator import swarm_validators
@@ -79,7 +80,7 @@ STACK_DUMP_WAIT = 1.0  # seconds a stuck DHT process gets to write its threads' 
 EXIT_WAIT = 5.0  # seconds a DHT process that reported a failure gets to exit by itself
 
 
-class _DiagnosableDHT(DHT):
+class _DiagnosableDHT(SwarmDHT):
     """hivemind's DHT whose process writes every thread's stack to `stack_file` on SIGUSR1, so that a
     start that never finishes says where it is stuck instead of only timing out."""
 

@@ -21,6 +21,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from tqdm import tqdm
 
 from swarm.dht_keys import block_key, roster_key, roster_shard_key, roster_shard_of
+from swarm.dht_process import SwarmDHT
 from swarm.identity import owner_subkey, peer_id_of_key, public_key_text
 from swarm.record_validator import MAX_RECORD_TTL, SignatureValidator, SwarmRecordValidator
 from swarm.server_info import Reachability, ServerInfo, ServerState
@@ -72,7 +73,7 @@ def standin_info(
 
 def start_standin_dht(initial_peers: list[str], keys: list[RSAPrivateKey]) -> DHT:
     """A client-mode DHT peer that can sign records for every key in `keys`."""
-    return DHT(
+    return SwarmDHT(
         initial_peers=initial_peers,
         client_mode=True,
         start=True,

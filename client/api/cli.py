@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 from aiohttp import web
@@ -25,7 +24,7 @@ from swarm.cli.args import (
 from swarm.cli.dataclass_args import dataclass_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.cli.signals import terminate_like_interrupt
+from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
 
 logger = logging.getLogger("swarm-api")
 
@@ -111,8 +110,7 @@ async def serve(config: ApiConfig, model, tokenizer, assistant=None) -> None:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop_on_signals(loop, stop.set)
     try:
         await stop.wait()
     finally:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import dataclass
 
 import grpc
-from hivemind.dht import DHT
 
 from scheduler.service.auth import SwarmProofInterceptor
 from scheduler.service.core import CoreSettings, SchedulerCore
@@ -24,8 +22,10 @@ from scheduler.service.grpc_api import SchedulerApi
 from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.view import ModelShape
 from scheduler.service.web import make_app, start_web
+from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
+from swarm.dht_process import SwarmDHT
 from swarm.dht_records import RosterReader, publish_scheduler
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
@@ -81,7 +81,7 @@ class SchedulerService:
         self.core = SchedulerCore(config.shape, config.core, time.monotonic())
         self.metrics = SchedulerMetrics()
         self.api = SchedulerApi(self.core, metrics=self.metrics)
-        self.dht: DHT | None = None
+        self.dht: SwarmDHT | None = None
         self.roster: RosterReader | None = None
         self.identity: PeerIdentity | None = None
         self.limits = config.limits or ModelLimits(num_blocks=config.shape.num_blocks)
@@ -93,7 +93,7 @@ class SchedulerService:
         loop = asyncio.get_running_loop()
         self.identity = open_identity(config.identity_path)
         self._share_public_key()
-        self.dht = DHT(
+        self.dht = SwarmDHT(
             initial_peers=config.initial_peers,
             client_mode=True,
             start=True,
@@ -102,8 +102,7 @@ class SchedulerService:
         self.roster = RosterReader(
             self.dht, config.dht_prefix, self.limits, config.full_pass, config.roster_read_period
         )
-        for sig in (signal.SIGTERM, signal.SIGINT):  # after the DHT forked: its process keeps defaults
-            loop.add_signal_handler(sig, self._stop.set)
+        stop_on_signals(loop, self._stop.set)
         interceptors = [SwarmProofInterceptor(config.swarm_secret)] if config.swarm_secret else []
         server = grpc.aio.server(
             interceptors=interceptors,
@@ -217,4 +216,5 @@ class SchedulerService:
 
 
 def run_scheduler(config: SchedulerConfig) -> None:
+    terminate_like_interrupt()  # while joining: a SIGTERM still leaves the DHT through `finally`
     asyncio.run(SchedulerService(config).run())

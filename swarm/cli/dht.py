@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import threading
 from pathlib import Path
-
-from hivemind.dht import DHT
 
 from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import dht_options
+from swarm.dht_process import SwarmDHT
 from swarm.errors import SwarmUserError
 from swarm.p2p_daemon_flags import daemon_flags, relay_flags
 from swarm.reachability import DialBackService
@@ -66,9 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    terminate_like_interrupt()  # until serving: a SIGTERM still stops what was started
     if args.new_swarm_secret:
         if not args.swarm_secret:
             raise SwarmUserError("--new-swarm-secret needs --swarm-secret FILE (where to write it)")
@@ -87,20 +83,22 @@ def run(args: argparse.Namespace) -> None:
         # libp2p runs a relay only on a peer it believes public; a bootstrap peer is, by definition
         options["force_reachability"] = "public"
     with daemon_flags(relay_flags(not args.no_relay)):
-        dht = DHT(
+        dht = SwarmDHT(
             initial_peers=args.initial_peers,
             host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
             start=True,
             **options,
         )
     try:
-        asyncio.run(_serve(dht, args, stop))
+        asyncio.run(_serve(dht, args))
     finally:
         dht.shutdown()
 
 
-async def _serve(dht: DHT, args: argparse.Namespace, stop: threading.Event) -> None:
+async def _serve(dht: SwarmDHT, args: argparse.Namespace) -> None:
     """Answer servers' dial-back checks (swarm.reachability) until stopped."""
+    stop = asyncio.Event()
+    stop_on_signals(asyncio.get_running_loop(), stop.set)
     p2p = await dht.replicate_p2p()
     await DialBackService(p2p).add_p2p_handlers(p2p)
     maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
@@ -110,7 +108,8 @@ async def _serve(dht: DHT, args: argparse.Namespace, stop: threading.Event) -> N
         temporary.replace(args.maddr_file)  # readers never see a half-written file
     print("\n".join(maddrs), flush=True)
     logger.info("relaying for servers behind NAT: %s", "no" if args.no_relay else "yes (bounded)")
-    await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+    await stop.wait()
+    logger.info("stopping")
     await p2p.shutdown()
 
 
