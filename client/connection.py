@@ -20,6 +20,7 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
 from client.routing import Candidate, choose_chain, probe_shortlist, uncovered_blocks
+from swarm.adapter_names import check_adapter_name
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
@@ -82,6 +83,9 @@ class ClientOptions:
     # measured 14.4x a token after 500 tokens over 50 ms links, against 2.7x, BENCHMARKS.md), "steps"
     # sends the recorded steps one round trip each (what servers without the Replay message understand)
     replay_mode: str = "prefill"
+    # the LoRA adapter every session and forward of this client uses (PETALS' `active_adapter`): only
+    # servers announcing it are routed through; None: the plain model
+    active_adapter: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("refresh_period", "rtt_ttl", "failed_ping_ttl", "ping_timeout", "request_timeout"):
@@ -99,6 +103,8 @@ class ClientOptions:
             )
         if self.max_failovers < 0 or self.max_refusals < 1:
             raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
+        if self.active_adapter is not None:
+            check_adapter_name(self.active_adapter)
         if self.scheduler_key is not None:
             from swarm.identity import read_public_key
 
@@ -365,10 +371,14 @@ class SwarmConnection:
         # only servers that say they serve are worth a ping: a JOINING one has no handlers yet, an
         # UNREACHABLE one (behind NAT without a relay) cannot be dialed at all, and one that just
         # failed to answer is skipped until `failed_ping_ttl` has passed
+        adapter = self.options.active_adapter
         return {
             peer: info
             for peer, info in servers.items()
-            if info.routable and not self.is_banned(peer) and not self._recently_unanswered(peer)
+            if info.routable
+            and not self.is_banned(peer)
+            and not self._recently_unanswered(peer)
+            and (adapter is None or adapter in info.adapters)
         }
 
     def _recently_unanswered(self, peer_id: str) -> bool:
@@ -463,8 +473,10 @@ class SwarmConnection:
             missing = uncovered_blocks(candidates, start, end)
             if missing:
                 if time.monotonic() > missing_deadline:
+                    adapter = self.options.active_adapter
                     raise SwarmUnavailable(
                         f"no online server holds blocks {_ranges(missing)} of {self.prefix}"
+                        + (f" with adapter {adapter!r}" if adapter else "")
                     )
             elif time.monotonic() > deadline:
                 raise SwarmUnavailable(

@@ -96,7 +96,9 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
 
     async def _open_chain(self, start: int, end: int) -> list[ServerStream]:
         """Route blocks `[start, end)` and open a stream on every server of the chain."""
-        if (start, end) == (0, self.connection.num_blocks) and self.connection.scheduler is not None:
+        # the scheduler routes by load, not by adapters: a session with an adapter routes itself
+        scheduled = self.connection.scheduler is not None and self.connection.options.active_adapter is None
+        if (start, end) == (0, self.connection.num_blocks) and scheduled:
             streams = await self._open_scheduled_chain()
             if streams is not None:
                 return streams

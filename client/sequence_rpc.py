@@ -176,6 +176,7 @@ async def _call(
         end=hop.end,
         prompts=prompts is not None,
         swarm_proof=connection.swarm_proof(hop.peer_id),
+        adapter=connection.options.active_adapter or "",
     )
     rpc = (
         connection.stub(hop.peer_id).rpc_forward

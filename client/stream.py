@@ -107,6 +107,7 @@ class ServerStream:
             start=self.hop.start,
             end=self.hop.end,
             swarm_proof=connection.swarm_proof(self.hop.peer_id),
+            adapter=connection.options.active_adapter or "",
         )
         await self._send(encode(open_message), timeout)
         await self._receive(timeout, Opened)

@@ -36,6 +36,11 @@ class ActiveSpan:
         return f"{self.start}:{self.end}"
 
     @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters sessions may ask for here (announced)."""
+        return self.span.adapters.names if self.span.adapters is not None else ()
+
+    @property
     def open_sessions(self) -> int:
         return len(self.servicer.sessions) if self.servicer is not None else 0
 

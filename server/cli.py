@@ -31,6 +31,7 @@ from swarm.hardware import (
     server_memory_budget,
 )
 from swarm.identity import read_public_key
+from swarm.models.adapters import AdapterSource, check_adapters
 from swarm.models.checkpoint import load_config
 from swarm.models.family import family_for
 from swarm.models.span import validate_span
@@ -138,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--public-name", default="", help="a name shown to operators")
     parser.add_argument(
+        "--adapters",
+        nargs="+",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="PEFT LoRA adapters to serve for our blocks (adapter_config.json + adapter_model.safetensors; "
+        "NAME defaults to the directory's name); clients choose one per session (active_adapter=NAME)",
+    )
+    parser.add_argument(
         "--dht-prefix", help="swarm namespace of the model (default: the model directory's name)"
     )
     add_field_options(
@@ -192,6 +201,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     device = resolve_device(args.device, facts)
     dtype = resolve_dtype(args.dtype, device, facts, checkpoint_dtype_name(model_config))
     check_quant_device(args.quant, device)
+    adapters = tuple(AdapterSource.parse(text) for text in args.adapters)
+    check_adapters(args.model_dir, adapters)  # a bad adapter is refused before the server joins
     requested = None if args.memory.strip().lower() == "auto" else parse_bytes(args.memory)
     return dataclass_from_args(
         ServerConfig,
@@ -209,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         relay_peers=validate_relay_peers(args.relay_peers),
         serve_as_relay=args.relay_service,
         legacy_records=not args.no_legacy_records,
+        adapters=adapters,
     )
 
 

@@ -40,6 +40,7 @@ import torch
 
 from server import step_scheduler
 from server.emulated_delay import emulated_seconds_per_block
+from swarm.models.adapters import adapter_rows
 from swarm.models.cache import SpanCache
 from swarm.models.span import TransformerSpan
 
@@ -71,6 +72,7 @@ class _Step:
     position: int
     padding_mask: torch.Tensor | None
     arrived: float
+    adapter: str | None = None  # the session's LoRA adapter (rows of one batch may use different ones)
     future: Future = field(default_factory=Future)
     skips: int = 0  # decode iterations that ran while this (prefill) step waited
     chunk: int = 0  # a prefill longer than this runs in chunks of this many tokens (0: whole)
@@ -180,10 +182,11 @@ class BatchingEngine:
         hidden: torch.Tensor,
         position: int,
         padding_mask: torch.Tensor | None = None,
+        adapter: str | None = None,
     ) -> Future:
-        """Queue `span(hidden, cache, position, padding_mask)`; the future gets its output (in
-        `hidden`'s dtype) or its exception."""
-        step = _Step(span, cache, hidden, position, padding_mask, arrived=self._clock())
+        """Queue `span(hidden, cache, position, padding_mask)` with LoRA `adapter` (None: none); the
+        future gets its output (in `hidden`'s dtype) or its exception."""
+        step = _Step(span, cache, hidden, position, padding_mask, arrived=self._clock(), adapter=adapter)
         if not step.decode:
             step.chunk = self.prefill_chunk
         with self._condition:
@@ -333,7 +336,8 @@ class BatchingEngine:
         the scheduler can run decode iterations in between (TetriInfer's fixed-size chunks)."""
         hidden, position, mask = step.next_chunk()
         try:
-            output = step.span(hidden, step.cache, position, mask)
+            with adapter_rows(step.span, [step.adapter] * step.rows):
+                output = step.span(hidden, step.cache, position, mask)
             self._delay(step.cache, hidden.shape[0] * hidden.shape[1])
         except Exception as error:
             step.future.set_exception(error)
@@ -367,10 +371,13 @@ class BatchingEngine:
         if len(batchable) == 1:
             self._run_alone(batchable[0])
         elif batchable:
+            # peft applies each row's own adapter (or none) inside the one batched forward
+            rows = [step.adapter for step in batchable for _ in range(step.rows)]
             try:
-                outputs = batchable[0].span.forward_batch(
-                    [(step.hidden, step.cache, step.position, step.padding_mask) for step in batchable]
-                )
+                with adapter_rows(batchable[0].span, rows):
+                    outputs = batchable[0].span.forward_batch(
+                        [(step.hidden, step.cache, step.position, step.padding_mask) for step in batchable]
+                    )
             except Exception as error:
                 logger.warning(
                     "batched step of %d sessions failed (%s): running them one by one", len(batchable), error
@@ -391,7 +398,8 @@ class BatchingEngine:
     def _run_alone(self, step: _Step) -> None:
         """Exactly what the server did before batching: one forward, then the emulated delay."""
         try:
-            output = step.span(step.hidden, step.cache, step.position, step.padding_mask)
+            with adapter_rows(step.span, [step.adapter] * step.rows):
+                output = step.span(step.hidden, step.cache, step.position, step.padding_mask)
             self._delay(step.cache, step.hidden.shape[0] * step.hidden.shape[1])
             step.future.set_result(output.to(step.hidden.device, step.hidden.dtype))
         except Exception as error:

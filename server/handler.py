@@ -32,6 +32,7 @@ from server.session import Session, check_hypo_ids, check_step_inputs
 from server.unary_rpcs import UnaryRpcs
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
+from swarm.models.adapters import adapter_rows
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
     PEER_LIMIT_PREFIX,
@@ -223,6 +224,7 @@ class BlockServicer(UnaryRpcs, BlockRpc):
             )
         self._check_blocks(message.start, message.end)
         self._check_sizes(message.batch_size, message.max_length)
+        adapter = self._check_adapter(message.adapter)
         if message.session_id in self.sessions:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"session id {message.session_id} is already in use")
         needed = self.span.cache_bytes(message.max_length, message.batch_size) * (message.end - message.start)
@@ -242,12 +244,13 @@ class BlockServicer(UnaryRpcs, BlockRpc):
             message.max_length,
             cache,
             needed,
+            adapter,
         )
         self.sessions[session.session_id] = session
         self.metrics.sessions_opened.inc()
         self.metrics.sessions.set(len(self.sessions))
         logger.info(
-            "session %s opened by %s: blocks %d:%d, batch %d, max_length %d, %d cache bytes",
+            "session %s opened by %s: blocks %d:%d, batch %d, max_length %d, %d cache bytes%s",
             session.session_id[:8],
             peer[-8:],
             session.start,
@@ -255,6 +258,7 @@ class BlockServicer(UnaryRpcs, BlockRpc):
             session.batch_size,
             session.max_length,
             needed,
+            f", adapter {adapter}" if adapter else "",
         )
         self.on_sessions_changed()
         return session
@@ -355,12 +359,15 @@ class BlockServicer(UnaryRpcs, BlockRpc):
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.engine is not None and prompts is None:  # prompted steps (a prefix's prefill) run alone
-            output = await self.engine.run(self.span, session.cache, hidden, position, padding_mask)
+            output = await self.engine.run(
+                self.span, session.cache, hidden, position, padding_mask, session.adapter
+            )
         else:
             thread_delay = self.compute_delay - self.overlap_delay
 
             def run() -> torch.Tensor:
-                output = self.span(hidden, session.cache, position, padding_mask, prompts)
+                with adapter_rows(self.span, [session.adapter] * hidden.shape[0]):
+                    output = self.span(hidden, session.cache, position, padding_mask, prompts)
                 tokens = hidden.shape[0] * hidden.shape[1]
                 delay = emulated_seconds_per_block(thread_delay, self.compute_delay_per_token, tokens)
                 if delay:
@@ -419,6 +426,18 @@ class BlockServicer(UnaryRpcs, BlockRpc):
                 ErrorCode.NOT_SERVING,
                 f"blocks {start}:{end} are not inside this server's span {self.span.start}:{self.span.end}",
             )
+
+    def _check_adapter(self, name: str) -> str | None:
+        """The adapter a request names ("": none), if this server holds it."""
+        if not name:
+            return None
+        held = self.span.adapters.names if self.span.adapters is not None else ()
+        if name not in held:
+            raise ProtocolError(
+                ErrorCode.NOT_SERVING,
+                f"this server has no adapter {name!r} (it has: {', '.join(held) or 'none'})",
+            )
+        return name
 
     def _check_sizes(self, batch_size: int, length: int) -> None:
         if batch_size > self.max_batch_size:

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -20,23 +19,22 @@ from hivemind.dht import DHT
 from tqdm import tqdm
 
 from server.active_span import ActiveSpan, run_bounded
+from server.config import ServerConfig
 from server.emulated_delay import emulated_seconds_per_block
 from server.handler import BlockServicer, PeerLimits
-from server.joining import RELAY_MODES, JoinOptions, current_relay_state, join_dht
+from server.joining import JoinOptions, current_relay_state, join_dht
 from server.managed import SpanManager
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
 from server.throughput import BlockTimings, cached_block_timings
 from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
-from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
 from swarm.dht_records import announce
-from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
+from swarm.models.adapters import attach_adapters
 from swarm.models.checkpoint import load_config
 from swarm.models.span import TransformerSpan, load_span, rebuild_span
 from swarm.reachability import DialBackService
-from swarm.record_validator import MAX_RECORD_TTL
 from swarm.server_info import Reachability, ServerInfo, ServerState
 from swarm.stop_deadline import STOP_DEADLINE
 
@@ -46,110 +44,6 @@ try:
     PACKAGE_VERSION = version("llm-swarm")
 except PackageNotFoundError:  # running from a source tree without installing
     PACKAGE_VERSION = "0+unknown"
-
-
-MAX_ANNOUNCE_PERIOD = (MAX_RECORD_TTL - 1) / 2  # records live 2 periods + 1 s; validators allow no more
-
-
-@dataclass
-class ServerConfig:
-    model_dir: str
-    initial_peers: list[str]
-    start: int | None  # None (with end None): managed, the span comes from the scheduler
-    end: int | None
-    memory_bytes: int
-    dht_prefix: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    quant: str = "none"  # "int8" or "nf4": bitsandbytes blocks (CUDA)
-    host: str = "127.0.0.1"
-    port: int = 0
-    public_name: str = ""
-    max_length: int = 2048  # longest session accepted
-    slot_tokens: int = 2048  # session length that announced cache slots are counted for
-    max_batch_size: int = 64
-    announce_period: float = 10.0
-    # an idle server (no session open) re-announces every this many periods; records live two of them
-    idle_announce_factor: float = 3.0
-    session_idle_timeout: float = 300.0
-    compute_delay: float = 0.0
-    # emulation: seconds per block per token on top, so a long prefill costs what it would on a GPU
-    compute_delay_per_token: float = 0.0
-    compute_delay_overlap: bool = False  # emulation: concurrent sessions' delays overlap (see handler)
-    batch_wait_ms: float = 2.0  # window for batching concurrent decode steps; 0 = no batching
-    # a prefill longer than this runs in chunks of this many tokens, decode iterations of other
-    # sessions in between (server/engine.py); 0: whole prefills
-    # longer prefills run in chunks of this many tokens, decode iterations in between; 256 measured
-    # best over emulated links (BENCHMARKS.md "Chunked prefill"): decoders' p99 gap 1.31x the quiet
-    # one while 2,000-token prompts arrive (3.02x whole), prompts' first token 1.07x; 128 costs them
-    # 1.43x, 512 lets decoders wait 1.61x
-    prefill_chunk: int = 256
-    drain_timeout: float = 10.0  # on SIGTERM or a move, let open sessions finish for up to this long
-    prefill_tokens: int = 20
-    scheduler_timeout: float = 10.0  # managed: choose blocks locally if no scheduler answers this long
-    assignment_poll: float = 2.0  # managed: seconds between assignment requests while serving
-    scheduler_rpc_timeout: float = 3.0  # bound on each DHT lookup / RPC to the scheduler
-    metrics_port: int | None = None  # Prometheus endpoint on `host`; None: no endpoint
-    identity_path: str | None = None  # RSA key of the peer id and record signatures; None: fresh per run
-    scheduler_key: str | None = None  # managed: the only scheduler public key to follow; None: none
-    swarm_secret: SwarmSecret | None = None  # closed swarm: only holders of it may talk to us
-    max_sessions_per_peer: int = 64
-    max_peer_cache_fraction: float = 0.5  # of the session cache one peer may reserve
-    max_session_lifetime: float = 24 * 3600.0  # seconds a session may live, however active
-    extra_dht_options: dict = field(default_factory=dict)
-    relay: str = "auto"  # reachability: check, and serve through a relay when behind NAT (server.joining)
-    relay_peers: list[str] = field(default_factory=list)  # circuit relays besides the bootstrap peers
-    serve_as_relay: bool = False  # relay for others (needs a public address), within bounded resources
-    # also write the legacy roster and per-block records that clients and schedulers before the sharded
-    # roster read (they grow with the swarm); turn off once every reader of the swarm is current
-    legacy_records: bool = True
-
-    def __post_init__(self) -> None:
-        """Every value checked where the config is made, whoever makes it (messages name the CLI flags)."""
-        if (self.start is None) != (self.end is None) or (
-            self.start is not None and not 0 <= self.start < self.end
-        ):
-            raise SwarmUserError(f"blocks {self.start}:{self.end} are not a span (start < end, or both None)")
-        for name in ("max_length", "slot_tokens", "max_batch_size", "max_sessions_per_peer"):
-            if getattr(self, name) < 1:
-                raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
-        if not 0 < self.announce_period <= MAX_ANNOUNCE_PERIOD or not self.session_idle_timeout > 0:
-            raise SwarmUserError(
-                f"--announce-period must be in (0, {MAX_ANNOUNCE_PERIOD:.0f}] and --session-timeout positive"
-            )
-        if not 1 <= self.idle_announce_factor <= MAX_ANNOUNCE_PERIOD / self.announce_period:
-            raise SwarmUserError(
-                f"--idle-announce-factor must be in [1, {MAX_ANNOUNCE_PERIOD:.0f} / --announce-period], "
-                f"got {self.idle_announce_factor}"
-            )
-        if not 0 < self.max_peer_cache_fraction <= 1:
-            fraction = self.max_peer_cache_fraction
-            raise SwarmUserError(f"--max-peer-cache-fraction must be in (0, 1], got {fraction}")
-        # `not x > 0` and `not x >= 0` also reject nan
-        for name in ("max_session_lifetime", "scheduler_timeout", "assignment_poll", "scheduler_rpc_timeout"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        for name in ("compute_delay", "compute_delay_per_token", "drain_timeout"):
-            value = getattr(self, name)
-            if not value >= 0:  # also refuses NaN
-                raise SwarmUserError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        if self.prefill_chunk < 0:
-            raise SwarmUserError("--prefill-chunk must be >= 0 (0: prefills run whole)")
-        if not self.batch_wait_ms >= 0:
-            raise SwarmUserError(f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise SwarmUserError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
-        if not 0 <= self.port < 65536 or self.memory_bytes <= 0:
-            raise SwarmUserError(
-                f"--port must be in 0..65535 and --memory positive, got {self.port} and {self.memory_bytes}"
-            )
-        if self.relay not in RELAY_MODES:
-            raise SwarmUserError(f"--relay must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}")
-
-    @property
-    def managed(self) -> bool:
-        return self.start is None
 
 
 class SwarmServer:
@@ -214,6 +108,7 @@ class SwarmServer:
             else None,
             active_sessions=served.open_sessions if served is not None else 0,
             reachability=self.reachability,
+            adapters=served.adapter_names if served is not None else (),
         )
 
     def _announce(self, wait: bool = True):
@@ -316,7 +211,7 @@ class SwarmServer:
         model_dir = self.config.model_dir
         span, reused, loaded = await asyncio.to_thread(rebuild_span, self._probe, model_dir, start, end)
         self._probe = None
-        self.served = ActiveSpan(span, start, end, self._new_budget(span))
+        self.served = self._activate(span, start, end)
         logger.info(
             "blocks %d:%d loaded in %.0f ms (%d reused from the probe, %d read); %d cache bytes for sessions",
             start,
@@ -327,9 +222,21 @@ class SwarmServer:
             self.served.budget.total_bytes,
         )
 
-    def _new_budget(self, span: TransformerSpan) -> CacheBudget:
-        """The memory budget less the span's blocks is what sessions' caches may use."""
-        return CacheBudget(self.config.memory_bytes, self.block_bytes * span.num_blocks)
+    def _activate(self, span: TransformerSpan, start: int, end: int) -> ActiveSpan:
+        """The loaded span with its LoRA adapters (`--adapters`) and its memory budget: what is left
+        of `--memory` after the blocks and the adapters is what sessions' caches may use."""
+        adapters = attach_adapters(span, self.config.adapters)
+        adapter_bytes = adapters.total_bytes if adapters is not None else 0
+        if adapters is not None:
+            logger.info(
+                "adapters %s loaded for blocks %d:%d: %d bytes",
+                ", ".join(adapters.names),
+                start,
+                end,
+                adapter_bytes,
+            )
+        budget = CacheBudget(self.config.memory_bytes, self.block_bytes * span.num_blocks + adapter_bytes)
+        return ActiveSpan(span, start, end, budget)
 
     def _load_pinned_span(self) -> None:
         config = self.config
@@ -346,7 +253,7 @@ class SwarmServer:
                 quant=config.quant,
             )
         self.block_bytes, self.cache_token_bytes = span.block_bytes, span.cache_bytes(num_tokens=1)
-        self.served = ActiveSpan(span, config.start, config.end, self._new_budget(span))
+        self.served = self._activate(span, config.start, config.end)
         self._announce()  # JOINING: visible while measuring
         self.timings = self._measure_timings(span)
         logger.info(
@@ -545,7 +452,7 @@ class SwarmServer:
         switch_began = loop.time()
         await old.uninstall(p2p, config.dht_prefix)
         span, reused, loaded = await asyncio.to_thread(rebuild_span, old.span, config.model_dir, start, end)
-        self.served = ActiveSpan(span, start, end, self._new_budget(span))
+        self.served = self._activate(span, start, end)
         await self.served.install(p2p, config.dht_prefix, self._new_servicer)
         self.state = ServerState.ONLINE
         self.metrics.span_changes.inc()

@@ -23,6 +23,7 @@ class Session:
     max_length: int
     cache: SpanCache
     reserved_bytes: int
+    adapter: str | None = None  # the LoRA adapter every step of the session uses
     last_step_id: str | None = None
     last_position: int = -1
     last_output: torch.Tensor | None = None

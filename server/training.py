@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from server.session import check_hidden, check_padding_mask, check_prompts
+from swarm.models.adapters import adapter_rows
 from swarm.models.span import TransformerSpan
 from swarm.wire import ErrorCode, ProtocolError
 
@@ -77,16 +78,17 @@ def parse_sequence_call(
     return SequenceCall(start, end, hidden, padding_mask, prompts, grad_output)
 
 
-def run_forward(span: TransformerSpan, call: SequenceCall) -> torch.Tensor:
-    """The blocks' output, in the request's dtype, on the CPU (for the wire)."""
-    with torch.no_grad():
+def run_forward(span: TransformerSpan, call: SequenceCall, adapter: str | None = None) -> torch.Tensor:
+    """The blocks' output, in the request's dtype, on the CPU (for the wire); `adapter`: a LoRA
+    adapter the span holds, applied to every row."""
+    with torch.no_grad(), adapter_rows(span, [adapter] * call.batch_size):
         output = span.forward_sequence(call.hidden, call.start, call.end, call.padding_mask, call.prompts)
     return output.to("cpu", call.hidden.dtype)
 
 
-def run_backward(span: TransformerSpan, call: SequenceCall) -> list[torch.Tensor]:
+def run_backward(span: TransformerSpan, call: SequenceCall, adapter: str | None = None) -> list[torch.Tensor]:
     """Gradients of the hidden states (and of the prompts, if sent) given the output's gradient."""
-    with torch.enable_grad():
+    with torch.enable_grad(), adapter_rows(span, [adapter] * call.batch_size):
         hidden = call.hidden.to(span.device, span.dtype).detach().requires_grad_()
         leaves = [hidden]
         prompts = None

@@ -103,6 +103,7 @@ class UnaryRpcs:
             message = parse(request.metadata, Backward if backward else Forward)
             self._check_proof(message.swarm_proof, context)
             self._check_blocks(message.start, message.end)
+            adapter = self._check_adapter(message.adapter)
             call = parse_sequence_call(
                 decode_tensors(request),
                 message.start,
@@ -119,7 +120,7 @@ class UnaryRpcs:
             self._check_peer_share(str(context.remote_id), needed)
             self.budget.reserve(owner, needed)
             started = time.perf_counter()
-            compute = partial(run_backward if backward else run_forward, self.span, call)
+            compute = partial(run_backward if backward else run_forward, self.span, call, adapter)
             outputs = await asyncio.get_running_loop().run_in_executor(self.executor, compute)
             self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
             return self._reply(Computed(), outputs if backward else [outputs])

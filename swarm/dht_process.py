@@ -33,8 +33,8 @@ class SwarmDHT(DHT):
     def run(self) -> None:
         # Handlers the parent installed before forking (a stop event, an event loop's wake-up pipe, a
         # KeyboardInterrupt) make no sense here and would swallow hivemind's own terminate()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        with contextlib.suppress(ValueError):  # not the main thread: nothing was inherited there
+        with contextlib.suppress(ValueError):  # only the main thread may; a fork's one thread is
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
         super().run()
 

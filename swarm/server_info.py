@@ -11,9 +11,11 @@ Bounds that depend on the model (blocks inside it, plausible block sizes) are th
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from swarm.adapter_names import ADAPTER_NAME
 from swarm.versioned_record import VersionedRecord
 
 SCHEMA_VERSION = 1
@@ -73,6 +75,10 @@ class ServerInfo(VersionedRecord):
     active_sessions: int = Field(default=0, ge=0, le=1 << 24)
     # servers that predate the field were reachable as far as anyone knew: DIRECT
     reachability: Reachability = Reachability.DIRECT
+    # LoRA adapters a session may name (swarm.models.adapters): at most 16 names of at most 64 characters
+    adapters: tuple[Annotated[str, Field(pattern=ADAPTER_NAME, max_length=64)], ...] = Field(
+        default=(), max_length=16
+    )
 
     @model_validator(mode="after")
     def _span_is_ordered(self) -> ServerInfo:

@@ -56,6 +56,8 @@ class Open(Message):
     start: int = Field(ge=0)  # blocks to process for this session: [start, end) inside the server's span
     end: int = Field(gt=0)
     swarm_proof: str = Field(default="", max_length=128)  # closed swarms only (swarm.closed_swarm)
+    # the LoRA adapter (by the name servers announce) every step of the session uses; "" none
+    adapter: str = Field(default="", max_length=64)
 
 
 class Opened(Message):
@@ -118,6 +120,7 @@ class _WholeSequenceCall(Message):
     end: int = Field(gt=0)
     prompts: bool = False
     swarm_proof: str = Field(default="", max_length=128)
+    adapter: str = Field(default="", max_length=64)  # the LoRA adapter to apply ("" none)
 
 
 class Forward(_WholeSequenceCall):
@@ -193,7 +196,7 @@ def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = T
     # optional fields left empty are left out, so servers that predate them accept the message
     unused = {
         name
-        for name in ("swarm_proof", "hypo_ids", "prompts", "last_only")
+        for name in ("swarm_proof", "hypo_ids", "prompts", "last_only", "adapter")
         if getattr(message, name, 1) in ("", None) or getattr(message, name, 1) is False
     }
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))

@@ -100,14 +100,17 @@ class TransformerSpan(nn.Module):
         self.num_kv_heads = family.num_kv_heads(config)
         self.head_dim = family.head_dim(config)
 
+        self.adapters = None  # LoRA adapters injected into the blocks (swarm.models.adapters), if any
     @property
     def num_blocks(self) -> int:
         return self.end - self.start
 
     @property
     def block_bytes(self) -> int:
-        """`s_m`: bytes of one block's parameters (blocks of a model are identical in size)."""
-        return module_parameter_bytes(self.blocks[0])
+        """`s_m`: bytes of one block's parameters (blocks of a model are identical in size), without
+        adapters (counted apart: `adapters.total_bytes`)."""
+        adapter_bytes = self.adapters.bytes_by_block[0] if self.adapters is not None else 0
+        return module_parameter_bytes(self.blocks[0]) - adapter_bytes
 
     def cache_bytes(self, num_tokens: int, batch_size: int = 1) -> int:
         """`s_c` for a session of `num_tokens` positions and `batch_size` sequences, per block."""
