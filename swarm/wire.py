@@ -26,6 +26,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROTOCOL_VERSION = 1
+OPTIONAL_ADAPTER_NAME = r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"  # "" or an adapter's name
 MAX_METADATA_BYTES = 16 * 1024
 
 
@@ -57,7 +58,7 @@ class Open(Message):
     end: int = Field(gt=0)
     swarm_proof: str = Field(default="", max_length=128)  # closed swarms only (swarm.closed_swarm)
     # the LoRA adapter (by the name servers announce) every step of the session uses; "" none
-    adapter: str = Field(default="", max_length=64)
+    adapter: str = Field(default="", max_length=64, pattern=OPTIONAL_ADAPTER_NAME)
 
 
 class Opened(Message):
@@ -120,7 +121,9 @@ class _WholeSequenceCall(Message):
     end: int = Field(gt=0)
     prompts: bool = False
     swarm_proof: str = Field(default="", max_length=128)
-    adapter: str = Field(default="", max_length=64)  # the LoRA adapter to apply ("" none)
+    adapter: str = Field(
+        default="", max_length=64, pattern=OPTIONAL_ADAPTER_NAME
+    )  # the LoRA adapter to apply ("" none)
 
 
 class Forward(_WholeSequenceCall):
