@@ -1,7 +1,22 @@
-"""The client: `AutoDistributedModelForCausalLM` runs `generate()` through a swarm of servers."""
+"""The client: `AutoDistributedModelForCausalLM` runs `generate()` through a swarm of servers;
+`AutoDistributedModel` (hidden states) and `AutoDistributedModelForSequenceClassification` (a local,
+trainable head) run whole sequences through it."""
 
 import swarm  # noqa: F401  (first: sets gRPC's fork option before the scheduler link imports grpc)
+from client.base_model import AutoDistributedModel, DistributedModel
 from client.connection import ClientOptions
 from client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from client.sequence_classification import (
+    AutoDistributedModelForSequenceClassification,
+    DistributedModelForSequenceClassification,
+)
 
-__all__ = ["AutoDistributedModelForCausalLM", "ClientOptions", "DistributedModelForCausalLM"]
+__all__ = [
+    "AutoDistributedModel",
+    "AutoDistributedModelForCausalLM",
+    "AutoDistributedModelForSequenceClassification",
+    "ClientOptions",
+    "DistributedModel",
+    "DistributedModelForCausalLM",
+    "DistributedModelForSequenceClassification",
+]

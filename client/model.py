@@ -24,6 +24,7 @@ from client.connection import ClientOptions, SwarmConnection
 from client.continuation import continuation, mask_after
 from client.prompt_tuning import PromptTuning
 from client.remote import RemoteBlocks
+from client.sequence_forward import last_block_output, with_prompt_positions
 from client.sequential import RemoteSequential
 from client.session import InferenceSession
 from client.session_cache import SessionCache
@@ -89,9 +90,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         device: str | torch.device = "cpu",
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
+        active_adapter: str | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`.
-        `tuning_mode` ("ptune", "deep_ptune") and `pre_seq_len`: trainable prompts (PETALS' options)."""
+        `tuning_mode` ("ptune", "deep_ptune") and `pre_seq_len`: trainable prompts (PETALS' options).
+        `active_adapter`: a LoRA adapter servers announce (`swarm-server --adapters`), used by every
+        session and forward of this model (`ClientOptions.active_adapter`)."""
+        if active_adapter is not None:
+            options = dataclasses.replace(options or ClientOptions(), active_adapter=active_adapter)
         config = load_config(model_dir)
         prefix = validate_prefix(dht_prefix) if dht_prefix else default_prefix(str(model_dir))
         connection = SwarmConnection(list(initial_peers), prefix, ModelLimits.from_config(config), options)
@@ -341,21 +347,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None,
         labels: torch.Tensor | None,
     ) -> CausalLMOutputWithPast:
-        parts = self.client_parts
-        embeds = inputs_embeds if inputs_embeds is not None else parts.token_embedding(input_ids)
-        batch = embeds.shape[0]
-        prefix = self.prompts.prefix(batch) if self.prompts is not None else None
-        if prefix is not None:
-            embeds = torch.cat([prefix.to(embeds), embeds], dim=1)
-        hidden = parts.from_embeddings(embeds)
-        padding_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            padding_mask = self._with_prompt_positions(attention_mask).long()
-        deep = self.prompts.deep() if self.prompts is not None else None
-        output = self.backend.forward_sequence(hidden, padding_mask, deep)
-        if prefix is not None:
-            output = output[:, prefix.shape[1] :]
-        logits = parts.logits(output).float()
+        output = last_block_output(
+            self.client_parts, self.backend, self.prompts, input_ids, attention_mask, inputs_embeds
+        )
+        logits = self.client_parts.logits(output).float()
         loss = None
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(
@@ -367,10 +362,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _with_prompt_positions(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """The mask with the trained prompt's positions (always real) in front."""
-        if self.prompts is None:
-            return attention_mask
-        ones = torch.ones(attention_mask.shape[0], self.prompts.length, dtype=attention_mask.dtype)
-        return torch.cat([ones.to(attention_mask.device), attention_mask], dim=1)
+        return with_prompt_positions(attention_mask, self.prompts)
 
     def _forward_in(
         self,

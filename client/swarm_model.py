@@ -1,0 +1,191 @@
+"""What the client models without `generate()` share: loading the client-side modules, joining the
+swarm, trainable prompts, and the whole-sequence forward through the blocks.
+
+`DistributedModel` (hidden states) and `DistributedModelForSequenceClassification` build on it. They
+run whole sequences only (the servers' forward and backward RPCs); inference sessions and
+`generate()` are the causal LM's (`client.model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from client.backend import BlockBackend
+from client.connection import ClientOptions, SwarmConnection
+from client.prompt_tuning import PromptTuning
+from client.remote import RemoteBlocks
+from client.sequence_forward import last_block_output
+from client.sequential import RemoteSequential
+from swarm.dht_keys import default_prefix, validate_prefix
+from swarm.model_limits import ModelLimits
+from swarm.models.checkpoint import load_config
+from swarm.models.client_parts import ClientParts, load_client_parts
+
+ModelT = TypeVar("ModelT", bound="SwarmModelBase")
+
+# transformers' forward arguments that change nothing here: there is no cache to use, outputs index like
+# tuples anyway, and transformers' classification loss ignores the Trainer's `num_items_in_batch` too
+IGNORED_ARGUMENTS = frozenset({"use_cache", "return_dict", "num_items_in_batch"})
+
+
+def swarm_backend(
+    model_dir: str | Path,
+    initial_peers: list[str],
+    dht_prefix: str | None = None,
+    options: ClientOptions | None = None,
+    active_adapter: str | None = None,
+) -> RemoteBlocks:
+    """The blocks of `model_dir`'s model as served by the swarm at `initial_peers`, found under
+    `dht_prefix` (default: the model directory's name, as servers announce it); `active_adapter`: a
+    LoRA adapter the servers announce, for every forward (`ClientOptions.active_adapter`)."""
+    if active_adapter is not None:
+        options = dataclasses.replace(options or ClientOptions(), active_adapter=active_adapter)
+    config = load_config(model_dir)
+    prefix = validate_prefix(dht_prefix) if dht_prefix else default_prefix(str(model_dir))
+    connection = SwarmConnection(list(initial_peers), prefix, ModelLimits.from_config(config), options)
+    return RemoteBlocks(connection)
+
+
+def check_unsupported_arguments(kwargs: dict[str, Any]) -> None:
+    """Refuse transformers' forward arguments that this model cannot honour rather than ignore them
+    (None and False ask for nothing, so they pass)."""
+    unsupported = sorted(
+        name
+        for name, value in kwargs.items()
+        if name not in IGNORED_ARGUMENTS and value is not None and value is not False
+    )
+    if unsupported:
+        raise ValueError(
+            f"forward() does not support {', '.join(unsupported)} here: the blocks run on the swarm "
+            "on whole sequences (positions follow the attention mask)"
+        )
+
+
+class SwarmModelBase(PreTrainedModel):
+    """The client-side modules of a model whose blocks run in `backend`, with optional prompts."""
+
+    _supports_sdpa = True  # attention runs in the backend; this only keeps transformers from objecting
+    main_input_name = "input_ids"
+
+    def __init__(
+        self,
+        client_parts: ClientParts,
+        backend: BlockBackend,
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
+    ):
+        super().__init__(client_parts.config)
+        self.client_parts = client_parts
+        self.backend = backend
+        # PETALS' block-level API (its `model.transformer.h`): the swarm's blocks as a sliceable module
+        connection = getattr(backend, "connection", None)
+        self.blocks = RemoteSequential(connection) if connection is not None else None
+        self.prompts = PromptTuning.create(client_parts, tuning_mode, pre_seq_len)
+
+    @classmethod
+    def from_local_parts(
+        cls: type[ModelT],
+        model_dir: str | Path,
+        backend: BlockBackend,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
+        **kwargs: Any,
+    ) -> ModelT:
+        """`device` holds the embeddings and final norm (and a head). `tuning_mode` "ptune" /
+        "deep_ptune" adds `pre_seq_len` trainable prompt positions. `kwargs`: the class's own options
+        (e.g. config attributes to override, as transformers' `from_pretrained` takes them)."""
+        parts = load_client_parts(model_dir, dtype=dtype, device=device)
+        return cls._from_parts(model_dir, parts, backend, tuning_mode, pre_seq_len, **kwargs).eval()
+
+    @classmethod
+    def _from_parts(
+        cls: type[ModelT],
+        model_dir: str | Path,
+        parts: ClientParts,
+        backend: BlockBackend,
+        tuning_mode: str | None,
+        pre_seq_len: int,
+        **kwargs: Any,
+    ) -> ModelT:
+        """The model over loaded client parts; subclasses read what else they keep from `model_dir`."""
+        override_config(parts, kwargs)
+        return cls(parts, backend, tuning_mode, pre_seq_len)
+
+    @classmethod
+    def from_pretrained(
+        cls: type[ModelT],
+        model_dir: str | Path,
+        initial_peers: list[str],
+        dht_prefix: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        options: ClientOptions | None = None,
+        device: str | torch.device = "cpu",
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
+        active_adapter: str | None = None,
+        **kwargs: Any,
+    ) -> ModelT:
+        """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`
+        (under `dht_prefix`, default: `model_dir`'s name). `tuning_mode` ("ptune", "deep_ptune") and
+        `pre_seq_len`: trainable prompts; `active_adapter`: a served LoRA adapter (PETALS' options)."""
+        backend = swarm_backend(model_dir, initial_peers, dht_prefix, options, active_adapter)
+        try:
+            return cls.from_local_parts(
+                model_dir,
+                backend,
+                dtype=dtype,
+                device=device,
+                tuning_mode=tuning_mode,
+                pre_seq_len=pre_seq_len,
+                **kwargs,
+            )
+        except BaseException:
+            backend.connection.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Leave the swarm (closes the client's DHT peer); local backends have nothing to close."""
+        connection = getattr(self.backend, "connection", None)
+        if connection is not None:
+            connection.shutdown()
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding table (what `inputs_embeds` are looked up in, as in transformers)."""
+        return self.client_parts.token_embedding
+
+    def _normed_hidden_states(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The final norm's output `[batch, tokens, hidden]` for whole sequences (transformers' base
+        models' `last_hidden_state`), differentiable through the swarm in prompts and `inputs_embeds`."""
+        batch_size(input_ids, inputs_embeds)  # exactly one of them
+        parts, prompts = self.client_parts, self.prompts
+        output = last_block_output(parts, self.backend, prompts, input_ids, attention_mask, inputs_embeds)
+        return parts.norm(output.to(device=parts.lm_head.weight.device, dtype=parts.dtype))
+
+
+def batch_size(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> int:
+    """How many sequences the input holds; it must be given one way, ids or embeddings."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("forward() takes exactly one of input_ids and inputs_embeds")
+    return (input_ids if input_ids is not None else inputs_embeds).shape[0]
+
+
+def override_config(parts: ClientParts, overrides: dict[str, Any]) -> None:
+    """Set config attributes given to `from_pretrained` (e.g. `pad_token_id=0`), as transformers does;
+    a name the config does not have is a mistake, not a new attribute."""
+    for name, value in overrides.items():
+        if not hasattr(parts.config, name):
+            raise TypeError(f"unexpected argument {name!r}: it is not an attribute of the model's config")
+        setattr(parts.config, name, value)
