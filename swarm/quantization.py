@@ -48,7 +48,8 @@ def quantize_block(
 
     for parent in list(block.modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            # subclasses too: Falcon's FalconLinear is a plain linear layer with its own forward
+            if not isinstance(child, nn.Linear):
                 continue
             weight = child.weight.data.to(compute_dtype)
             if quant == "int8":

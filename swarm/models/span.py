@@ -21,6 +21,7 @@ from swarm.dtypes import parse_dtype
 from swarm.errors import CheckpointError, SpanError
 from swarm.hardware import prepare_attention_kernels
 from swarm.models import bloom as _bloom  # noqa: F401  (registers the family)
+from swarm.models import falcon as _falcon  # noqa: F401  (registers the family)
 from swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
 from swarm.models.cache import BatchedStepCache, SpanCache
@@ -99,8 +100,8 @@ class TransformerSpan(nn.Module):
         self.hidden_size = family.hidden_size(config)
         self.num_kv_heads = family.num_kv_heads(config)
         self.head_dim = family.head_dim(config)
-
         self.adapters = None  # LoRA adapters injected into the blocks (swarm.models.adapters), if any
+
     @property
     def num_blocks(self) -> int:
         return self.end - self.start

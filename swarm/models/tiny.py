@@ -1,4 +1,4 @@
-"""Build tiny random-weight BLOOM and LLaMA checkpoints, with a real tokenizer, entirely offline.
+"""Build tiny random-weight checkpoints of every served family, with a real tokenizer, entirely offline.
 
 Tests and the demo need a model without downloads. The checkpoint is what `save_pretrained` writes
 (config, safetensors shards with an index when sharded, generation config) and the tokenizer is a
@@ -6,6 +6,7 @@ byte-level BPE trained here with the `tokenizers` library, so `AutoModelForCausa
 `AutoTokenizer` load the directory exactly as they would a real model.
 
     swarm-make-tiny-model models/tiny-llama --family llama --layers 6 --hidden 64 --heads 4 --kv-heads 2
+    swarm-make-tiny-model models/tiny-falcon-7b --family falcon --variant multi-query
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
+    FalconConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -47,7 +49,34 @@ FAMILY_EXTRAS: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
 }
-FAMILIES = ("llama", "bloom", "qwen2", "qwen3", "mistral", "mixtral")
+# Falcon's architectures: one model_type whose config flags choose the block (comments: the models)
+FALCON_VARIANTS: dict[str, dict] = {
+    # Falcon-40B/180B: grouped KV heads, rotary, attention and MLP in parallel from two LayerNorms
+    "new-decoder": {"new_decoder_architecture": True, "parallel_attn": True, "alibi": False},
+    # Falcon-11B: the same from one LayerNorm
+    "new-decoder-one-ln": {
+        "new_decoder_architecture": True,
+        "num_ln_in_parallel_attn": 1,
+        "parallel_attn": True,
+        "alibi": False,
+    },
+    # Falcon-7B: one KV head (multi-query), rotary, attention and MLP in parallel from one LayerNorm
+    "multi-query": {
+        "new_decoder_architecture": False,
+        "multi_query": True,
+        "parallel_attn": True,
+        "alibi": False,
+    },
+    # Falcon-RW-1B/7B: ALiBi, multi-head attention, attention then MLP, linear layers with biases
+    "alibi": {
+        "new_decoder_architecture": False,
+        "multi_query": False,
+        "parallel_attn": False,
+        "alibi": True,
+        "bias": True,
+    },
+}
+FAMILIES = ("llama", "bloom", "qwen2", "qwen3", "mistral", "mixtral", "falcon")
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -72,18 +101,23 @@ class TinyModelSpec:
     num_layers: int = 6
     hidden_size: int = 64
     num_heads: int = 4
-    num_kv_heads: int | None = None  # LLaMA only; None = multi-head attention
+    num_kv_heads: int | None = None  # None = multi-head attention (Falcon's new decoder: heads / 2)
     vocab_size: int = 512
-    intermediate_size: int | None = None  # LLaMA MLP width; default 2x hidden
+    intermediate_size: int | None = None  # MLP width; default 2x hidden (Falcon: 4x, as its configs)
     seed: int = 0
     # Random weights from the usual 0.02 init give near-uniform logits whose top two candidates can
     # differ by less than float32 rounding; a wider init keeps greedy decoding well separated.
     initializer_range: float = 0.1
     dtype: str = "float32"  # the dtype the weights are stored in (config.dtype says so)
+    variant: str | None = None  # Falcon's architecture, one of FALCON_VARIANTS (default "new-decoder")
 
     def config(self) -> PretrainedConfig:
         if self.num_layers < 1 or self.hidden_size % self.num_heads:
             raise SwarmUserError("need >= 1 layer and a hidden size divisible by the number of heads")
+        if self.family == "falcon":
+            return self.falcon_config()
+        if self.variant is not None:
+            raise SwarmUserError(f"--variant chooses among Falcon's architectures, not {self.family}'s")
         if self.family == "bloom":
             if self.num_kv_heads not in (None, self.num_heads):
                 raise SwarmUserError("BLOOM has no grouped-query attention: leave --kv-heads unset")
@@ -118,6 +152,37 @@ class TinyModelSpec:
                 **FAMILY_EXTRAS.get(self.family, {}),
             )
         raise SwarmUserError(f"unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+
+    def falcon_config(self) -> FalconConfig:
+        variant = self.variant or "new-decoder"
+        if variant not in FALCON_VARIANTS:
+            raise SwarmUserError(
+                f"unknown Falcon variant {variant!r}; choose one of {', '.join(FALCON_VARIANTS)}"
+            )
+        flags = FALCON_VARIANTS[variant]
+        if flags["new_decoder_architecture"]:  # grouped KV heads by default, as Falcon-40B has
+            kv_heads = self.num_kv_heads or max(1, self.num_heads // 2)
+            if self.num_heads % kv_heads:
+                raise SwarmUserError("--heads must be a multiple of --kv-heads")
+        else:  # multi-query: one KV head; otherwise one per query head
+            kv_heads = 1 if flags["multi_query"] else self.num_heads
+            if self.num_kv_heads not in (None, kv_heads):
+                raise SwarmUserError(
+                    f"Falcon's {variant} variant fixes its KV heads ({kv_heads}): leave --kv-heads unset"
+                )
+        return FalconConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_kv_heads=kv_heads,
+            ffn_hidden_size=self.intermediate_size or 4 * self.hidden_size,
+            initializer_range=self.initializer_range,
+            pad_token_id=PAD_ID,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            **flags,
+        )
 
 
 def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -168,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         fromfile_prefix_chars="@",  # arguments from a file: swarm-... @args.txt
         prog="swarm-make-tiny-model",
-        description="Build a tiny random-weight BLOOM or LLaMA checkpoint with a trained tokenizer.",
+        description="Build a tiny random-weight checkpoint of a served family with a trained tokenizer.",
         epilog="example: swarm-make-tiny-model models/tiny-llama --family llama --layers 6 --kv-heads 2\n"
         "LLaMA-2-7B shape: swarm-make-tiny-model models/llama7b-shape --layers 32 --hidden 4096 "
         "--heads 32 --intermediate 11008 --vocab 32000 --dtype float16 --init-range 0.02 "
@@ -180,8 +245,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=None, help="LLaMA grouped-query attention heads")
-    parser.add_argument("--intermediate", type=int, default=None, help="LLaMA MLP width (default 2x hidden)")
+    parser.add_argument(
+        "--kv-heads", type=int, default=None, help="grouped-query attention heads (Falcon default: heads / 2)"
+    )
+    parser.add_argument(
+        "--intermediate", type=int, default=None, help="MLP width (default 2x hidden; Falcon: 4x)"
+    )
+    parser.add_argument(
+        "--variant", choices=sorted(FALCON_VARIANTS), default=None, help="Falcon's architecture (new-decoder)"
+    )
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
@@ -201,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         initializer_range=args.init_range,
         dtype=args.dtype,
+        variant=args.variant,
     )
     try:
         path = build_tiny_model(args.out_dir, spec, args.max_shard_size)
