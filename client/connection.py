@@ -83,12 +83,21 @@ class ClientOptions:
     # measured 14.4x a token after 500 tokens over 50 ms links, against 2.7x, BENCHMARKS.md), "steps"
     # sends the recorded steps one round trip each (what servers without the Replay message understand)
     replay_mode: str = "prefill"
+    # this client's upload bandwidth (Mbit/s): what a replay costs against a server-to-server hand-off
+    uplink_mbps: float = 20.0
     # the LoRA adapter every session and forward of this client uses (PETALS' `active_adapter`): only
     # servers announcing it are routed through; None: the plain model
     active_adapter: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("refresh_period", "rtt_ttl", "failed_ping_ttl", "ping_timeout", "request_timeout"):
+        for name in (
+            "refresh_period",
+            "rtt_ttl",
+            "failed_ping_ttl",
+            "ping_timeout",
+            "request_timeout",
+            "uplink_mbps",
+        ):
             if not getattr(self, name) > 0:
                 raise SwarmUserError(f"ClientOptions.{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.verify_fraction <= 1.0:
@@ -150,6 +159,8 @@ class SwarmConnection:
         self._live_at_start: set[str] = set()  # peers the first read knew alive (see `_live_peers`)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
         self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
+        # (server A, server B) -> bytes/s measured by a cache hand-off from A to B (client/session_moves.py)
+        self.link_rates: dict[tuple[str, str], float] = {}
         self.caught: dict[str, int] = {}  # peer -> steps where replicas outvoted it (wrong outputs)
         self.verified_steps = 0  # steps a replica confirmed
         self._reports: set[asyncio.Task] = set()  # reports of wrong outputs on their way

@@ -26,6 +26,7 @@ from client.replay import can_prefill, replay_groups, replay_tensors
 from client.replica_checks import ReplicaChecks
 from client.routing import chain_problem
 from client.sequence_rpc import SequenceFunction
+from client.session_moves import SessionMoves
 from client.stream import FATAL_CODES, ServerStream, StepInput, catch_up_input
 from client.verification import VerifyPlan
 from swarm.route_request import RouteHop, RouteRequest, SessionShape
@@ -60,7 +61,7 @@ def session_shape(
     return SessionShape(batch_size, max_length, l_in=l_in, l_out=min(max(l_out, 1), max_length))
 
 
-class RemoteBlockSession(ReplicaChecks, BlockSession):
+class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
     """A session over a chain of servers covering every block.
 
     With a scheduler, the chain is the scheduler's WS-RR route, opened once the scheduler admits
@@ -94,8 +95,9 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
         self.caught_at_step: int | None = None  # the first step at which a replica outvoted a server
         self.streams: list[ServerStream] = run_sync(self._open_chain(self.start, self.end))
 
-    async def _open_chain(self, start: int, end: int) -> list[ServerStream]:
-        """Route blocks `[start, end)` and open a stream on every server of the chain."""
+    async def _open_chain(self, start: int, end: int, cache_from: str | None = None) -> list[ServerStream]:
+        """Route blocks `[start, end)` and open a stream on every server of the chain (`cache_from`:
+        sessions that may receive their cache from that server, see `SessionMoves`)."""
         # the scheduler routes by load, not by adapters: a session with an adapter routes itself
         scheduled = self.connection.scheduler is not None and self.connection.options.active_adapter is None
         if (start, end) == (0, self.connection.num_blocks) and scheduled:
@@ -110,7 +112,7 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
             streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
             try:
                 for stream in streams:
-                    await stream.open(self.connection)
+                    stream.cache_token = await stream.open(self.connection, cache_from)
                 logger.info(
                     "session %s blocks %d:%d routed through %s",
                     self.session_id[:8],
@@ -253,6 +255,8 @@ class RemoteBlockSession(ReplicaChecks, BlockSession):
                 continue
             step = dataclasses.replace(step, hidden=output)
             index += 1
+        if any(stream.leaving for stream in self.streams):
+            await self._move_leavers()  # this step's output is safe; the next one goes to the new server
         return step.hidden
 
     def rewind(self, position: int) -> None:

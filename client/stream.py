@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from client.connection import SwarmConnection
 from swarm.block_rpc import BlockRpc
+from swarm.handoff_wire import HandedOff, HandOff
 from swarm.route_request import RouteHop, SessionShape
 from swarm.wire import (
     Error,
@@ -80,6 +82,8 @@ class ServerStream:
     shape: SessionShape
     history: list[StepInput] = field(default_factory=list)  # the client-side cache of this server's inputs
     healthy: bool = False  # opened, and no step has failed since
+    leaving: bool = False  # the server said it is leaving (draining, moving): move the session off it
+    cache_token: str | None = None  # opened to receive a hand-off: the secret its pusher must show
     length: int = 0  # positions of the server's cache that hold accepted work (rewinds shorten it)
     steps_sent: int = 0  # numbers step ids: a step after a rewind may repeat an earlier position
     # the stream through our p2p daemon, read and written directly (not hivemind's stream iterator,
@@ -88,8 +92,11 @@ class ServerStream:
     _replies: asyncio.Queue | None = None  # what the server sent, read as it arrives (then _CLOSED)
     _reading: asyncio.Task | None = None
 
-    async def open(self, connection: SwarmConnection) -> None:
+    async def open(self, connection: SwarmConnection, cache_from: str | None = None) -> str | None:
+        """Open the session on the server; with `cache_from` (a peer id), opened to receive its cache
+        from that server: returns the secret a hand-off must carry (None otherwise)."""
         timeout = connection.options.request_timeout
+        cache_token = secrets.token_hex(16) if cache_from is not None else None
         name = BlockRpc._get_handle_name(connection.prefix, "rpc_inference")
         try:
             peer = PeerID.from_base58(self.hop.peer_id)
@@ -108,10 +115,35 @@ class ServerStream:
             end=self.hop.end,
             swarm_proof=connection.swarm_proof(self.hop.peer_id),
             adapter=connection.options.active_adapter or "",
+            cache_token=cache_token or "",
+            cache_from=cache_from or "",
         )
         await self._send(encode(open_message), timeout)
         await self._receive(timeout, Opened)
         self.healthy = True
+        return cache_token
+
+    async def hand_off(
+        self, target: ServerStream, token: str, max_seconds: float, timeout: float
+    ) -> HandedOff:
+        """Ask this server to push the accepted part of its cache to `target` (opened with this
+        server as `cache_from` and `token`); once done, `target` continues the session with this
+        stream's history (what a later failover of `target` replays)."""
+        self.steps_sent += 1
+        order = HandOff(
+            handoff_id=f"handoff#{self.steps_sent}",
+            target_peer=target.hop.peer_id,
+            target_session=target.session_id,
+            token=token,
+            length=self.length,
+            max_seconds=max_seconds,
+        )
+        await self._send(encode(order), timeout)
+        reply = await self._receive(timeout + max_seconds, HandedOff)
+        if reply.handoff_id != order.handoff_id or reply.length != self.length:
+            raise StreamFailure(self.hop.peer_id, f"the server answered hand-off {reply.handoff_id}")
+        target.history, target.length = list(self.history), self.length
+        return reply
 
     async def _send(self, request, timeout: float) -> None:
         if self._writer is None:
@@ -156,6 +188,7 @@ class ServerStream:
         self._check_answer(
             output_problem(reply.step_id, step_id, outputs, hidden[:, -1:] if last_only else hidden)
         )
+        self.leaving = reply.leaving
         self.history.append(step)
         self.length = step.end
         return outputs[0]

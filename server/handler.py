@@ -25,6 +25,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from server.bounded_stream import StreamLimit, add_bounded_stream_handler
 from server.emulated_delay import emulated_seconds_per_block
 from server.engine import BatchingEngine
+from server.handoff_rpcs import HandOffRpcs
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
 from server.replay import MAX_TOKENS_PER_POSITION, parse_replay
@@ -64,7 +65,7 @@ class PeerLimits:
     max_session_lifetime: float = 24 * 3600.0  # seconds, however active the session is
 
 
-class BlockServicer(UnaryRpcs, BlockRpc):
+class BlockServicer(UnaryRpcs, HandOffRpcs, BlockRpc):
     def __init__(
         self,
         span: TransformerSpan,
@@ -176,7 +177,11 @@ class BlockServicer(UnaryRpcs, BlockRpc):
                 request = await self._next_request(requests, ends_at)
                 if request is None:
                     return  # the client closed its side: the session is over
-                if _message_type(request) != "replay":
+                kind = _message_type(request)
+                if kind == "hand_off":
+                    yield await self._hand_off(session, request)
+                    continue
+                if kind != "replay":
                     yield await self._step(session, request)
                     continue
                 response, replayed = await self._replay(session, request)
@@ -225,6 +230,7 @@ class BlockServicer(UnaryRpcs, BlockRpc):
         self._check_blocks(message.start, message.end)
         self._check_sizes(message.batch_size, message.max_length)
         adapter = self._check_adapter(message.adapter)
+        cache_token, cache_from = self.check_cache_source(message)
         if message.session_id in self.sessions:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"session id {message.session_id} is already in use")
         needed = self.span.cache_bytes(message.max_length, message.batch_size) * (message.end - message.start)
@@ -245,6 +251,8 @@ class BlockServicer(UnaryRpcs, BlockRpc):
             cache,
             needed,
             adapter,
+            cache_token=cache_token,
+            cache_from=cache_from,
         )
         self.sessions[session.session_id] = session
         self.metrics.sessions_opened.inc()
@@ -282,6 +290,11 @@ class BlockServicer(UnaryRpcs, BlockRpc):
                     f"message of {size:,} bytes exceeds this session's limit of {limit:,}",
                 )
             message = parse(request.metadata, Step)
+            if session.receiving:
+                # "wait": a push the client gave up on is still being undone here
+                raise ProtocolError(
+                    ErrorCode.NO_CACHE_ROOM, "the session is receiving its cache: wait for it"
+                )
             replay = session.replayed_output(message.step_id, message.position)
             if replay is not None:
                 return self._reply(StepDone(step_id=message.step_id, position=message.position), [replay])
@@ -298,7 +311,8 @@ class BlockServicer(UnaryRpcs, BlockRpc):
             kind = "decode" if hidden.shape[1] == 1 else "prefill"
             self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
             session.record(message.step_id, message.position, output)
-            return self._reply(StepDone(step_id=message.step_id, position=message.position), [output])
+            done = StepDone(step_id=message.step_id, position=message.position, leaving=not self.accepting)
+            return self._reply(done, [output])
         except ProtocolError as error:
             return self._error(error.code, str(error))
         except Exception as error:  # a bug or a device fault: this session fails, the server serves on
@@ -469,6 +483,12 @@ class BlockServicer(UnaryRpcs, BlockRpc):
             add_bounded_stream_handler(
                 p2p, self._get_handle_name(namespace, "rpc_inference"), self._inference
             ),
+            self.add_handoff_handler(p2p, namespace),
+        )
+
+    async def remove_p2p_handlers(self, p2p, *, namespace=None) -> None:
+        await asyncio.gather(
+            super().remove_p2p_handlers(p2p, namespace=namespace), self.remove_handoff_handler(p2p, namespace)
         )
 
     def shutdown(self) -> None:

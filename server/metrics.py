@@ -21,6 +21,9 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.sessions = Gauge("swarm_server_sessions", "Open inference sessions", registry=r)
         self.sessions_opened = Counter("swarm_server_sessions_opened", "Sessions opened", registry=r)
+        self.handoffs = Counter(
+            "swarm_server_handoffs", "Session caches pushed to another server (hand-offs)", registry=r
+        )
         self.slots_free = Gauge(
             "swarm_server_cache_slots_free",
             "Cache slots (sessions of slot_tokens on one block) free",

@@ -24,6 +24,9 @@ class Session:
     cache: SpanCache
     reserved_bytes: int
     adapter: str | None = None  # the LoRA adapter every step of the session uses
+    cache_token: str | None = None  # a hand-off may fill this session: the client's secret for it
+    cache_from: str | None = None  # ... from this peer only
+    receiving: bool = False  # a pushed cache is being written (steps wait for the client's go-ahead)
     last_step_id: str | None = None
     last_position: int = -1
     last_output: torch.Tensor | None = None

@@ -59,6 +59,10 @@ class Open(Message):
     swarm_proof: str = Field(default="", max_length=128)  # closed swarms only (swarm.closed_swarm)
     # the LoRA adapter (by the name servers announce) every step of the session uses; "" none
     adapter: str = Field(default="", max_length=64, pattern=OPTIONAL_ADAPTER_NAME)
+    # a session that will receive its cache from another server (a hand-off, swarm.handoff_wire): the
+    # client's secret for it and the peer id of the only server that may push it
+    cache_token: str = Field(default="", pattern=r"^([0-9a-f]{32,64})?$")
+    cache_from: str = Field(default="", max_length=128)
 
 
 class Opened(Message):
@@ -87,6 +91,8 @@ class StepDone(Message):
     type: str = "step_done"
     step_id: str
     position: int
+    # the server is leaving (draining or moving): the client should move the session now (a hand-off)
+    leaving: bool = False
 
 
 class Replay(Message):
@@ -199,7 +205,16 @@ def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = T
     # optional fields left empty are left out, so servers that predate them accept the message
     unused = {
         name
-        for name in ("swarm_proof", "hypo_ids", "prompts", "last_only", "adapter")
+        for name in (
+            "swarm_proof",
+            "hypo_ids",
+            "prompts",
+            "last_only",
+            "adapter",
+            "cache_token",
+            "cache_from",
+            "leaving",
+        )
         if getattr(message, name, 1) in ("", None) or getattr(message, name, 1) is False
     }
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))

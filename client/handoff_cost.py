@@ -1,0 +1,65 @@
+"""When moving a session's cache between servers beats rebuilding it by replay (pure arithmetic).
+
+A server that leaves can push the session's attention cache to its replacement (a hand-off), or the
+client can rebuild it there from the hidden states it kept (a replay, `ClientOptions.replay_mode`
+"prefill": one catch-up prefill). The cache is large next to the hidden states (11 of 32 blocks of a
+LLaMA-2-7B shape at fp16: 2 x 4096 x 2 bytes x 11 = 180 KB per token, against 16 KB of float32 hidden
+states), so a hand-off pays only over a fast link between the servers, while a replay costs the
+client's uplink and the replacement's prefill compute:
+
+    replay   = rtt(client, B) + tokens x batch x hidden x 4 / client uplink + prefill(B, tokens) x blocks
+    hand-off = 2 x rtt(client, A) + tokens x batch x cache_token_bytes x blocks / link(A, B)
+
+The A-to-B link is what only the servers can measure: a known rate (an earlier hand-off between the
+same two servers) decides at once; an unknown one is tried, with the replay's estimate as the push's
+time limit, which A enforces from B's acknowledgements while pushing (server/cache_sender.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.server_info import ServerInfo
+
+WIRE_BYTES_PER_VALUE = 4  # the client sends hidden states as float32
+
+
+@dataclass(frozen=True)
+class MoveCosts:
+    replay_seconds: float
+    handoff_seconds: float | None  # None: the A-to-B link has not been measured yet
+
+    @property
+    def try_handoff(self) -> bool:
+        return self.handoff_seconds is None or self.handoff_seconds < self.replay_seconds
+
+
+def move_costs(
+    *,
+    tokens: int,
+    batch_size: int,
+    hidden_size: int,
+    blocks: int,
+    source: ServerInfo,
+    target: ServerInfo,
+    rtt_source: float,
+    rtt_target: float,
+    uplink_bytes_per_s: float,
+    link_bytes_per_s: float | None,
+) -> MoveCosts:
+    """Estimated seconds to rebuild `tokens` positions of a session on `target` by replay, and to
+    push them from `source` (None when their link's rate is unknown)."""
+    upload = tokens * batch_size * hidden_size * WIRE_BYTES_PER_VALUE / uplink_bytes_per_s
+    replay = rtt_target + upload + prefill_seconds(target, tokens) * blocks
+    handoff = None
+    if link_bytes_per_s is not None and link_bytes_per_s > 0:
+        cache_bytes = tokens * batch_size * source.cache_token_bytes * blocks
+        handoff = 2 * rtt_source + cache_bytes / link_bytes_per_s
+    return MoveCosts(replay, handoff)
+
+
+def prefill_seconds(info: ServerInfo, tokens: int) -> float:
+    """Per-block prefill time of `tokens` tokens, scaled from the server's announced measurement."""
+    if info.tau_prefill is None or info.prefill_tokens <= 0:
+        return (info.tau or 0.0) * tokens
+    return info.tau_prefill * tokens / info.prefill_tokens

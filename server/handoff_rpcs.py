@@ -1,0 +1,90 @@
+"""The server's part in cache hand-offs: pushing a session's cache when its client asks (A), and the
+stream that receives one (B). Protocol: swarm/handoff_wire.py and docs/architecture.md.
+
+`HandOffRpcs` is a part of `BlockServicer` (server/handler.py): it uses the servicer's sessions,
+metrics and the p2p daemon its handlers were added to.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+
+from server.bounded_stream import add_bounded_stream_handler
+from server.cache_receiver import receive_cache
+from server.cache_sender import push_cache
+from server.session import Session
+from swarm.handoff_wire import HandedOff, HandOff
+from swarm.wire import ErrorCode, Open, ProtocolError, parse
+
+logger = logging.getLogger(__name__)
+
+PUSH_HANDLE = "push_cache"  # not rpc_*: hivemind would register it as a plain protobuf handler
+
+
+class HandOffRpcs:
+    """See the module docstring."""
+
+    _p2p: P2P | None = None
+    _namespace: str | None = None
+
+    def _push_handle(self, namespace: str | None) -> str:
+        return self._get_handle_name(namespace, PUSH_HANDLE)
+
+    async def add_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
+        self._p2p, self._namespace = p2p, namespace
+
+        def find_session(session_id: str) -> Session | None:
+            return self.sessions.get(session_id)
+
+        async def handler(requests, context, limit):
+            async for response in receive_cache(
+                requests, context, limit, find_session, self.session_idle_timeout
+            ):
+                yield response
+
+        await add_bounded_stream_handler(p2p, self._push_handle(namespace), handler)
+
+    async def remove_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
+        await p2p.remove_binary_stream_handler(self._push_handle(namespace))
+
+    @staticmethod
+    def check_cache_source(message: Open) -> tuple[str | None, str | None]:
+        """A session opened to receive a cache names both the secret and the sender."""
+        if bool(message.cache_token) != bool(message.cache_from):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "a session that receives a cache needs both cache_token and cache_from"
+            )
+        return message.cache_token or None, message.cache_from or None
+
+    async def _hand_off(self, session: Session, request: runtime_pb2.ExpertRequest):
+        """The session's client asks us to push its cache to another server (see cache_sender)."""
+        try:
+            order = parse(request.metadata, HandOff)
+            if self._p2p is None:
+                raise ProtocolError(ErrorCode.INTERNAL, "this server cannot reach other servers yet")
+            result = await push_cache(self._p2p, self._push_handle(self._namespace), session, order)
+        except ProtocolError as error:
+            logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        except Exception as error:  # B unreachable, the stream broke: the client replays instead
+            logger.info(
+                "session %s: hand-off failed: %s", session.session_id[:8], error or type(error).__name__
+            )
+            return self._error(ErrorCode.NOT_SERVING, f"hand-off failed: {type(error).__name__}: {error}")
+        logger.info(
+            "session %s: handed %d positions to %s: %d bytes in %.0f ms (%.1f MB/s)",
+            session.session_id[:8],
+            order.length,
+            order.target_peer[-8:],
+            result.bytes,
+            result.seconds * 1e3,
+            result.bytes / max(result.seconds, 1e-9) / 1e6,
+        )
+        self.metrics.handoffs.inc()
+        reply = HandedOff(
+            handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
+        )
+        return self._reply(reply, [])

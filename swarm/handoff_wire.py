@@ -1,0 +1,69 @@
+"""The messages of a cache hand-off: a session's attention cache moving from server A to server B.
+
+Only the client can authorize a hand-off (the session is its own): it opens a session on B that
+expects a cache (`Open.cache_token`, `Open.cache_from` = A's peer id), then asks A on A's session
+stream to push it there (`HandOff`, with the same token). A streams the cache to B directly over the
+P2P transport (`PushCache`, then `CacheChunk`s), B checks everything and answers `CacheAccepted`, A
+answers the client `HandedOff`. Protocol and failure cases: docs/architecture.md, "Cache hand-off".
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from swarm.wire import Message
+
+TOKEN_PATTERN = r"^[0-9a-f]{32,64}$"  # a secret the client draws (hex): B accepts a cache only with it
+PEER_ID_MAX = 128
+CHUNK_BYTES = 1024 * 1024  # a chunk message carries at most this many tensor bytes (pacing granularity)
+
+
+class HandOff(Message):
+    """Client -> A, on A's session stream: push positions `[0, length)` of this session's cache to
+    `target_session` on `target_peer`. A answers `HandedOff` or an error; the session on A stays
+    open either way (the client closes it once B holds the cache). `max_seconds`: give up (and answer
+    an error) once the push is measured to need longer than this (the client's estimate of a replay)."""
+
+    type: str = "hand_off"
+    handoff_id: str = Field(min_length=1, max_length=64)
+    target_peer: str = Field(min_length=1, max_length=PEER_ID_MAX)
+    target_session: str = Field(min_length=8, max_length=64)
+    token: str = Field(pattern=TOKEN_PATTERN)
+    length: int = Field(ge=1)
+    max_seconds: float = Field(gt=0, le=3600, allow_inf_nan=False)
+
+
+class HandedOff(Message):
+    """A -> client: B accepted the cache; `seconds` and `bytes` of the push (A's measured link to B)."""
+
+    type: str = "handed_off"
+    handoff_id: str
+    length: int
+    bytes: int
+    seconds: float
+
+
+class PushCache(Message):
+    """A -> B, the first message of a push stream: which session, its token, how much comes."""
+
+    type: str = "push_cache"
+    session_id: str = Field(min_length=8, max_length=64)
+    token: str = Field(pattern=TOKEN_PATTERN)
+    length: int = Field(ge=1)
+
+
+class CacheChunk(Message):
+    """A -> B: keys and values of one block (index inside the session's blocks) for positions
+    `[position, position + n)`. Tensors: keys, values, each `[batch, kv_heads, n, head_dim]`.
+    Chunks come block by block, positions in order, each block's ending at the pushed length."""
+
+    type: str = "cache_chunk"
+    block: int = Field(ge=0)
+    position: int = Field(ge=0)
+
+
+class CacheAccepted(Message):
+    """B -> A: every block holds the pushed positions; the session continues at `length`."""
+
+    type: str = "cache_accepted"
+    length: int
