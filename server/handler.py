@@ -29,6 +29,7 @@ from server.handoff_rpcs import HandOffRpcs
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
 from server.replay import MAX_TOKENS_PER_POSITION, parse_replay
+from server.request_checks import RequestChecks
 from server.session import Session, check_hypo_ids, check_step_inputs
 from server.unary_rpcs import UnaryRpcs
 from swarm.block_rpc import BlockRpc
@@ -36,7 +37,6 @@ from swarm.closed_swarm import SwarmSecret
 from swarm.models.adapters import adapter_rows
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
-    PEER_LIMIT_PREFIX,
     Error,
     ErrorCode,
     InfoRequest,
@@ -65,7 +65,7 @@ class PeerLimits:
     max_session_lifetime: float = 24 * 3600.0  # seconds, however active the session is
 
 
-class BlockServicer(UnaryRpcs, HandOffRpcs, BlockRpc):
+class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
     def __init__(
         self,
         span: TransformerSpan,
@@ -403,65 +403,6 @@ class BlockServicer(UnaryRpcs, HandOffRpcs, BlockRpc):
         response = encode(Error(code=code, message=text), request=False)
         self.metrics.sent.inc(response.ByteSize())
         return response
-
-    def _message_limit(self, batch_size: int, tokens: int) -> int:
-        """The largest legitimate step: float32 hidden states and a padding mask for every position."""
-        return batch_size * tokens * (self.span.hidden_size * 4 + 8) + 64 * 1024
-
-    # --- validation shared by the RPCs ------------------------------------------------------------
-    def _check_proof(self, proof: str, context: P2PContext) -> None:
-        """In a closed swarm, the caller must prove it holds the swarm secret (bound to both peer ids)."""
-        if self.swarm_secret is None:
-            return
-        if not self.swarm_secret.check_session_proof(proof, str(context.remote_id), self.local_peer_id):
-            raise ProtocolError(
-                ErrorCode.UNAUTHORIZED,
-                "this server belongs to a closed swarm: the request does not prove the swarm secret",
-            )
-
-    def _check_peer_share(self, peer: str, needed: int) -> None:
-        """One peer may hold at most `max_sessions` sessions and `max_cache_fraction` of the cache."""
-        held = [session for session in self.sessions.values() if session.peer == peer]
-        if len(held) >= self.limits.max_sessions:
-            raise NoCacheRoom(
-                f"{PEER_LIMIT_PREFIX}: it already holds {len(held)} sessions, the per-peer limit"
-            )
-        share = int(self.budget.total_bytes * self.limits.max_cache_fraction)
-        reserved = sum(session.reserved_bytes for session in held)
-        if reserved + needed > share:
-            raise NoCacheRoom(
-                f"{PEER_LIMIT_PREFIX}: {reserved:,} bytes held + {needed:,} needed exceed the "
-                f"per-peer share of {share:,} bytes"
-            )
-
-    def _check_blocks(self, start: int, end: int) -> None:
-        if not self.span.start <= start < end <= self.span.end:
-            raise ProtocolError(
-                ErrorCode.NOT_SERVING,
-                f"blocks {start}:{end} are not inside this server's span {self.span.start}:{self.span.end}",
-            )
-
-    def _check_adapter(self, name: str) -> str | None:
-        """The adapter a request names ("": none), if this server holds it."""
-        if not name:
-            return None
-        held = self.span.adapters.names if self.span.adapters is not None else ()
-        if name not in held:
-            raise ProtocolError(
-                ErrorCode.NOT_SERVING,
-                f"this server has no adapter {name!r} (it has: {', '.join(held) or 'none'})",
-            )
-        return name
-
-    def _check_sizes(self, batch_size: int, length: int) -> None:
-        if batch_size > self.max_batch_size:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"batch size {batch_size} exceeds the limit {self.max_batch_size}"
-            )
-        if length > self.max_length:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"max_length {length} exceeds the server's limit {self.max_length}"
-            )
 
     async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False) -> None:
         """hivemind's handlers for the unary RPCs (the p2p daemon bounds their size), and the
