@@ -13,14 +13,13 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
 
 from hivemind.dht import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
+from client.options import ClientOptions
 from client.routing import Candidate, choose_chain, probe_shortlist, uncovered_blocks
-from swarm.adapter_names import check_adapter_name
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_peer import start_dht
@@ -39,6 +38,8 @@ from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ClientOptions", "SwarmConnection", "SwarmUnavailable", "run_sync"]  # ClientOptions: its old home
+
 
 PROBE_WIDEN_AFTER = 1.0  # seconds without a chain before routing pings 4x more servers per block
 PROBE_GRACE = 0.15  # once a chain exists, seconds the pings still out get to answer
@@ -47,77 +48,6 @@ STALE_LIMIT = 10  # server records older than this many refresh periods are re-r
 
 class SwarmUnavailable(SwarmUserError):
     """The swarm cannot serve the request (blocks not served, or no room for too long)."""
-
-
-@dataclass
-class ClientOptions:
-    refresh_period: float = 1.0  # seconds a fetched list of servers stays fresh
-    rtt_ttl: float = 60.0  # seconds a measured RTT stays valid
-    failed_ping_ttl: float = 3.0  # seconds a server that did not answer a ping is skipped before retrying
-    ping_timeout: float = 5.0  # first contact with a server: records may name peers that do not exist
-    probe_per_block: int = 4  # routing pings at most this many unmeasured servers per block (widened
-    # when no chain forms among them), so a client's start-up does not grow with the swarm
-    request_timeout: float = 30.0  # seconds to wait for any one reply
-    wait_for_room: float = 60.0  # seconds to wait for cache room before giving up
-    wait_for_servers: float = 15.0  # seconds to wait for some server to cover missing blocks
-    max_failovers: int = 8  # failures one step survives before the session gives up
-    ban_base: float = 1.0  # a failed server is avoided for ban_base * 2^(failures-1) s, at most ban_max
-    ban_max: float = 60.0
-    # the prompt length routing assumes for a session opened without `prompt_tokens` (generate()
-    # always gives the real one); the rest of the session's max_length counts as generated tokens
-    expected_l_in: int = 20
-    use_scheduler: bool = True  # ask the scheduler for routes when one signed by scheduler_key is announced
-    scheduler_key: str | None = None  # the scheduler's public key (ssh-rsa ...); None: never use one
-    scheduler_timeout: float = 3.0  # seconds to wait for a scheduler reply before routing locally
-    scheduler_retry: float = 5.0  # after the scheduler failed, route locally this long before asking again
-    scheduler_distrust: float = 60.0  # after the scheduler said something impossible, ignore it this long
-    swarm_secret: SwarmSecret | None = None  # closed swarms: the secret every peer holds
-    max_refusals: int = 3  # "no cache room" answers a server announcing room may give before a ban
-    # replica verification: this fraction of each hop's steps (drawn unpredictably) also runs on another
-    # server holding the same blocks; a third decides a disagreement and the liar is banned for liar_ban
-    verify_fraction: float = 0.0
-    liar_ban: float = 3600.0
-    # how a failover rebuilds a replacement server's cache (client/replay.py): "prefill" runs one
-    # catch-up prefill (equal within the dtype's rounding; one forward of server compute), "exact"
-    # reruns the recorded steps from one message (a bit-identical cache, but one forward per step:
-    # measured 14.4x a token after 500 tokens over 50 ms links, against 2.7x, BENCHMARKS.md), "steps"
-    # sends the recorded steps one round trip each (what servers without the Replay message understand)
-    replay_mode: str = "prefill"
-    # this client's upload bandwidth (Mbit/s): what a replay costs against a server-to-server hand-off
-    uplink_mbps: float = 20.0
-    # the LoRA adapter every session and forward of this client uses (PETALS' `active_adapter`): only
-    # servers announcing it are routed through; None: the plain model
-    active_adapter: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "refresh_period",
-            "rtt_ttl",
-            "failed_ping_ttl",
-            "ping_timeout",
-            "request_timeout",
-            "uplink_mbps",
-        ):
-            if not getattr(self, name) > 0:
-                raise SwarmUserError(f"ClientOptions.{name} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.verify_fraction <= 1.0:
-            raise SwarmUserError(
-                f"ClientOptions.verify_fraction must be in [0, 1], got {self.verify_fraction}"
-            )
-        if self.probe_per_block < 1:
-            raise SwarmUserError(f"ClientOptions.probe_per_block must be >= 1, got {self.probe_per_block}")
-        if self.replay_mode not in ("exact", "prefill", "steps"):
-            raise SwarmUserError(
-                f"ClientOptions.replay_mode must be exact, prefill or steps, got {self.replay_mode!r}"
-            )
-        if self.max_failovers < 0 or self.max_refusals < 1:
-            raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
-        if self.active_adapter is not None:
-            check_adapter_name(self.active_adapter)
-        if self.scheduler_key is not None:
-            from swarm.identity import read_public_key
-
-            self.scheduler_key = read_public_key(self.scheduler_key)
 
 
 def run_sync(coroutine):
@@ -375,10 +305,12 @@ class SwarmConnection:
         )
         return True
 
-    async def _routable(self, refresh: bool) -> dict[str, ServerInfo]:
-        return self._routable_among(await self.servers(refresh))
+    async def _routable(self, refresh: bool, phase: str = "decode") -> dict[str, ServerInfo]:
+        return self._routable_among(await self.servers(refresh), phase)
 
-    def _routable_among(self, servers: dict[str, ServerInfo]) -> dict[str, ServerInfo]:
+    def _routable_among(self, servers: dict[str, ServerInfo], phase: str = "decode") -> dict[str, ServerInfo]:
+        """`phase`: which servers' roles fit (`ServerRole.serves`): sessions route to "decode" servers
+        (decode and both), a disaggregated prompt to "prefill" ones."""
         # only servers that say they serve are worth a ping: a JOINING one has no handlers yet, an
         # UNREACHABLE one (behind NAT without a relay) cannot be dialed at all, and one that just
         # failed to answer is skipped until `failed_ping_ttl` has passed
@@ -390,7 +322,12 @@ class SwarmConnection:
             and not self.is_banned(peer)
             and not self._recently_unanswered(peer)
             and (adapter is None or adapter in info.adapters)
+            and info.role.serves(phase)
         }
+
+    def routable_among(self, servers: dict[str, ServerInfo], phase: str = "decode") -> dict[str, ServerInfo]:
+        """The servers of `servers` a session may use now for `phase` (see `_routable_among`)."""
+        return self._routable_among(servers, phase)
 
     def _recently_unanswered(self, peer_id: str) -> bool:
         cached = self._rtts.get(peer_id)
@@ -426,14 +363,14 @@ class SwarmConnection:
         ]
 
     async def _probe_for_chain(
-        self, refresh: bool, start: int, end: int, shape: SessionShape
+        self, refresh: bool, start: int, end: int, shape: SessionShape, phase: str = "decode"
     ) -> tuple[list[Candidate], list[RouteHop] | None]:
         """Ping a shortlist and widen it 4x every `PROBE_WIDEN_AFTER` seconds in which no chain formed,
         without waiting for the pings still out: in a swarm full of dead records, each of which takes
         a slow failed lookup, the rounds overlap instead of adding up. Once a chain exists, pings
         still out get `PROBE_GRACE` to answer (a faster server may be among them), then the best
         chain among those that answered is returned; pings left running fill the RTT cache."""
-        servers = await self._routable(refresh)
+        servers = await self._routable(refresh, phase)
         known = self._servers  # a read landing meanwhile (the rest of the first one) adds candidates
         live = await self._live_peers()
         loop = asyncio.get_running_loop()
@@ -448,7 +385,7 @@ class SwarmConnection:
         ping_shortlist()
         while True:
             if self._servers is not known:
-                known, servers = self._servers, self._routable_among(self._servers)
+                known, servers = self._servers, self._routable_among(self._servers, phase)
                 live = await self._live_peers()
                 ping_shortlist()
             answered = [
@@ -471,14 +408,14 @@ class SwarmConnection:
                 return answered, None  # everyone worth asking answered: no chain (yet)
             await asyncio.wait(out, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
 
-    async def route(self, start: int, end: int, shape: SessionShape) -> list[RouteHop]:
+    async def route(self, start: int, end: int, shape: SessionShape, phase: str = "decode") -> list[RouteHop]:
         """The fastest chain over `[start, end)` with cache room; waits with backoff while none has room."""
         deadline = time.monotonic() + self.options.wait_for_room
         missing_deadline = time.monotonic() + self.options.wait_for_servers
         delay = 0.1
         refresh = False
         while True:
-            candidates, chain = await self._probe_for_chain(refresh, start, end, shape)
+            candidates, chain = await self._probe_for_chain(refresh, start, end, shape, phase)
             if chain is not None:
                 return chain
             missing = uncovered_blocks(candidates, start, end)

@@ -22,6 +22,7 @@ import torch
 
 from client.backend import BlockBackend, BlockSession, SessionStep
 from client.connection import SwarmConnection, SwarmUnavailable, run_sync
+from client.prefill_roles import DisaggregatedPrefill
 from client.replay import can_prefill, replay_groups, replay_tensors
 from client.replica_checks import ReplicaChecks
 from client.routing import chain_problem
@@ -61,7 +62,7 @@ def session_shape(
     return SessionShape(batch_size, max_length, l_in=l_in, l_out=min(max(l_out, 1), max_length))
 
 
-class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
+class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, BlockSession):
     """A session over a chain of servers covering every block.
 
     With a scheduler, the chain is the scheduler's WS-RR route, opened once the scheduler admits
@@ -93,11 +94,15 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
         self.verifiers: dict[tuple[int, int], ServerStream] = {}  # a replica per hop's blocks, once needed
         self.steps_done = 0
         self.caught_at_step: int | None = None  # the first step at which a replica outvoted a server
-        self.streams: list[ServerStream] = run_sync(self._open_chain(self.start, self.end))
+        self._prefill = {}  # set by the first `_open_chain` where prefill servers take the prompt
+        self.streams: list[ServerStream] = run_sync(self._open_chain(self.start, self.end, plan_prefill=True))
 
-    async def _open_chain(self, start: int, end: int, cache_from: str | None = None) -> list[ServerStream]:
+    async def _open_chain(
+        self, start: int, end: int, cache_from: str | None = None, plan_prefill: bool = False
+    ) -> list[ServerStream]:
         """Route blocks `[start, end)` and open a stream on every server of the chain (`cache_from`:
-        sessions that may receive their cache from that server, see `SessionMoves`)."""
+        sessions that may receive their cache from that server, see `SessionMoves`; `plan_prefill`:
+        open prefill servers for the prompt where that pays, see `DisaggregatedPrefill`)."""
         # the scheduler routes by load, not by adapters: a session with an adapter routes itself
         scheduled = self.connection.scheduler is not None and self.connection.options.active_adapter is None
         if (start, end) == (0, self.connection.num_blocks) and scheduled:
@@ -110,9 +115,11 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
             chain = await self.connection.route(start, end, self.shape)
             # a fresh id per stream: a replacement may land on a server already in this chain
             streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
+            plan = await self._plan_prefill(chain) if plan_prefill else {}
             try:
-                for stream in streams:
-                    stream.cache_token = await stream.open(self.connection, cache_from)
+                for index, stream in enumerate(streams):
+                    source = plan[index].hop.peer_id if index in plan else cache_from
+                    stream.cache_token = await stream.open(self.connection, source)
                 logger.info(
                     "session %s blocks %d:%d routed through %s",
                     self.session_id[:8],
@@ -120,9 +127,16 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
                     end,
                     " -> ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in streams),
                 )
+                if plan:
+                    logger.info(
+                        "session %s: its prompt goes to prefill servers %s",
+                        self.session_id[:8],
+                        ", ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in plan.values()),
+                    )
+                self._prefill = plan
                 return streams
             except RemoteError as error:
-                for stream in streams:
+                for stream in [*streams, *plan.values()]:
                     stream.close()
                 if error.code in FATAL_CODES:
                     raise  # our own request is wrong (or not allowed): another server would refuse it too
@@ -139,7 +153,7 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
                 else:
                     self.connection.blame(error.peer, error)
             except Exception as error:  # transport failures: blame the server and route around it
-                for stream in streams:
+                for stream in [*streams, *plan.values()]:
                     stream.close()
                 self.connection.blame(getattr(error, "peer", "") or _failed_peer(streams), error)
 
@@ -173,10 +187,16 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
                 return None
         admission.admitted_at = time.monotonic()
         hops = [RouteHop.from_proto(hop) for hop in reply.chain]
-        problem = chain_problem(hops, await self.connection.servers(refresh=True), self.connection.num_blocks)
+        servers = await self.connection.servers(refresh=True)
+        problem = chain_problem(hops, servers, self.connection.num_blocks)
         if problem is not None:
             await link.end_session(admission.scheduler_session)
             link.distrust(f"routed through an impossible chain ({problem})")
+            return None
+        if not all(servers[hop.peer_id].role.serves("decode") for hop in hops):
+            # the scheduler does not place or route by role yet: a prefill-only server takes no session
+            await link.end_session(admission.scheduler_session)
+            logger.info("the scheduler's route includes a prefill-only server: routing locally")
             return None
         streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in hops]
         try:
@@ -230,6 +250,11 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
         return output
 
     async def _step(self, step: StepInput) -> torch.Tensor:
+        if self._prefill:  # the prompt goes to prefill servers first (client/prefill_roles.py)
+            return await self._prefill_step(step)
+        return await self._chain_step(step)
+
+    async def _chain_step(self, step: StepInput) -> torch.Tensor:
         """Through every hop in turn: each server's output is the next one's input."""
         timeout = self.connection.options.request_timeout
         failures = 0
@@ -338,7 +363,11 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, BlockSession):
         return outputs
 
     def close(self) -> None:
-        streams, self.streams = self.streams + list(self.verifiers.values()), []
+        streams, self.streams = (
+            self.streams + list(self.verifiers.values()) + list(self._prefill.values()),
+            [],
+        )
+        self._prefill = {}
         self.verifiers = {}
         if streams or self._keep_alive is not None:
             run_sync(self._close(streams))

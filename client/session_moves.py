@@ -13,8 +13,11 @@ import logging
 
 from client.handoff_cost import MoveCosts, move_costs
 from client.stream import ServerStream
+from swarm.server_info import ServerInfo
 
 logger = logging.getLogger(__name__)
+
+ALWAYS_LIMIT = 600.0  # seconds a hand-off may take when the caller asked for one whatever it costs
 
 
 class SessionMoves:
@@ -40,15 +43,18 @@ class SessionMoves:
         loop = asyncio.get_running_loop()
         started = loop.time()
         hop = leaving.hop
+        source = self.connection.known_servers.get(hop.peer_id)  # its record may go once it is OFFLINE
         self.connection.ban(hop.peer_id)  # it refuses new sessions: route around it, even on stale records
         replacement = await self._open_chain(hop.start, hop.end, cache_from=hop.peer_id)
         how, costs = "replay", None
-        if len(replacement) == 1 and leaving.length > 0 and leaving.history:
+        policy = self.connection.options.handoff
+        if len(replacement) == 1 and leaving.length > 0 and leaving.history and policy != "never":
             target = replacement[0]
-            costs = self._move_costs(leaving, target)
-            if costs is None or costs.try_handoff:
+            costs = self._move_costs(leaving, target, source)
+            if policy == "always" or costs is None or costs.try_handoff:
                 timeout = self.connection.options.request_timeout
-                allowed = costs.replay_seconds if costs is not None else timeout
+                auto = policy == "auto" and costs is not None
+                allowed = costs.replay_seconds if auto else ALWAYS_LIMIT
                 try:
                     reply = await leaving.hand_off(target, target.cache_token, allowed, timeout)
                     rate = reply.bytes / max(reply.seconds, 1e-6)
@@ -85,19 +91,22 @@ class SessionMoves:
         )
         return replacement
 
-    def _move_costs(self, leaving: ServerStream, target: ServerStream) -> MoveCosts | None:
-        """None: a record is missing (the leaving server's may be gone already): try the hand-off."""
+    def _move_costs(
+        self, leaving: ServerStream, target: ServerStream, source: ServerInfo | None
+    ) -> MoveCosts | None:
+        """None: the target's record is missing: try the hand-off. Without the leaving server's
+        record, its cache is assumed as large per token as the target's (same model)."""
         connection = self.connection
         servers, rtts = connection.known_servers, connection.measured_rtts()
         source_peer, target_peer = leaving.hop.peer_id, target.hop.peer_id
-        if source_peer not in servers or target_peer not in servers:
+        if target_peer not in servers:
             return None
         return move_costs(
             tokens=leaving.length,
             batch_size=self.shape.batch_size,
             hidden_size=leaving.history[0].hidden.shape[-1],
             blocks=leaving.hop.end - leaving.hop.start,
-            source=servers[source_peer],
+            source=source if source is not None else servers[target_peer],
             target=servers[target_peer],
             rtt_source=rtts.get(source_peer, 0.0),
             rtt_target=rtts.get(target_peer, 0.0),

@@ -41,6 +41,11 @@ class ActiveSpan:
         return self.span.adapters.names if self.span.adapters is not None else ()
 
     @property
+    def link_rates(self) -> dict[str, float]:
+        """Bytes/s of this server's recent cache hand-offs, by receiving peer (announced)."""
+        return dict(getattr(self.servicer, "link_rates", {}))
+
+    @property
     def open_sessions(self) -> int:
         return len(self.servicer.sessions) if self.servicer is not None else 0
 

@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--public-name", default="", help="a name shown to operators")
     parser.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        default="both",
+        help="which phase of sessions to take: prompts only (their caches are handed to decode servers), "
+        "decoding only, or both (default)",
+    )
+    parser.add_argument(
         "--adapters",
         nargs="+",
         default=[],

@@ -9,6 +9,7 @@ from swarm.closed_swarm import SwarmSecret
 from swarm.errors import SwarmUserError
 from swarm.models.adapters import MAX_ADAPTERS, AdapterSource
 from swarm.record_validator import MAX_RECORD_TTL
+from swarm.server_info import ServerRole
 
 MAX_ANNOUNCE_PERIOD = (MAX_RECORD_TTL - 1) / 2  # records live 2 periods + 1 s; validators allow no more
 
@@ -67,6 +68,9 @@ class ServerConfig:
     legacy_records: bool = True
     # LoRA adapters (peft) for the blocks served, each checked and loaded at start-up; sessions name one
     adapters: tuple[AdapterSource, ...] = ()
+    # which phase of sessions this server takes: prompts ("prefill": its caches go to decode servers by
+    # hand-off), "decode", or "both"
+    role: str = "both"
 
     def __post_init__(self) -> None:
         """Every value checked where the config is made, whoever makes it (messages name the CLI flags)."""
@@ -111,6 +115,8 @@ class ServerConfig:
         names = [source.name for source in self.adapters]
         if len(names) > MAX_ADAPTERS or len(set(names)) != len(names):
             raise SwarmUserError(f"--adapters: at most {MAX_ADAPTERS}, with different names; got {names}")
+        if self.role not in tuple(ServerRole):
+            raise SwarmUserError(f"--role must be prefill, decode or both, got {self.role!r}")
         if self.relay not in RELAY_MODES:
             raise SwarmUserError(f"--relay must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}")
 

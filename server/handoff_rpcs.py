@@ -8,6 +8,7 @@ metrics and the p2p daemon its handlers were added to.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
@@ -21,6 +22,7 @@ from swarm.wire import ErrorCode, Open, ProtocolError, parse
 
 logger = logging.getLogger(__name__)
 
+MAX_LINKS = 16  # measured links a server announces (the record's bound)
 PUSH_HANDLE = "push_cache"  # not rpc_*: hivemind would register it as a plain protobuf handler
 
 
@@ -29,12 +31,14 @@ class HandOffRpcs:
 
     _p2p: P2P | None = None
     _namespace: str | None = None
+    link_rates: OrderedDict[str, float]  # receiving peer -> bytes/s of our last push there (announced)
 
     def _push_handle(self, namespace: str | None) -> str:
         return self._get_handle_name(namespace, PUSH_HANDLE)
 
     async def add_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
         self._p2p, self._namespace = p2p, namespace
+        self.link_rates = OrderedDict()
 
         def find_session(session_id: str) -> Session | None:
             return self.sessions.get(session_id)
@@ -84,6 +88,10 @@ class HandOffRpcs:
             result.bytes / max(result.seconds, 1e-9) / 1e6,
         )
         self.metrics.handoffs.inc()
+        self.link_rates[order.target_peer] = result.bytes / max(result.seconds, 1e-6)
+        self.link_rates.move_to_end(order.target_peer)
+        while len(self.link_rates) > MAX_LINKS:
+            self.link_rates.popitem(last=False)
         reply = HandedOff(
             handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
         )

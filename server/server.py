@@ -35,7 +35,7 @@ from swarm.models.adapters import attach_adapters
 from swarm.models.checkpoint import load_config
 from swarm.models.span import TransformerSpan, load_span, rebuild_span
 from swarm.reachability import DialBackService
-from swarm.server_info import Reachability, ServerInfo, ServerState
+from swarm.server_info import Reachability, ServerInfo, ServerRole, ServerState
 from swarm.stop_deadline import STOP_DEADLINE
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ class SwarmServer:
             active_sessions=served.open_sessions if served is not None else 0,
             reachability=self.reachability,
             adapters=served.adapter_names if served is not None else (),
+            role=ServerRole(config.role),
+            links=served.link_rates if served is not None else {},
         )
 
     def _announce(self, wait: bool = True):

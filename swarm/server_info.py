@@ -42,6 +42,24 @@ class Reachability(StrEnum):
     UNREACHABLE = "unreachable"  # neither: clients and the scheduler never route to it
 
 
+class ServerRole(StrEnum):
+    """Which phase of sessions a server takes (`swarm-server --role`): prompts only (its caches are
+    handed to decode servers), decoding only, or both (every server before roles existed)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    def serves(self, phase: str) -> bool:
+        """`phase`: "prefill" (the disaggregated prompt: prefill servers only), "decode" (a session
+        as usual: decode and both), or "any"."""
+        if phase == "prefill":
+            return self == ServerRole.PREFILL
+        if phase == "decode":
+            return self != ServerRole.PREFILL
+        return True
+
+
 class ServerInfo(VersionedRecord):
     current_schema_version = SCHEMA_VERSION
 
@@ -75,6 +93,11 @@ class ServerInfo(VersionedRecord):
     active_sessions: int = Field(default=0, ge=0, le=1 << 24)
     # servers that predate the field were reachable as far as anyone knew: DIRECT
     reachability: Reachability = Reachability.DIRECT
+    role: ServerRole = ServerRole.BOTH
+    # cache hand-offs this server measured: peer id -> bytes/s of its pushes there (at most 16)
+    links: dict[Annotated[str, Field(max_length=128)], Annotated[float, Field(gt=0, le=1e12)]] = Field(
+        default_factory=dict, max_length=16
+    )
     # LoRA adapters a session may name (swarm.models.adapters): at most 16 names of at most 64 characters
     adapters: tuple[Annotated[str, Field(pattern=ADAPTER_NAME, max_length=64)], ...] = Field(
         default=(), max_length=16

@@ -42,9 +42,9 @@ def _wait_for_log(swarm, name: str, text: str, timeout: float = 30.0) -> None:
 def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
     model_dir = llama_dir
     prefix = default_prefix(str(model_dir))
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):  # each round drains the one serving the session
         swarm.start_server(name, model_dir, f"0:{NUM_BLOCKS}", "1GB", "--drain-timeout", "60")
-    swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b"])
+    swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = tokenizer(
@@ -68,9 +68,6 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
             assert torch.equal(torch.cat([first, rest], dim=1), expected)
             _wait_for_log(swarm, victim, "handed")
             assert swarm.processes[victim].wait(30) == 0  # its drain ended when the session left
-            survivor = "b" if victim == "a" else "a"
-            swarm.start_server(victim, model_dir, f"0:{NUM_BLOCKS}", "1GB", "--drain-timeout", "60")
-            swarm.wait_online(prefix, NUM_BLOCKS, [victim, survivor])
     finally:
         model.shutdown()
 
@@ -234,3 +231,41 @@ def llama_kv_shape(model_dir) -> tuple[int, int]:
     config = json.loads((model_dir / "config.json").read_text())
     heads = config["num_attention_heads"]
     return config.get("num_key_value_heads", heads), config["hidden_size"] // heads
+
+
+def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swarm, llama_dir):
+    """`--role prefill` and `--role decode`: the decode server prefills slowly (emulated), so the client
+    sends each prompt to the prefill server, whose cache is handed to the decode server."""
+    prefix = default_prefix(str(llama_dir))
+    blocks = f"0:{NUM_BLOCKS}"
+    swarm.start_server("prefill", llama_dir, blocks, "1GB", "--role", "prefill")
+    swarm.start_server(
+        "decode", llama_dir, blocks, "1GB", "--role", "decode", "--compute-delay-per-token", "0.002"
+    )
+    online = swarm.wait_online(prefix, NUM_BLOCKS, ["prefill", "decode"])
+    assert online["prefill"].role == "prefill" and online["decode"].role == "decode"
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    batch = tokenizer(
+        ["A cat sat on a mat", "one two"], return_tensors="pt", padding=True, padding_side="left"
+    )
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
+    )
+    try:
+        for inputs in ({"input_ids": PROMPT}, dict(batch)):
+            expected = reference.generate(**inputs, max_new_tokens=10, do_sample=False)
+            assert torch.equal(model.generate(**inputs, max_new_tokens=10, do_sample=False), expected)
+        _wait_for_log(swarm, "prefill", "handed")
+        _wait_for_log(swarm, "decode", "received a cache")
+        assert "handed" not in swarm.log("decode")  # decoding stayed on the decode server
+        # the prefill server announces the link it measured (bounded record field)
+        decode_peer = _peer(swarm, prefix, "decode")
+        swarm.wait_for(prefix, NUM_BLOCKS, lambda online: list(online["prefill"].links) == [decode_peer], 30)
+    finally:
+        model.shutdown()
+
+
+def _peer(swarm, prefix: str, name: str) -> str:
+    (peer,) = [peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items() if info.public_name == name]
+    return peer

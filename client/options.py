@@ -1,0 +1,94 @@
+"""`ClientOptions`: how a client routes, waits, fails over, verifies and moves sessions; checked
+when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.adapter_names import check_adapter_name
+from swarm.closed_swarm import SwarmSecret
+from swarm.errors import SwarmUserError
+
+
+@dataclass
+class ClientOptions:
+    refresh_period: float = 1.0  # seconds a fetched list of servers stays fresh
+    rtt_ttl: float = 60.0  # seconds a measured RTT stays valid
+    failed_ping_ttl: float = 3.0  # seconds a server that did not answer a ping is skipped before retrying
+    ping_timeout: float = 5.0  # first contact with a server: records may name peers that do not exist
+    probe_per_block: int = 4  # routing pings at most this many unmeasured servers per block (widened
+    # when no chain forms among them), so a client's start-up does not grow with the swarm
+    request_timeout: float = 30.0  # seconds to wait for any one reply
+    wait_for_room: float = 60.0  # seconds to wait for cache room before giving up
+    wait_for_servers: float = 15.0  # seconds to wait for some server to cover missing blocks
+    max_failovers: int = 8  # failures one step survives before the session gives up
+    ban_base: float = 1.0  # a failed server is avoided for ban_base * 2^(failures-1) s, at most ban_max
+    ban_max: float = 60.0
+    # the prompt length routing assumes for a session opened without `prompt_tokens` (generate()
+    # always gives the real one); the rest of the session's max_length counts as generated tokens
+    expected_l_in: int = 20
+    use_scheduler: bool = True  # ask the scheduler for routes when one signed by scheduler_key is announced
+    scheduler_key: str | None = None  # the scheduler's public key (ssh-rsa ...); None: never use one
+    scheduler_timeout: float = 3.0  # seconds to wait for a scheduler reply before routing locally
+    scheduler_retry: float = 5.0  # after the scheduler failed, route locally this long before asking again
+    scheduler_distrust: float = 60.0  # after the scheduler said something impossible, ignore it this long
+    swarm_secret: SwarmSecret | None = None  # closed swarms: the secret every peer holds
+    max_refusals: int = 3  # "no cache room" answers a server announcing room may give before a ban
+    # replica verification: this fraction of each hop's steps (drawn unpredictably) also runs on another
+    # server holding the same blocks; a third decides a disagreement and the liar is banned for liar_ban
+    verify_fraction: float = 0.0
+    liar_ban: float = 3600.0
+    # how a failover rebuilds a replacement server's cache (client/replay.py): "prefill" runs one
+    # catch-up prefill (equal within the dtype's rounding; one forward of server compute), "exact"
+    # reruns the recorded steps from one message (a bit-identical cache, but one forward per step:
+    # measured 14.4x a token after 500 tokens over 50 ms links, against 2.7x, BENCHMARKS.md), "steps"
+    # sends the recorded steps one round trip each (what servers without the Replay message understand)
+    replay_mode: str = "prefill"
+    # this client's upload bandwidth (Mbit/s): what a replay costs against a server-to-server hand-off
+    uplink_mbps: float = 20.0
+    # a session on a server that leaves: "auto" moves its cache by hand-off when that is expected to
+    # beat a replay (client/handoff_cost.py), "always" hands off whenever one server takes all its
+    # blocks, "never" replays (servers that predate hand-offs are replayed to anyway)
+    handoff: str = "auto"
+    # prompts on servers started with --role prefill, their caches handed to the decode chain: "auto"
+    # where it is expected to pay (client/prefill_roles.py), "always" wherever one holds a hop's blocks,
+    # "never"
+    disaggregate: str = "auto"
+    # the LoRA adapter every session and forward of this client uses (PETALS' `active_adapter`): only
+    # servers announcing it are routed through; None: the plain model
+    active_adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "refresh_period",
+            "rtt_ttl",
+            "failed_ping_ttl",
+            "ping_timeout",
+            "request_timeout",
+            "uplink_mbps",
+        ):
+            if not getattr(self, name) > 0:
+                raise SwarmUserError(f"ClientOptions.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise SwarmUserError(
+                f"ClientOptions.verify_fraction must be in [0, 1], got {self.verify_fraction}"
+            )
+        if self.probe_per_block < 1:
+            raise SwarmUserError(f"ClientOptions.probe_per_block must be >= 1, got {self.probe_per_block}")
+        if self.replay_mode not in ("exact", "prefill", "steps"):
+            raise SwarmUserError(
+                f"ClientOptions.replay_mode must be exact, prefill or steps, got {self.replay_mode!r}"
+            )
+        for name in ("handoff", "disaggregate"):
+            if getattr(self, name) not in ("auto", "always", "never"):
+                raise SwarmUserError(
+                    f"ClientOptions.{name} must be auto, always or never, got {getattr(self, name)!r}"
+                )
+        if self.max_failovers < 0 or self.max_refusals < 1:
+            raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
+        if self.active_adapter is not None:
+            check_adapter_name(self.active_adapter)
+        if self.scheduler_key is not None:
+            from swarm.identity import read_public_key
+
+            self.scheduler_key = read_public_key(self.scheduler_key)

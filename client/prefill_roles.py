@@ -1,0 +1,134 @@
+"""Prefill and decode on different servers (HexGen-2, Splitwise, DistServe): a session's prompt runs on
+servers started with `--role prefill`, and their caches are handed to the decode servers the session
+routed to (`swarm.handoff_wire`), which then generate.
+
+Per hop of the decode chain, the client looks for a prefill server holding the hop's blocks and
+disaggregates where it pays (`ClientOptions.disaggregate = "auto"`): the prompt's upload is the same
+either way, so a prefill server is used when its prefill of the prompt plus the cache's hand-off to
+the decode server (at the link rate measured before, by the client or announced by the prefill server;
+0 when unmeasured, the hand-off's own limit then bounds the loss) is shorter than the decode server's
+own prefill. "always" uses any prefill server there is, "never" none. Any failure falls back to what
+colocated serving does: the decode server computes the prompt itself (a replay of the prompt).
+
+`DisaggregatedPrefill` is a part of `RemoteBlockSession` (client/remote.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from client.handoff_cost import prefill_seconds
+from client.stream import ServerStream, StepInput
+from swarm.route_request import RouteHop
+
+logger = logging.getLogger(__name__)
+
+MIN_PROMPT = 2  # a one-token prompt is a decode step: nothing to disaggregate
+
+
+class DisaggregatedPrefill:
+    _prefill: dict[int, ServerStream]  # decode chain index -> the prefill stream that takes its prompt
+
+    async def _plan_prefill(self, chain: list[RouteHop]) -> dict[int, ServerStream]:
+        """Prefill servers for the hops of `chain` where disaggregating pays, their sessions opened."""
+        connection = self.connection
+        policy = connection.options.disaggregate
+        if policy == "never" or self.shape.l_in < MIN_PROMPT:
+            return {}
+        servers = connection.known_servers
+        prefill_servers = connection.routable_among(servers, "prefill")
+        plan: dict[int, ServerStream] = {}
+        for index, hop in enumerate(chain):
+            blocks = hop.end - hop.start
+            covering = [
+                peer
+                for peer, info in prefill_servers.items()
+                if info.start <= hop.start and hop.end <= info.end and info.cache_bytes_left > 0
+            ]
+            if not covering or hop.peer_id not in servers:
+                continue
+            costs = {}
+            for peer in covering:
+                link = connection.link_rates.get((peer, hop.peer_id)) or servers[peer].links.get(hop.peer_id)
+                cache_bytes = (
+                    self.shape.l_in * self.shape.batch_size * servers[peer].cache_token_bytes * blocks
+                )
+                handoff = cache_bytes / link if link else 0.0
+                costs[peer] = prefill_seconds(servers[peer], self.shape.l_in) * blocks + handoff
+            peer = min(costs, key=costs.get)
+            colocated = prefill_seconds(servers[hop.peer_id], self.shape.l_in) * blocks
+            if policy == "auto" and costs[peer] >= colocated:
+                continue
+            stream = ServerStream(RouteHop(peer, hop.start, hop.end), uuid.uuid4().hex, self.shape)
+            try:
+                await stream.open(connection)
+            except Exception as error:  # that server will not take it: its decode server will
+                stream.close()
+                logger.info("session %s: no prefill on %s (%s)", self.session_id[:8], peer[-8:], error)
+                continue
+            plan[index] = stream
+        return plan
+
+    async def _prefill_step(self, step: StepInput):
+        """The session's prompt through the prefill servers planned for it (the other hops as usual),
+        then each prefill server's cache handed to its hop's decode server."""
+        plan, self._prefill = self._prefill, {}
+        if step.position != 0 or step.hidden.shape[1] < MIN_PROMPT:  # not a prompt: nothing to do
+            for stream in plan.values():
+                stream.close()
+            return await self._chain_step(step)
+        decode = {index: self.streams[index] for index in plan}
+        for index, stream in plan.items():
+            self.streams[index] = stream
+        try:
+            output = await self._chain_step(step)
+        except BaseException:
+            for index, stream in plan.items():
+                if self.streams[index] is stream:
+                    self.streams[index] = decode[index]
+                stream.close()
+            raise
+        chain: list[ServerStream] = []
+        for index, stream in enumerate(self.streams):
+            if index in plan and stream is plan[index]:
+                chain += await self._hand_prefill(stream, decode[index])
+            else:
+                if index in decode:  # its prompt failed over elsewhere: the reserved decode session goes
+                    decode[index].close()
+                chain.append(stream)
+        self.streams = chain
+        return output
+
+    async def _hand_prefill(self, prefill: ServerStream, target: ServerStream) -> list[ServerStream]:
+        """`target` holding `prefill`'s cache: handed off, else rebuilt by replay, else a failover."""
+        timeout = self.connection.options.request_timeout
+        servers = self.connection.known_servers
+        blocks = target.hop.end - target.hop.start
+        info = servers.get(target.hop.peer_id)
+        allowed = prefill_seconds(info, prefill.length) * blocks if info is not None else timeout
+        how = "hand-off"
+        try:
+            reply = await prefill.hand_off(target, target.cache_token, max(allowed, 0.5), timeout)
+            rate = reply.bytes / max(reply.seconds, 1e-6)
+            self.connection.link_rates[(prefill.hop.peer_id, target.hop.peer_id)] = rate
+        except Exception as error:
+            how = f"replay ({error})"
+            try:
+                await self._catch_up(target, prefill.history, last=True)
+            except Exception as replay_error:
+                logger.info("session %s: replay of the prompt failed (%s)", self.session_id[:8], replay_error)
+                target.close()
+                prefill.close()
+                return await self._replace(prefill)
+        logger.info(
+            "session %s: prompt of blocks %d:%d on prefill server %s, cache to %s by %s",
+            self.session_id[:8],
+            target.hop.start,
+            target.hop.end,
+            prefill.hop.peer_id[-8:],
+            target.hop.peer_id[-8:],
+            how,
+        )
+        prefill.close()
+        return [target]
