@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API (aiohttp): routes, admission, streaming and errors.
 
-Every request runs in its own inference session through the swarm client (its routing, scheduler
-use and failover), on a worker thread, so many streams proceed at once. Admission is bounded:
-at most `max_concurrent` generations run and `max_queued` wait; more get 429. A client that goes
-away mid-stream cancels its generation, whose session then closes and frees the servers' caches.
+Every choice of a request (its prompts times `n`) runs in its own inference session through the swarm
+client (its routing, scheduler use and failover), on a worker thread, so many streams proceed at once.
+Admission is bounded in generations: at most `max_concurrent` run and `max_queued` wait; more get 429.
+A client that goes away mid-stream cancels its generations, whose sessions then close and free the
+servers' caches. Modules: `schema`/`chat_schema` (request bodies), `planning` (choices and bounds),
+`generation` (one choice), `logprobs`, `tools`, `responses`/`streaming` (answers), `admission`.
 """
 
 from __future__ import annotations
@@ -20,25 +22,23 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from client.api.admission import Admission
+from client.api.chat_schema import ChatRequest
 from client.api.config import ApiConfig
-from client.api.generation import GenerationJob, GenerationParams, GenerationResult
+from client.api.errors import ApiError, error_body
+from client.api.generation import GenerationJob
+from client.api.logprobs import TokenTexts, install_hook
 from client.api.metrics import ApiMetrics
-from client.api.prompting import chat_prompt, completion_prompt
-from client.api.schema import ChatRequest, CompletionRequest, error_body, new_id, now, usage
+from client.api.planning import RequestPlan, plan_chat, plan_completion
+from client.api.responses import Responder
+from client.api.schema import CompletionRequest, now
+from client.api.streaming import stream_choices
 from client.connection import SwarmUnavailable
 from swarm.errors import SwarmUserError
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str, code: str | None = None, param: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, kind, code, param)
 
 
 class SwarmApi:
@@ -48,9 +48,12 @@ class SwarmApi:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.assistant = assistant  # every request drafts with it (`--assistant`); None: plain decoding
         self.metrics = ApiMetrics()
+        # one worker per slot: admission never lets more generations run than there are workers
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent, thread_name_prefix="generate")
-        self.slots = asyncio.Semaphore(config.max_concurrent)
-        self.admitted = 0  # running or waiting for a slot
+        self.admission = Admission(config.max_concurrent, config.max_queued)
+        self.texts = TokenTexts(tokenizer)
+        self.vocab_size = getattr(model.config, "vocab_size", None) or len(tokenizer)
+        install_hook(model)  # log-probabilities come from the logits of the model's own forwards
         self.created = now()
 
     def app(self) -> web.Application:
@@ -92,120 +95,58 @@ class SwarmApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request)
         body = self._parse(await self._json(request), CompletionRequest)
-        prompt_ids = completion_prompt(self.tokenizer, body.prompt)
-        return await self._generate(request, body, prompt_ids, chat=False)
+        plan = plan_completion(body, self.tokenizer, self.config, self.vocab_size)
+        responder = Responder(self.config.model_name, self.texts, plan, False, body.logprobs is not None)
+        return await self._generate(request, body, plan, responder)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request)
         body = self._parse(await self._json(request), ChatRequest)
-        prompt_ids = chat_prompt(self.tokenizer, body.messages)
-        return await self._generate(request, body, prompt_ids, chat=True)
+        plan = plan_chat(body, self.tokenizer, self.config)
+        responder = Responder(self.config.model_name, self.texts, plan, True, body.logprobs)
+        return await self._generate(request, body, plan, responder)
 
-    async def _generate(self, request, body, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
-        params = self._params(body, len(prompt_ids))
-        if self.admitted >= self.config.max_concurrent + self.config.max_queued:
-            raise ApiError(
-                429, "too many requests in flight; retry later", "rate_limit_exceeded", "rate_limit_exceeded"
-            )
-        self.admitted += 1
+    async def _generate(self, request, body, plan: RequestPlan, responder: Responder) -> web.StreamResponse:
+        weight = len(plan.choices)
+        self.admission.enter(weight)  # or 429
         self.metrics.in_flight.inc()
         try:
-            async with self.slots:
-                job = GenerationJob(
-                    self.model, self.tokenizer, prompt_ids, params, asyncio.get_running_loop(), self.assistant
-                )
+            async with self.admission.slots(weight):
+                loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+                jobs = [
+                    GenerationJob(
+                        self.model,
+                        self.tokenizer,
+                        choice.prompt_ids,
+                        choice.params,
+                        loop,
+                        self.assistant,
+                        index=choice.index,
+                        prompt_text=choice.prompt_text,
+                        deltas=queue,
+                    )
+                    for choice in plan.choices
+                ]
                 started = time.monotonic()
-                future = asyncio.get_running_loop().run_in_executor(self.executor, job.run)
+                futures = [loop.run_in_executor(self.executor, job.run) for job in jobs]
                 try:
                     if body.stream:
-                        response = await self._stream(request, job, body, chat, len(prompt_ids))
+                        include_usage = body.stream_options is not None and body.stream_options.include_usage
+                        response = await stream_choices(
+                            request, jobs, responder, include_usage, self._error_for
+                        )
                     else:
-                        await asyncio.shield(future)
-                        response = web.json_response(self._whole(job.result, chat, len(prompt_ids)))
+                        await asyncio.shield(asyncio.gather(*futures))
+                        response = web.json_response(responder.whole([job.result for job in jobs]))
                 finally:
-                    job.cancel()  # a no-op when it finished; otherwise its session closes now
-                    await asyncio.gather(future, return_exceptions=True)
-                self.metrics.observe(request.path, len(prompt_ids), job.result, started)
+                    for job in jobs:
+                        job.cancel()  # a no-op when it finished; otherwise its session closes now
+                    await asyncio.gather(*futures, return_exceptions=True)
+                self.metrics.observe(request.path, plan.prompt_tokens, [job.result for job in jobs], started)
                 return response
         finally:
-            self.admitted -= 1
+            self.admission.leave(weight)
             self.metrics.in_flight.dec()
-
-    async def _stream(
-        self, request, job: GenerationJob, body, chat: bool, prompt_tokens: int
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
-
-        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
-            if chat:
-                content = (
-                    {"role": "assistant", "content": ""}
-                    if role
-                    else ({} if delta is None else {"content": delta})
-                )
-                choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
-                kind = "chat.completion.chunk"
-            else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-                kind = "text_completion"
-            return {
-                "id": ident,
-                "object": kind,
-                "created": created,
-                "model": self.config.model_name,
-                "choices": [choice],
-            }
-
-        async def send(payload: dict | str) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            await response.write(f"data: {data}\n\n".encode())
-
-        try:
-            if chat:
-                await send(chunk(None, role=True))
-            while (delta := await job.deltas.get()) is not None:
-                await send(chunk(delta))
-            error = job.error
-            if error is not None:
-                status, payload = self._error_for(error)
-                await send(payload)
-            else:
-                await send(chunk(None, job.result.finish_reason))
-                if body.stream_options is not None and body.stream_options.include_usage:
-                    final = chunk(None)
-                    final["choices"], final["usage"] = [], usage(prompt_tokens, job.result.completion_tokens)
-                    await send(final)
-            await send("[DONE]")
-            await response.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError) as gone:
-            logger.info(
-                "a client left mid-stream after %d tokens: generation cancelled", job.result.completion_tokens
-            )
-            job.cancel()
-            if isinstance(gone, asyncio.CancelledError):
-                raise
-        return response
-
-    def _whole(self, result: GenerationResult, chat: bool, prompt_tokens: int) -> dict:
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None}
-            kind, prefix = "chat.completion", "chatcmpl"
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None}
-            kind, prefix = "text_completion", "cmpl"
-        choice["finish_reason"] = result.finish_reason
-        return {
-            "id": new_id(prefix),
-            "object": kind,
-            "created": now(),
-            "model": self.config.model_name,
-            "choices": [choice],
-            "usage": usage(prompt_tokens, result.completion_tokens),
-        }
 
     # --- validation -------------------------------------------------------------------------------
     def _authorize(self, request: web.Request) -> None:
@@ -256,26 +197,6 @@ class SwarmApi:
                 "model",
             )
         return parsed
-
-    def _params(self, body, prompt_tokens: int) -> GenerationParams:
-        config = self.config
-        max_tokens = body.requested_tokens or config.default_max_tokens
-        if max_tokens > config.max_tokens:
-            raise ApiError(
-                400,
-                f"max_tokens {max_tokens} exceeds this server's limit of {config.max_tokens}",
-                "invalid_request_error",
-                param="max_tokens",
-            )
-        if prompt_tokens + max_tokens > config.max_context:
-            raise ApiError(
-                400,
-                f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the context "
-                f"of {config.max_context}",
-                "invalid_request_error",
-                param="max_tokens",
-            )
-        return GenerationParams(max_tokens, body.temperature, body.top_p, body.stop, body.seed)
 
     def _error_for(self, error: BaseException) -> tuple[int, dict]:
         if isinstance(error, SwarmUnavailable):

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-tokens", type=int, default=1024, help="the most tokens a request may ask for")
     parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens, at most")
+    parser.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=16384,
+        help="prompt + max_tokens summed over a request's choices (prompts times n), at most",
+    )
     parser.add_argument("--scheduler-key", help="route through the scheduler whose records this key signs")
     parser.add_argument(
         "--verify-fraction", type=float, default=0.0, help="replica verification (see swarm-generate)"

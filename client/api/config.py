@@ -23,6 +23,9 @@ class ApiConfig:
     max_tokens: int = 1024  # the most a request may ask for
     max_context: int = 2048  # prompt plus completion tokens, at most
     default_max_tokens: int = 16  # OpenAI's default for completions
+    # the tokens one request's choices may hold together (each: prompt + max_tokens): bounds n times
+    # max_tokens, batches of prompts and echoed long prompts (`client.api.planning`)
+    max_request_tokens: int = 16384
     options: ClientOptions = field(default_factory=ClientOptions)
 
     def __post_init__(self) -> None:
@@ -38,3 +41,5 @@ class ApiConfig:
             raise SwarmUserError("--max-concurrent must be >= 1 and --max-queued >= 0")
         if not 1 <= self.default_max_tokens <= self.max_tokens < self.max_context:
             raise SwarmUserError("need 1 <= default max tokens <= --max-tokens < --max-context")
+        if self.max_request_tokens < self.max_context:
+            raise SwarmUserError("--max-request-tokens must be at least --max-context (one full request)")

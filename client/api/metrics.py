@@ -32,12 +32,17 @@ class ApiMetrics(PrometheusMetrics):
     def count(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def observe(self, route: str, prompt_tokens: int, result: GenerationResult, started: float) -> None:
+    def observe(
+        self, route: str, prompt_tokens: int, results: list[GenerationResult], started: float
+    ) -> None:
+        """One answered request and its choices' tokens and timings (TTFT: the first choice's first)."""
         self.count(route, 200)
         self.tokens.labels(kind="prompt").inc(prompt_tokens)
-        self.tokens.labels(kind="completion").inc(result.completion_tokens)
-        if result.first_token_at is not None:
-            self.ttft.observe(result.first_token_at - started)
-            finished = result.finished_at or time.monotonic()
-            if result.completion_tokens > 1:
+        self.tokens.labels(kind="completion").inc(sum(result.completion_tokens for result in results))
+        firsts = [result.first_token_at for result in results if result.first_token_at is not None]
+        if firsts:
+            self.ttft.observe(min(firsts) - started)
+        for result in results:
+            if result.first_token_at is not None and result.completion_tokens > 1:
+                finished = result.finished_at or time.monotonic()
                 self.tpot.observe((finished - result.first_token_at) / (result.completion_tokens - 1))
