@@ -56,7 +56,10 @@ async def receive_cache(
         first = await asyncio.wait_for(anext(requests), idle_timeout)
         header = parse(first.metadata, PushCache)
         session = _claim(find_session(header.session_id), header, str(context.remote_id))
-        limit.max_bytes = CHUNK_MESSAGE_LIMIT
+        # a chunk holds at least one position: with a very wide cache that alone may pass CHUNK_BYTES
+        cache = session.cache
+        one_position = 2 * cache.batch_size * cache.keys[0].shape[1] * cache.keys[0].shape[3] * 4
+        limit.max_bytes = max(CHUNK_MESSAGE_LIMIT, one_position + 64 * 1024)
         started, deadline = time.monotonic(), time.monotonic() + PUSH_TOTAL_TIMEOUT
         writer = _CacheWriter(session, header.length)
         while not writer.done:
