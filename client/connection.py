@@ -408,10 +408,13 @@ class SwarmConnection:
                 return answered, None  # everyone worth asking answered: no chain (yet)
             await asyncio.wait(out, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
 
-    async def route(self, start: int, end: int, shape: SessionShape, phase: str = "decode") -> list[RouteHop]:
-        """The fastest chain over `[start, end)` with cache room; waits with backoff while none has room."""
-        deadline = time.monotonic() + self.options.wait_for_room
-        missing_deadline = time.monotonic() + self.options.wait_for_servers
+    async def route(
+        self, start: int, end: int, shape: SessionShape, phase: str = "decode", patient: bool = True
+    ) -> list[RouteHop]:
+        """The fastest chain over `[start, end)` with cache room; waits with backoff while none has room
+        (not `patient`: raises at once, for a move that is only worth doing now)."""
+        deadline = time.monotonic() + (self.options.wait_for_room if patient else 0.0)
+        missing_deadline = time.monotonic() + (self.options.wait_for_servers if patient else 0.0)
         delay = 0.1
         refresh = False
         while True:

@@ -98,11 +98,17 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
         self.streams: list[ServerStream] = run_sync(self._open_chain(self.start, self.end, plan_prefill=True))
 
     async def _open_chain(
-        self, start: int, end: int, cache_from: str | None = None, plan_prefill: bool = False
+        self,
+        start: int,
+        end: int,
+        cache_from: str | None = None,
+        plan_prefill: bool = False,
+        patient: bool = True,
     ) -> list[ServerStream]:
         """Route blocks `[start, end)` and open a stream on every server of the chain (`cache_from`:
         sessions that may receive their cache from that server, see `SessionMoves`; `plan_prefill`:
-        open prefill servers for the prompt where that pays, see `DisaggregatedPrefill`)."""
+        open prefill servers for the prompt where that pays, see `DisaggregatedPrefill`; not `patient`:
+        fail at once rather than wait for servers or room)."""
         # the scheduler routes by load, not by adapters: a session with an adapter routes itself
         scheduled = self.connection.scheduler is not None and self.connection.options.active_adapter is None
         if (start, end) == (0, self.connection.num_blocks) and scheduled:
@@ -110,9 +116,9 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
             if streams is not None:
                 return streams
         # refusals are bounded like waiting for room: servers that keep saying no end the attempt
-        deadline = time.monotonic() + self.connection.options.wait_for_room
+        deadline = time.monotonic() + (self.connection.options.wait_for_room if patient else 0.0)
         while True:
-            chain = await self.connection.route(start, end, self.shape)
+            chain = await self.connection.route(start, end, self.shape, patient=patient)
             # a fresh id per stream: a replacement may land on a server already in this chain
             streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
             plan = await self._plan_prefill(chain) if plan_prefill else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from client.handoff_cost import MoveCosts, move_costs
 from client.stream import ServerStream
@@ -17,6 +18,7 @@ from swarm.server_info import ServerInfo
 
 logger = logging.getLogger(__name__)
 
+MOVE_RETRY = 5.0  # seconds a session stays on a leaving server after no replacement was found
 ALWAYS_LIMIT = 600.0  # seconds a hand-off may take when the caller asked for one whatever it costs
 
 
@@ -26,16 +28,22 @@ class SessionMoves:
         index = 0
         while index < len(self.streams):
             stream = self.streams[index]
-            if not (stream.leaving and stream.healthy):
+            if not (stream.leaving and stream.healthy) or time.monotonic() < stream.stay_until:
                 index += 1
                 continue
             try:
                 replacement = await self._move_off(stream)
-            except Exception as error:  # the next step's failover deals with it
-                logger.warning(
-                    "session %s: moving off a leaving server failed: %s", self.session_id[:8], error
+            except Exception as error:  # it stays there while it serves; a failover follows if it stops
+                stream.stay_until = time.monotonic() + MOVE_RETRY
+                logger.info(
+                    "session %s: no move off leaving %s now (%s): staying, trying again in %.0f s",
+                    self.session_id[:8],
+                    stream.hop.peer_id[-8:],
+                    error,
+                    MOVE_RETRY,
                 )
-                return
+                index += 1
+                continue
             self.streams[index : index + 1] = replacement
             index += len(replacement)
 
@@ -45,7 +53,8 @@ class SessionMoves:
         hop = leaving.hop
         source = self.connection.known_servers.get(hop.peer_id)  # its record may go once it is OFFLINE
         self.connection.ban(hop.peer_id)  # it refuses new sessions: route around it, even on stale records
-        replacement = await self._open_chain(hop.start, hop.end, cache_from=hop.peer_id)
+        # only worth it now: where no server has room at once, the session stays a while (patient=False)
+        replacement = await self._open_chain(hop.start, hop.end, cache_from=hop.peer_id, patient=False)
         how, costs = "replay", None
         policy = self.connection.options.handoff
         if len(replacement) == 1 and leaving.length > 0 and leaving.history and policy != "never":

@@ -84,6 +84,7 @@ class ServerStream:
     healthy: bool = False  # opened, and no step has failed since
     leaving: bool = False  # the server said it is leaving (draining, moving): move the session off it
     cache_token: str | None = None  # opened to receive a hand-off: the secret its pusher must show
+    stay_until: float = 0.0  # monotonic time before which a move off this leaving server is not retried
     length: int = 0  # positions of the server's cache that hold accepted work (rewinds shorten it)
     steps_sent: int = 0  # numbers step ids: a step after a rewind may repeat an earlier position
     # the stream through our p2p daemon, read and written directly (not hivemind's stream iterator,

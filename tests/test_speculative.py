@@ -6,6 +6,7 @@ two for 3:6, so that replicas can verify and a killed server has a replacement. 
 
 from __future__ import annotations
 
+import copy
 import signal
 
 import pytest
@@ -30,7 +31,14 @@ class Family:
     def __init__(self, swarm: LocalSwarm, model_dir, draft_dir, prefix: str):
         self.swarm, self.model_dir, self.prefix = swarm, model_dir, prefix
         self.reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft_dir).eval()  # 2 blocks, same tokenizer
+        self._draft = AutoModelForCausalLM.from_pretrained(draft_dir).eval()  # 2 blocks, same tokenizer
+
+    @property
+    def draft(self):
+        """A fresh copy at each use: with scikit-learn installed, transformers' assisted generation tunes
+        the assistant's confidence threshold (in its generation_config) as it goes, so a shared draft
+        would start each generation, the local reference's and the swarm's, from another threshold."""
+        return copy.deepcopy(self._draft)
 
     def client(self, **options) -> AutoDistributedModelForCausalLM:
         settings = {**OPTIONS.__dict__, **options}
