@@ -412,7 +412,7 @@ class SwarmConnection:
         self, start: int, end: int, shape: SessionShape, phase: str = "decode", patient: bool = True
     ) -> list[RouteHop]:
         """The fastest chain over `[start, end)` with cache room; waits with backoff while none has room
-        (not `patient`: raises at once, for a move that is only worth doing now)."""
+        (not `patient`: one more try on fresh records, then raises: for a move only worth doing now)."""
         deadline = time.monotonic() + (self.options.wait_for_room if patient else 0.0)
         missing_deadline = time.monotonic() + (self.options.wait_for_servers if patient else 0.0)
         delay = 0.1
@@ -421,6 +421,9 @@ class SwarmConnection:
             candidates, chain = await self._probe_for_chain(refresh, start, end, shape, phase)
             if chain is not None:
                 return chain
+            if not patient and not refresh:  # the records may predate the server that would take it
+                refresh = True
+                continue
             missing = uncovered_blocks(candidates, start, end)
             if missing:
                 if time.monotonic() > missing_deadline:

@@ -22,7 +22,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE = 5.0  # seconds a DHT process gets to stop when asked (normally well under one)
+STOP_GRACE = 3.0  # seconds a DHT process gets to stop when asked (normally well under one; hivemind: 3)
 TERM_WAIT = 2.0  # seconds after SIGTERM before SIGKILL
 KILL_WAIT = 5.0  # seconds to reap a killed process (SIGKILL works on stopped processes too)
 
