@@ -139,7 +139,8 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
                         self.session_id[:8],
                         ", ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in plan.values()),
                     )
-                self._prefill = plan
+                if plan_prefill:
+                    self._prefill = plan
                 return streams
             except RemoteError as error:
                 for stream in [*streams, *plan.values()]:

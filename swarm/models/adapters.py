@@ -30,9 +30,6 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
-from peft.utils.other import get_pattern_key
 from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
@@ -148,6 +145,8 @@ def attach_adapters(span, sources: Sequence[AdapterSource]) -> SpanAdapters | No
         for module in modules:
             _inject(span.blocks[module.block], name, config, module)
             adapters.bytes_by_block[module.block] += (module.lora_a.numel() + module.lora_b.numel()) * 4
+    from peft.tuners.lora import LoraLayer  # imported on use: peft costs every server a second to load
+
     for block in span.blocks:
         for module in block.modules():
             if isinstance(module, LoraLayer) and not getattr(module, "_swarm_rows_hook", False):
@@ -160,6 +159,8 @@ def attach_adapters(span, sources: Sequence[AdapterSource]) -> SpanAdapters | No
 
 def _inject(block: nn.Module, name: str, config: dict, module: _Module) -> None:
     """peft's LoRA layer for one linear layer of a block, holding the adapter's factors."""
+    from peft import LoraConfig, inject_adapter_in_model
+
     rank = module.lora_a.shape[0]
     lora_config = LoraConfig(
         r=rank,
@@ -212,6 +213,8 @@ def check_adapters(model_dir: str | Path, sources: Sequence[AdapterSource]) -> N
 
 
 def _read_adapter(source: AdapterSource, span: _Blocks) -> tuple[dict, list[_Module]]:
+    from peft.utils.other import get_pattern_key
+
     directory = source.path
     what = f"adapter {source.name!r} ({directory})"
     if not directory.is_dir():
@@ -320,6 +323,8 @@ def _linear(block: nn.Module, path: str, what: str) -> nn.Linear:
         layer = block.get_submodule(path)
     except AttributeError:
         layer = None
+    from peft.tuners.lora import LoraLayer
+
     if isinstance(layer, LoraLayer):  # a reused block (a move) may already carry adapters
         layer = layer.get_base_layer()
     if not isinstance(layer, nn.Linear):
