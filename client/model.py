@@ -20,10 +20,9 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client.backend import BlockBackend
-from client.connection import ClientOptions, SwarmConnection
+from client.connection import ClientOptions
 from client.continuation import continuation, mask_after
 from client.prompt_tuning import PromptTuning
-from client.remote import RemoteBlocks
 from client.sequence_forward import last_block_output, with_prompt_positions
 from client.sequential import RemoteSequential
 from client.session import InferenceSession
@@ -31,9 +30,7 @@ from client.session_cache import SessionCache
 from client.speculation import DraftLength, DraftLengthOptions
 from client.speculation.batched import BatchedSpeculation, check_batched_config
 from client.speculation.candidates import AdaptiveCandidates
-from swarm.dht_keys import default_prefix, validate_prefix
-from swarm.model_limits import ModelLimits
-from swarm.models.checkpoint import load_config
+from client.swarm_model import swarm_backend
 from swarm.models.client_parts import ClientParts, load_client_parts
 
 
@@ -96,22 +93,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         `tuning_mode` ("ptune", "deep_ptune") and `pre_seq_len`: trainable prompts (PETALS' options).
         `active_adapter`: a LoRA adapter servers announce (`swarm-server --adapters`), used by every
         session and forward of this model (`ClientOptions.active_adapter`)."""
-        if active_adapter is not None:
-            options = dataclasses.replace(options or ClientOptions(), active_adapter=active_adapter)
-        config = load_config(model_dir)
-        prefix = validate_prefix(dht_prefix) if dht_prefix else default_prefix(str(model_dir))
-        connection = SwarmConnection(list(initial_peers), prefix, ModelLimits.from_config(config), options)
+        backend = swarm_backend(model_dir, initial_peers, dht_prefix, options, active_adapter)
         try:
             return cls.from_local_parts(
                 model_dir,
-                RemoteBlocks(connection),
+                backend,
                 dtype=dtype,
                 device=device,
                 tuning_mode=tuning_mode,
                 pre_seq_len=pre_seq_len,
             )
         except BaseException:
-            connection.shutdown()
+            backend.connection.shutdown()
             raise
 
     def shutdown(self) -> None:
