@@ -19,9 +19,11 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
+from swarm import preloaded_launcher
 from swarm.dht_peer import open_identity, start_dht
 from swarm.dht_records import fetch_servers
 from swarm.identity import ensure_key_files
+from swarm.preloaded_launcher import Process
 from swarm.server_info import ServerInfo, ServerState
 
 PYTHON = sys.executable
@@ -75,7 +77,7 @@ def scheduler_argv(
 
 
 def wait_for_file(
-    path: Path, process: subprocess.Popen, what: str, log: Callable[[], str], timeout: float
+    path: Path, process: Process, what: str, log: Callable[[], str], timeout: float
 ) -> str:
     """The text a starting process writes to `path` when it is ready (its addresses); raises with the
     end of its log if it exits or takes longer than `timeout`."""
@@ -88,7 +90,7 @@ def wait_for_file(
 
 
 def stop_groups(
-    processes: list[subprocess.Popen],
+    processes: list[Process],
     sig: int = signal.SIGTERM,
     timeout: float = 20.0,
     whole_group: bool = False,
@@ -118,7 +120,8 @@ class LocalSwarm:
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, Process] = {}
+        preloaded_launcher.prepare(CHILD_ENV)
         self.initial_peers: list[str] = []
         self._observer: DHT | None = None
         self._scheduler_key: str | None = None
@@ -145,12 +148,8 @@ class LocalSwarm:
         self._peers.append(dht)  # shut down by close()
         return dht
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115  (the child owns it)
-        process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV, start_new_session=True
-        )
-        log.close()
+    def start(self, name: str, argv: list[str]) -> Process:
+        process = preloaded_launcher.launch(argv, self.log_dir / f"{name}.log", CHILD_ENV)
         self.processes[name] = process
         return process
 
@@ -171,7 +170,7 @@ class LocalSwarm:
         memory: str = "1GB",
         *extra: str,
         module: tuple[str, ...] = ("server.cli",),
-    ) -> subprocess.Popen:
+    ) -> Process:
         """A server of `blocks` ("0:3"), or managed by this swarm's scheduler when `blocks` is None
         (`server_argv`)."""
         key = self.scheduler_key if blocks is None else ""
@@ -285,14 +284,14 @@ class LocalSwarm:
         return leaked
 
 
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
+def _signal_group(process: Process, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
 
 
-def _group_alive(process: subprocess.Popen) -> bool:
+def _group_alive(process: Process) -> bool:
     try:
         os.killpg(process.pid, 0)
     except ProcessLookupError:

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 import hypothesis  # noqa: F401  (imported up front: its pytest plugin imports it lazily at exit, which can crash)
 import pytest
 
+from swarm import preloaded_launcher
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
+
+# Swarm processes start from one pre-imported interpreter (swarm/zygote.py): real processes, without
+# hundreds of seconds of CPU spent importing torch, transformers and hivemind in each on 2 cores.
+# SWARM_TESTS_PRELOAD=0 starts each one as a fresh interpreter instead.
+if os.environ.get("SWARM_TESTS_PRELOAD", "1") != "0":
+    preloaded_launcher.enable()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_zygote():
+    yield
+    preloaded_launcher.shutdown()
 
 NUM_BLOCKS = 6
 
