@@ -7,9 +7,13 @@ With `--blocks` the span is pinned. Without it the server is managed: it takes i
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+
+import torch
 
 from server.joining import RELAY_MODES
-from server.server import ServerConfig, run_server
+from server.server import ServerConfig, SwarmServer
 from swarm.cli.args import (
     add_swarm_secret_argument,
     command_parser,
@@ -20,6 +24,7 @@ from swarm.cli.args import (
 from swarm.cli.dataclass_args import add_field_options, dataclass_from_args
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
+from swarm.cli.signals import terminate_like_interrupt
 from swarm.dtypes import dtype_name
 from swarm.errors import SwarmUserError
 from swarm.hardware import (
@@ -37,6 +42,8 @@ from swarm.models.family import family_for
 from swarm.models.span import validate_span
 from swarm.quantization import QUANT_CHOICES, check_quant_device
 from swarm.units import parse_bytes
+
+logger = logging.getLogger(__name__)
 
 EXAMPLES = """examples:
   swarm-server models/tiny-llama --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/Qm... --blocks 0:3 --memory 1GB
@@ -184,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--scheduler-timeout": "managed: choose blocks PETALS-style if no scheduler answers for this "
             "many seconds",
             "--assignment-poll": "managed: seconds between asking the scheduler for our span while serving",
+            "--link-probe-period": "seconds between measuring the links to a few servers holding our blocks "
+            "(4 MB each; announced, for clients' cache hand-off decisions; 0: only from hand-offs)",
         },
         field_names={"--session-timeout": "session_idle_timeout"},
     )
@@ -236,6 +245,19 @@ def validate_relay_peers(maddrs: list[str]) -> list[str]:
         if "/p2p/" not in maddr or "/p2p-circuit" in maddr:
             raise SwarmUserError(f"--relay-peers takes multiaddrs ending in /p2p/<peer id>, got {maddr!r}")
     return maddrs
+
+
+def run_server(config: ServerConfig, torch_threads: int | None = None) -> None:
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    terminate_like_interrupt()  # while loading: a SIGTERM still leaves the DHT through `finally`
+    server = SwarmServer(config)
+    try:
+        server.start()
+        asyncio.run(server.serve())
+    finally:
+        server.shutdown()
+        logger.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,6 +71,9 @@ class ServerConfig:
     # which phase of sessions this server takes: prompts ("prefill": its caches go to decode servers by
     # hand-off), "decode", or "both"
     role: str = "both"
+    # seconds between probes of the links to a few servers holding our blocks (their rates are announced
+    # for clients' hand-off decisions; server/link_probes.py); 0: learn rates from hand-offs only
+    link_probe_period: float = 300.0
 
     def __post_init__(self) -> None:
         """Every value checked where the config is made, whoever makes it (messages name the CLI flags)."""
@@ -98,7 +101,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        for name in ("compute_delay", "compute_delay_per_token", "drain_timeout"):
+        for name in ("compute_delay", "compute_delay_per_token", "drain_timeout", "link_probe_period"):
             value = getattr(self, name)
             if not value >= 0:  # also refuses NaN
                 raise SwarmUserError(f"--{name.replace('_', '-')} must be >= 0, got {value}")

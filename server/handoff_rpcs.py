@@ -7,6 +7,7 @@ metrics and the p2p daemon its handlers were added to.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 
@@ -16,6 +17,7 @@ from hivemind.proto import runtime_pb2
 from server.bounded_stream import add_bounded_stream_handler
 from server.cache_receiver import receive_cache
 from server.cache_sender import push_cache
+from server.link_probes import PROBE_HANDLE, receive_probe
 from server.session import Session
 from swarm.handoff_wire import HandedOff, HandOff
 from swarm.wire import ErrorCode, Open, ProtocolError, parse
@@ -50,9 +52,27 @@ class HandOffRpcs:
                 yield response
 
         await add_bounded_stream_handler(p2p, self._push_handle(namespace), handler)
+        probing = asyncio.Lock()  # one probe at a time: others are refused, never queued
+
+        async def probe_handler(requests, context, limit):
+            async for response in receive_probe(requests, context, limit, probing):
+                yield response
+
+        await add_bounded_stream_handler(p2p, self.probe_handle(namespace), probe_handler)
 
     async def remove_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
         await p2p.remove_binary_stream_handler(self._push_handle(namespace))
+        await p2p.remove_binary_stream_handler(self.probe_handle(namespace))
+
+    def probe_handle(self, namespace: str | None) -> str:
+        return self._get_handle_name(namespace, PROBE_HANDLE)
+
+    def record_link_rate(self, peer: str, rate: float) -> None:
+        """Our measured rate to `peer` (a hand-off or a probe), announced in `ServerInfo.links`."""
+        self.link_rates[peer] = rate
+        self.link_rates.move_to_end(peer)
+        while len(self.link_rates) > MAX_LINKS:
+            self.link_rates.popitem(last=False)
 
     @staticmethod
     def check_cache_source(message: Open) -> tuple[str | None, str | None]:
@@ -88,10 +108,7 @@ class HandOffRpcs:
             result.bytes / max(result.seconds, 1e-9) / 1e6,
         )
         self.metrics.handoffs.inc()
-        self.link_rates[order.target_peer] = result.bytes / max(result.seconds, 1e-6)
-        self.link_rates.move_to_end(order.target_peer)
-        while len(self.link_rates) > MAX_LINKS:
-            self.link_rates.popitem(last=False)
+        self.record_link_rate(order.target_peer, result.bytes / max(result.seconds, 1e-6))
         reply = HandedOff(
             handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
         )

@@ -220,3 +220,12 @@ class SpanManager:
     async def _move(self, p2p, assignment: Assignment) -> None:
         if await self.server.move_to(p2p, assignment.start, assignment.end, f"epoch {assignment.epoch}"):
             self.epoch = assignment.epoch
+
+
+async def stop_follower(follower: asyncio.Task) -> None:
+    """Let the scheduler follower reach a safe point (it checks `stopped`; a move under way finishes
+    loading), then cancel it if it still runs, so leaving never races a half-done move."""
+    done, _pending = await asyncio.wait({follower}, timeout=60.0)
+    if not done:
+        follower.cancel()
+        logger.warning("the scheduler follower did not stop within 60 s: cancelled")

@@ -14,7 +14,6 @@ import logging
 import time
 from importlib.metadata import PackageNotFoundError, version
 
-import torch
 from hivemind.dht import DHT
 from tqdm import tqdm
 
@@ -23,11 +22,12 @@ from server.config import ServerConfig
 from server.emulated_delay import emulated_seconds_per_block
 from server.handler import BlockServicer, PeerLimits
 from server.joining import JoinOptions, current_relay_state, join_dht
-from server.managed import SpanManager
+from server.link_probes import start_link_probes
+from server.managed import SpanManager, stop_follower
 from server.memory import CacheBudget
 from server.metrics import ServerMetrics
 from server.throughput import BlockTimings, cached_block_timings
-from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
+from swarm.cli.signals import stop_on_signals
 from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
 from swarm.dht_records import announce
 from swarm.model_limits import ModelLimits
@@ -306,12 +306,15 @@ class SwarmServer:
         await self._announce(wait=False)
         logger.info("online: serving blocks %s as %s", self.span_text, self.peer_id)
         follower = asyncio.create_task(self.manager.follow(p2p)) if self.manager is not None else None
+        prober = start_link_probes(self, p2p)
         try:
             await self._announce_until_stopped()
         finally:
             self.stopped.set()  # also when announcing failed: the follower must not outlive serving
+            if prober is not None:
+                prober.cancel()
             if follower is not None:
-                await _stop_follower(follower)
+                await stop_follower(follower)
             await self._leave(p2p)
 
     async def _follow_relay_state(self) -> None:
@@ -480,25 +483,3 @@ class SwarmServer:
             self.dht = None
         if self.identity is not None and self.config.identity_path is None:
             forget_identity(self.identity)  # a per-run key: nobody needs it after us
-
-
-async def _stop_follower(follower: asyncio.Task) -> None:
-    """Let the scheduler follower reach a safe point (it checks `stopped`; a move under way finishes
-    loading), then cancel it if it still runs, so leaving never races a half-done move."""
-    done, _pending = await asyncio.wait({follower}, timeout=60.0)
-    if not done:
-        follower.cancel()
-        logger.warning("the scheduler follower did not stop within 60 s: cancelled")
-
-
-def run_server(config: ServerConfig, torch_threads: int | None = None) -> None:
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
-    terminate_like_interrupt()  # while loading: a SIGTERM still leaves the DHT through `finally`
-    server = SwarmServer(config)
-    try:
-        server.start()
-        asyncio.run(server.serve())
-    finally:
-        server.shutdown()
-        logger.info("stopped")

@@ -67,3 +67,28 @@ class CacheAccepted(Message):
 
     type: str = "cache_accepted"
     length: int
+
+
+# --- link probes: how fast a server-to-server link is, before any hand-off needs it -----------------
+PROBE_MAX_CHUNKS = 8  # a probe carries at most this many chunks of at most CHUNK_BYTES
+
+
+class ProbeLink(Message):
+    """A -> B, the first message of a probe stream: `chunks` chunks of filler bytes follow, each
+    acknowledged (`ProbeAck`); A measures the link on the acknowledgements, B keeps nothing."""
+
+    type: str = "probe_link"
+    chunks: int = Field(ge=1, le=PROBE_MAX_CHUNKS)
+
+
+class ProbeChunk(Message):
+    """A -> B: filler bytes, one uint8 tensor of at most CHUNK_BYTES."""
+
+    type: str = "probe_chunk"
+
+
+class ProbeAck(Message):
+    """B -> A after each chunk: the probe's bytes received so far."""
+
+    type: str = "probe_ack"
+    bytes: int
