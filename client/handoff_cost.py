@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm.prefill_cost import prefill_seconds
 from swarm.server_info import ServerInfo
+
+__all__ = ["WIRE_BYTES_PER_VALUE", "MoveCosts", "move_costs", "prefill_seconds"]
 
 WIRE_BYTES_PER_VALUE = 4  # the client sends hidden states as float32
 
@@ -56,10 +59,3 @@ def move_costs(
         cache_bytes = tokens * batch_size * source.cache_token_bytes * blocks
         handoff = 2 * rtt_source + cache_bytes / link_bytes_per_s
     return MoveCosts(replay, handoff)
-
-
-def prefill_seconds(info: ServerInfo, tokens: int) -> float:
-    """Per-block prefill time of `tokens` tokens, scaled from the server's announced measurement."""
-    if info.tau_prefill is None or info.prefill_tokens <= 0:
-        return (info.tau or 0.0) * tokens
-    return info.tau_prefill * tokens / info.prefill_tokens

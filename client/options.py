@@ -54,6 +54,9 @@ class ClientOptions:
     # where it is expected to pay (client/prefill_roles.py), "always" wherever one holds a hop's blocks,
     # "never"
     disaggregate: str = "auto"
+    # a scheduler with SLO targets (swarm-scheduler --slo-ttft/--slo-tpot) tells a session expected to miss
+    # them at once: False gives up (SwarmUnavailable: swarm-api answers 503), True waits for admission anyway
+    accept_slo_miss: bool = False
     # the LoRA adapter every session and forward of this client uses (PETALS' `active_adapter`): only
     # servers announcing it are routed through; None: the plain model
     active_adapter: str | None = None

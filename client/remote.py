@@ -112,7 +112,7 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
         # the scheduler routes by load, not by adapters: a session with an adapter routes itself
         scheduled = self.connection.scheduler is not None and self.connection.options.active_adapter is None
         if (start, end) == (0, self.connection.num_blocks) and scheduled:
-            streams = await self._open_scheduled_chain()
+            streams = await self._open_scheduled_chain(first=plan_prefill)
             if streams is not None:
                 return streams
         # refusals are bounded like waiting for room: servers that keep saying no end the attempt
@@ -164,14 +164,25 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
                     stream.close()
                 self.connection.blame(getattr(error, "peer", "") or _failed_peer(streams), error)
 
-    async def _open_scheduled_chain(self) -> list[ServerStream] | None:
-        """The scheduler's route, opened once admitted; None: route locally instead."""
+    async def _open_scheduled_chain(self, first: bool = False) -> list[ServerStream] | None:
+        """The scheduler's route, opened once admitted; None: route locally instead. `first`: the
+        session's first chain, whose route an SLO miss stops (`ClientOptions.accept_slo_miss`)."""
         link, options = self.connection.scheduler, self.connection.options
         candidates = await self.connection.candidates()
         rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
         reply = await link.route(RouteRequest(self.connection.client_id, rtts, self.shape))
         if not await _usable_reply(link, reply, "the scheduler has no route (%s): routing locally"):
             return None
+        if reply.slo_miss and first:
+            if not options.accept_slo_miss:
+                await link.end_session(reply.session_id)
+                raise SwarmUnavailable(
+                    f"the scheduler expects this session to miss its latency targets: {reply.slo_reason} "
+                    f"(expected wait {reply.expected_wait:.1f} s; ClientOptions(accept_slo_miss=True) waits)"
+                )
+            logger.warning(
+                "session %s: %s; waiting anyway (accept_slo_miss)", self.session_id[:8], reply.slo_reason
+            )
         admission = Admission(reply.session_id, time.monotonic(), reply.expected_wait)
         self.admission = admission
         if not reply.admitted:

@@ -25,7 +25,7 @@ from swarm.models.checkpoint import load_config
 EXAMPLES = """examples:
   swarm-scheduler --initial-peers $(head -1 dht.maddrs) --model-dir models/tiny-llama
   swarm-scheduler --initial-peers $(head -1 dht.maddrs) --model-dir models/bloom --policy cg-bp \\
-      --period 30 --arrival-rate auto --l-in 20 --l-out 128 \\
+      --period 30 --arrival-rate auto --l-in 20 --l-out 128 --slo-ttft 10 --slo-tpot 0.5 \\
       --host 0.0.0.0 --port 50051 --announce-host PUBLIC_ADDRESS
 
 Servers started without --blocks ask it for their span; clients ask it for routes. Both find it
@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-requests",
         type=int,
-        help="fix R instead of choosing it from the arrival rate (gbp-cr, and chains without an arrival "
-        "rate: the capacity c per chain)",
+        help="fix R instead of choosing it from the arrival rate (gbp-cr and chains: the capacity c per "
+        "chain, which chains otherwise tunes for the arrival rate)",
     )
     add_field_options(
         parser,
@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_options(
         parser, PlanSettings, {"--min-gain": "re-place a working swarm only if this much faster (0.1 = 10%%)"}
     )
+    for name, what in (("ttft", "time to first token"), ("tpot", "time per later token")):
+        parser.add_argument(
+            f"--slo-{name}",
+            type=float,
+            help=f"{what} target, seconds: a route expected to miss it says so in its reply at once (with "
+            "the expected wait), and clients give up unless they accept misses (docs/operations.md)",
+        )
     parser.add_argument("--address-file", help="write the gRPC address (host:port) here once serving")
     parser.add_argument(
         "--identity-path",
@@ -87,7 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--public-key-file", help="write the public key here (what --scheduler-key of clients/servers reads)"
     )
     add_field_options(
-        parser, CoreSettings, {"--max-sessions-per-client": "sessions one client may have routed at once"}
+        parser,
+        CoreSettings,
+        {
+            "--max-sessions-per-client": "sessions one client may have routed at once",
+            "--l-out-prediction": "route and estimate waits by the output length learned from the tokens "
+            "ended sessions reported (per prompt length; at most the l_out the client declared) instead of "
+            "the declared l_out (docs/reference.md 3.2)",
+        },
     )
     add_field_options(
         parser,

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from scheduler import goodput_command
 from scheduler.algorithms.placing import PLACEMENTS, Infeasible, PlanInputError
 from scheduler.plan_commands import compose_chains, place, route_petals, route_ws_rr
 from scheduler.plan_io import dumps, parse_problem
@@ -34,6 +35,7 @@ examples:
   swarm-plan place --algo cg-bp < problem.json
   swarm-plan route --algo ws-rr < routing.json
   swarm-plan compose < problem.json
+  swarm-plan goodput --scenario clustered --slo-ttft 5x --slo-tpot 1.5x
 
 {_PROBLEM_EXAMPLE}
 exit status: 0 ok; 2 invalid input (message on stderr); 3 infeasible
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{place,route,compose}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{place,route,compose,goodput}")
 
     place_parser = commands.add_parser(
         "place",
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         help='with "c": "auto": minimize Theorem 3.7\'s lower bound (default) or c*K(c) (eq. 14)',
     )
     compose_parser.set_defaults(run=lambda args, text: compose_chains(parse_problem(text), args.c_objective))
+    goodput_command.add_parser(commands)
     return parser
 
 
@@ -154,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace, bytes], dict[str, Any]] = args.run
     try:
-        output = run(args, sys.stdin.buffer.read())  # bytes: json.loads detects the encoding
+        # bytes: json.loads detects the encoding; `goodput --scenario` reads nothing
+        reads_stdin = getattr(args, "reads_stdin", lambda _: True)(args)
+        output = run(args, sys.stdin.buffer.read() if reads_stdin else b"")
     except PlanInputError as error:
         print(f"swarm-plan: invalid input: {error}", file=sys.stderr)
         return EXIT_INVALID_INPUT

@@ -7,6 +7,10 @@ Example:
     swarm-sim --scenario abovenet --sweep l-out --seeds 5 --out results/sweeps
     swarm-sim --scenario clustered --setup none --slo-ttft 5 --slo-tpot 1 --goodput --seeds 3
     swarm-sim --scenario ripe --arrivals azure --l-in 2048 --l-out 128 --requests 1000 --policy chains
+    swarm-sim --scenario ripe --arrivals azure --l-in 8192 --requests 1000 --length-info predicted
+    swarm-sim --scenario clustered --setup none --contended serial --json
+    swarm-sim --scenario hetero --arrivals azure-lengths --l-in 2048 --max-l-in 2048 --max-l-out 128 \
+        --setup none --contended serial --roles prefill*2,decode*6 --link-mbps 1000 --rate 0.3
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tqdm import tqdm
 
 from scheduler.sim.engine import SimulationError
 from scheduler.sim.goodput import cell_goodput
+from scheduler.sim.length_info import LENGTH_INFO, TRACE_MAX_NEW_TOKENS
 from scheduler.sim.metrics import goodput
 from scheduler.sim.policies import POLICIES
 from scheduler.sim.runner import SCENARIOS, CellConfig, run_cell
@@ -60,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=20, help="Monte Carlo runs to average")
     parser.add_argument("--servers", type=int, default=None, help="topology scenarios: #servers C")
     parser.add_argument("--eta", type=float, default=None, help="topology scenarios: fraction of A100s")
-    parser.add_argument("--arrivals", choices=("poisson", "azure"), default="poisson")
+    parser.add_argument(
+        "--arrivals",
+        choices=("poisson", "azure", "azure-lengths"),
+        default="poisson",
+        help="azure: the trace's arrivals and lengths; azure-lengths: Poisson at --rate, the trace's lengths",
+    )
     parser.add_argument(
         "--setup",
         choices=("paper", "none"),
@@ -69,6 +79,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--compute-scale", type=float, default=1.0, help="multiply every per-block time (sensitivity)"
+    )
+    parser.add_argument(
+        "--length-info",
+        default="oracle",
+        metavar="|".join(LENGTH_INFO),
+        help="the output length WS-RR (cg-bp, opt-rr) routes and estimates waits by: each request's true "
+        "one (oracle), a constant, the declared cap (--max-l-out, trace replay default "
+        f"{TRACE_MAX_NEW_TOKENS}) or the online length predictor (docs/simulator.md)",
+    )
+    contended = parser.add_argument_group("contended servers (docs/simulator.md; default: paper 000's model)")
+    contended.add_argument(
+        "--contended",
+        choices=("serial", "overlap"),
+        default=None,
+        help="run every server's iteration loop, its accelerator one iteration at a time (serial) or "
+        "each session's step in its own time (overlap)",
+    )
+    contended.add_argument(
+        "--batch-wait-ms", type=float, default=2.0, help="the servers' decode batching window"
+    )
+    contended.add_argument(
+        "--prefill-chunk", type=int, default=256, help="prompts run in chunks of this; 0: whole"
+    )
+    contended.add_argument(
+        "--roles",
+        default=None,
+        help="per server: prefill, decode or both, ROLE*N repeats (e.g. prefill*2,both*7)",
+    )
+    contended.add_argument(
+        "--link-mbps", type=float, default=None, help="bandwidth between every two servers"
+    )
+    contended.add_argument(
+        "--link-rtt-ms", type=float, default=10.0, help="round trip between every two servers"
+    )
+    contended.add_argument(
+        "--disaggregate",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="when a session's prompt goes to a prefill server (the client's rule, swarm/prefill_cost.py)",
     )
     parser.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s): adds slo_attainment")
     parser.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO (s): adds slo_attainment")

@@ -12,6 +12,7 @@ sessions it never saw end.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import uuid
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from scheduler.algorithms.placing import Infeasible, PlanInputError
 from scheduler.algorithms.problem import Span
+from scheduler.length_prediction import OutputLengthPredictor, SessionLengthLearner
 from scheduler.service.planner import (
     ArrivalRate,
     Plan,
@@ -33,8 +35,9 @@ from scheduler.service.planner import (
 )
 from scheduler.service.request_stats import RequestStats
 from scheduler.service.sessions import RouteDecision, SessionBook, SessionRecord
+from scheduler.service.slo_admission import SloTargets, chain_latency, predict
 from scheduler.service.status import describe_servers
-from scheduler.service.view import ModelShape, SwarmView
+from scheduler.service.view import ModelShape, SwarmView, prefill_time
 from swarm.errors import SwarmUserError
 from swarm.route_request import RouteRequest
 from swarm.server_info import ServerInfo
@@ -53,6 +56,11 @@ class CoreSettings:
     client_ttl: float = 600.0  # forget a client's round trips after this long without queries
     max_sessions_per_client: int = 64  # routed and not yet ended, per client id
     max_sessions: int = 10_000  # routed and not yet ended, all clients together
+    # route by the output length learned from ended sessions (at most the declared one), not the declared
+    l_out_prediction: bool = False
+    # admission by SLO (`slo_admission`): routes expected to miss these (seconds) say so in their reply
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
 
     def __post_init__(self) -> None:
         """Every value checked where the settings are made (messages name `swarm-scheduler`'s flags)."""
@@ -64,6 +72,11 @@ class CoreSettings:
             raise SwarmUserError(f"--settle must be >= 0, got {self.settle}")
         if self.max_sessions_per_client < 1 or self.max_sessions < 1:
             raise SwarmUserError("--max-sessions-per-client must be at least 1")
+        SloTargets(self.slo_ttft, self.slo_tpot)  # checks them
+
+    @property
+    def slo(self) -> SloTargets:
+        return SloTargets(self.slo_ttft, self.slo_tpot)
 
 
 class RouteRefused(Exception):
@@ -85,6 +98,8 @@ class SchedulerCore:
         self.book = SessionBook(settings.lease, settings.l_in + settings.l_out, settings.plan.policy)
         self.rate = ArrivalRate(settings.plan.rate_window, now)
         self.requests = RequestStats()
+        # learns answer lengths from ended sessions (always: cheap; used with --l-out-prediction)
+        self.lengths = SessionLengthLearner(OutputLengthPredictor(default=settings.l_out))
         self.started_at = now
         self.epoch = 0
         self.plan: Plan | None = None  # the last adopted placement
@@ -222,9 +237,13 @@ class SchedulerCore:
         self.book.expire(now)
         units = self.book.units_for(batch_size, max_length)
         prefill_scale = max(shape.l_in, 1) / self.view.l_in  # servers' tau_prefill is for view.l_in tokens
-        decision = self.book.route(uuid.uuid4().hex, client_id, rtts, l_out, units, now, prefill_scale)
+        routed_l_out = l_out
+        if self.settings.l_out_prediction:
+            routed_l_out = self.lengths.l_out_for(max(shape.l_in, 1), l_out)
+        decision = self.book.route(uuid.uuid4().hex, client_id, rtts, routed_l_out, units, now, prefill_scale)
         if decision is None:
             return None
+        decision.session.l_in, decision.session.l_out = max(shape.l_in, 1), l_out
         problem = self._chain_cannot_hold(decision.session.hops, decision.session.units, max_length)
         if problem is not None:
             self.book.end(decision.session.session_id)
@@ -232,7 +251,27 @@ class SchedulerCore:
                 f"no chain could ever hold a session of {batch_size} x {max_length} tokens: {problem}"
             )
         self.tick(now)
-        return decision
+        return self._with_slo(decision, rtts, max(shape.l_in, 1), now)
+
+    def _with_slo(self, decision: RouteDecision, rtts: Mapping[str, float], l_in: int, now: float):
+        """With SLO targets: the session's expected TTFT and TPOT, and whether it misses them. A
+        `chains` session waiting for JFFC has no chain yet: the fastest chain stands in for it."""
+        targets = self.settings.slo
+        if not targets.active:
+            return decision
+        hops = decision.session.hops or (self.book.chains[0].hops if self.book.chains else ())
+        records = self.view.records
+
+        def tau(peer: str) -> float:
+            return (records[peer].tau or 0.0) if peer in records else 0.0
+
+        def tau_prefill(peer: str) -> float:
+            return prefill_time(records[peer], l_in) if peer in records else 0.0
+
+        prefill, per_token = chain_latency(hops, rtts, tau, tau_prefill)
+        wait = self.book.expected_wait(decision.session.session_id, now)
+        slo = predict(targets, wait, prefill, per_token, self.book.durations.scale)
+        return dataclasses.replace(decision, slo=slo)
 
     def _check_admissible(self, client_id: str, batch_size: int, max_length: int) -> None:
         """Bounded: sessions per client and in all; a session longer than every server accepts."""
@@ -302,8 +341,12 @@ class SchedulerCore:
         now: float | None = None,
     ) -> bool:
         """The client is done; it may report what it measured (the metrics of docs/reference.md 6, for
-        operators). With `now`, its run time calibrates later predictions (`durations`)."""
+        operators). With `now`, its run time calibrates later predictions (`durations`); the tokens
+        of a session this scheduler admitted teach the output-length predictor (`lengths`)."""
         self.requests.record_finished(ttft, tpot, tokens)
+        session = self.book.sessions.get(session_id)
+        if session is not None and session.admitted and session.l_out > 0:
+            self.lengths.session_ended(session.client_id, session.l_in, session.l_out, tokens, ttft)
         return self.book.end(session_id, now)
 
     def status(self, now: float) -> dict:

@@ -16,6 +16,7 @@ import grpc
 from scheduler.service.core import RouteRefused, SchedulerCore
 from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.request_stats import SUMMARY_KEYS
+from scheduler.service.slo_admission import SloPrediction
 from swarm.route_request import RouteRequest
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
@@ -89,7 +90,9 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
             self.metrics.wait.observe(0.0)
         self.pump()
         self.metrics.routes.labels(outcome="admitted" if session.admitted else "waiting").inc()
-        return self._reply(session.session_id, now, decision.completion, decision.cost)
+        if decision.slo is not None and decision.slo.miss:
+            self.metrics.slo_misses.inc()
+        return self._reply(session.session_id, now, decision.completion, decision.cost, decision.slo)
 
     async def AwaitAdmission(self, request: pb.AwaitRequest, context) -> pb.RouteReply:
         await _check_id(context, request.session_id, "session_id")
@@ -134,7 +137,12 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
         return pb.EndReply(known=known)
 
     def _reply(
-        self, session_id: str, now: float, completion: float | None = None, cost: float = 0.0
+        self,
+        session_id: str,
+        now: float,
+        completion: float | None = None,
+        cost: float = 0.0,
+        slo: SloPrediction | None = None,
     ) -> pb.RouteReply:
         session = self.core.session(session_id)
         wait = self.core.expected_wait(session_id, now)
@@ -149,6 +157,9 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
             cost=cost,
             lease=self.core.settings.lease,
             epoch=self.core.epoch,
+            slo_miss=bool(slo and slo.miss),
+            slo_reason=slo.miss if slo else "",
+            expected_ttft=slo.ttft if slo else 0.0,
         )
 
     # --- operators ----------------------------------------------------------------------------------

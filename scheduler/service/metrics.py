@@ -24,6 +24,9 @@ class SchedulerMetrics(PrometheusMetrics):
         self.uncovered = self.gauge("swarm_uncovered_blocks", "Blocks no online server holds")
         self.placements = self.counter("swarm_placements", "Placements adopted")
         self.routes = self.counter("swarm_routes", "Routing queries, by outcome", ["outcome"])
+        self.slo_misses = self.counter(
+            "swarm_routes_slo_miss", "Routes expected to miss --slo-ttft/--slo-tpot (the client was told)"
+        )
         self.ended = self.counter("swarm_sessions_ended", "Sessions ended by their clients")
         self.wait = self.histogram(
             "swarm_admission_wait_seconds", "Time from routing to admission", LATENCY_BUCKETS

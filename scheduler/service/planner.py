@@ -119,11 +119,12 @@ def compute_plan(
     """Place `peers` with the policy; raises `Infeasible`/`PlanInputError` like `swarm-plan place`.
 
     `gbp-cr` places for capacity `c = R`; `chains` tunes c for the arrival rate (the c tuning of
-    docs/reference.md 3.4, paper 001's full design) when one is known, else uses `c = R` too."""
+    docs/reference.md 3.4, paper 001's full design) when one is known and c is not fixed
+    (`--num-requests`, e.g. as `swarm-plan goodput` chose it), else uses `c = R` too."""
     rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate
     if settings.policy == "cg-bp":
         problem = view.plan_problem(peers, num_requests=num_requests)
-    elif settings.policy == "chains" and rate:
+    elif settings.policy == "chains" and rate and settings.num_requests is None:
         problem = view.plan_problem(peers, capacity="auto", arrival_rate=rate)
     elif settings.policy in ("gbp-cr", "chains"):
         problem = view.plan_problem(peers, capacity=num_requests)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.service.slo_admission import SloPrediction
 from swarm.route_request import RouteHop
 
 
@@ -22,6 +23,8 @@ class SessionRecord:
     routed_at: float = 0.0
     chain: int | None = None  # `chains` policy: the index of the live chain it runs on
     service: float = 0.0  # WS-RR policies: eq. 1's predicted run time once admitted (unstretched)
+    l_in: int = 0  # the prompt and answer lengths the client declared when routed (what its end
+    l_out: int = 0  # report is checked against and learned with: `scheduler.length_prediction`)
 
     def slots(self) -> dict[str, int]:
         return {hop.peer_id: hop.num_blocks * self.units for hop in self.hops}
@@ -33,3 +36,4 @@ class RouteDecision:
     wait: float  # expected wait (WS-RR: eq. 20), seconds from now
     completion: float  # expected seconds until done
     cost: float
+    slo: SloPrediction | None = None  # with SLO targets: expected TTFT/TPOT and any miss (`slo_admission`)

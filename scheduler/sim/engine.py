@@ -19,6 +19,14 @@ Modelling choices (paper 000 section 4.1, following its simulator):
 
 Events at equal times run completions first, then deferred starts, then arrivals/retries, each in
 creation order, so runs are deterministic.
+
+With a `service` (`scheduler.sim.contended`, issues 37-38) the timeline is not fixed at the start:
+the service advances the request through the servers' loops on the same event queue (its events
+run after completions and before starts at equal times) and reports its first token and end. A
+start the policy asked for that finds no cache room (sessions run longer than eq. 1 said) then
+waits, as the live scheduler's admission does, until completions free its chain, in the order the
+starts were due and none overtaking an earlier one on a shared server. Without a service nothing of
+this runs and results are those of paper 000's model.
 """
 
 from __future__ import annotations
@@ -104,13 +112,28 @@ class SimResult:
     slot_capacity: list[int]
     events: int = 0
     memory_bytes_peak: list[float] = field(default_factory=list)  # s_m*m_j + s_c*peak_j (eq. 2 left side)
+    service_stats: dict[str, float] = field(default_factory=dict)  # the service's counters, if any
 
 
 class SimulationError(RuntimeError):
     """A policy broke an invariant (e.g. memory) or left a request stranded."""
 
 
-_FINISH, _START, _ARRIVE = 0, 1, 2
+class Service(Protocol):
+    """How started requests are served when eq. 1 does not fix it (`scheduler.sim.contended`)."""
+
+    def bind(self, schedule, finished) -> None:
+        """`schedule(time, callback, argument)` runs `callback(time, argument)` then;
+        `finished(request, first_token, finish)` reports a request done."""
+
+    def start(self, request: Request, hops: tuple[ChainHop, ...], now: float) -> None:
+        """The request holds its chain's caches from `now`."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the result (`SimResult.service_stats`)."""
+
+
+_FINISH, _SERVICE, _START, _ARRIVE = 0, 1, 2, 3
 
 
 def service_hops(
@@ -143,10 +166,12 @@ def simulate(
     dispatcher: Dispatcher,
     requests: Sequence[Request],
     prefill: PrefillModel | None = None,
+    service: Service | None = None,
 ) -> SimResult:
     """Run every request to completion; raises SimulationError if one can never be served.
 
     `prefill`: charge each request the prefill of its own `l_in` (see `scheduler.sim.prefill`).
+    `service`: serve started requests through it (contended servers) instead of by eq. 1.
     """
     capacity = list(dispatcher.slot_capacity())
     blocks = list(dispatcher.blocks_held())
@@ -164,8 +189,18 @@ def simulate(
     records: list[RequestRecord] = []
     count = 0
 
+    blocked: list[tuple[Request, tuple[ChainHop, ...]]] = []  # with a service: starts waiting for room
+
     def push(time: float, kind: int, payload: object) -> None:
         heapq.heappush(events, (time, kind, next(order), payload))
+
+    def served(request: Request, first_token: float, finish: float) -> None:
+        begin, _, hops = started[request.id]
+        started[request.id] = (begin, first_token, hops)
+        push(finish, _FINISH, request)
+
+    if service is not None:
+        service.bind(lambda time, callback, argument: push(time, _SERVICE, (callback, argument)), served)
 
     def start(request: Request, hops: tuple[ChainHop, ...], now: float) -> bool:
         if not chain_fits(hops, [c - u for c, u in zip(capacity, used, strict=True)]):
@@ -178,15 +213,37 @@ def simulate(
         finish = now + request_time(chain, request.l_out)
         started[request.id] = (now, now + prefill_s, hops)
         dispatcher.on_start(request, hops, now, finish)
-        push(finish, _FINISH, request)
+        if service is None:
+            push(finish, _FINISH, request)
+        else:
+            service.start(request, hops, now)
         return True
+
+    def start_or_wait(request: Request, hops: tuple[ChainHop, ...], now: float) -> None:
+        """With a service: start now, or wait behind earlier blocked starts on shared servers."""
+        ahead = {h.server for _, waiting in blocked for h in waiting}
+        if ahead.isdisjoint(h.server for h in hops) and start(request, hops, now):
+            return
+        blocked.append((request, hops))
+
+    def unblock(now: float) -> None:
+        ahead: set[int] = set()
+        for entry in list(blocked):
+            request, hops = entry
+            servers_of = {h.server for h in hops}
+            if ahead.isdisjoint(servers_of) and start(request, hops, now):
+                blocked.remove(entry)
+            else:
+                ahead.update(servers_of)  # later ones must not overtake it on these servers
 
     def decide(request: Request, now: float) -> None:
         free = [c - u for c, u in zip(capacity, used, strict=True)]
         decision = dispatcher.on_arrival(request, now, attempts[request.id], free)
         if isinstance(decision, StartAt):
             if decision.time <= now:
-                if not start(request, decision.hops, now):
+                if service is not None:
+                    start_or_wait(request, decision.hops, now)
+                elif not start(request, decision.hops, now):
                     raise SimulationError(f"request {request.id}: policy started it without cache room")
             else:
                 push(decision.time, _START, (request, decision.hops))
@@ -204,9 +261,14 @@ def simulate(
         count += 1
         if kind == _ARRIVE:
             decide(payload, now)
+        elif kind == _SERVICE:
+            callback, argument = payload
+            callback(now, argument)
         elif kind == _START:
             request, hops = payload
-            if not start(request, hops, now):  # the policy's estimate was off: ask it again
+            if service is not None:  # a live scheduler keeps a waiting session's route
+                start_or_wait(request, hops, now)
+            elif not start(request, hops, now):  # the policy's estimate was off: ask it again
                 decide(request, now)
         else:
             request = payload
@@ -229,8 +291,11 @@ def simulate(
             for waiting, waiting_hops in dispatcher.on_finish(request, now):
                 if not start(waiting, waiting_hops, now):
                     raise SimulationError(f"request {waiting.id}: dequeued without cache room")
+            if blocked:
+                unblock(now)
     if len(records) != len(requests):
         raise SimulationError(f"{len(requests) - len(records)} requests never completed")
     records.sort(key=lambda r: r.id)
     memory_peak = [model.block_bytes * m + model.cache_bytes * p for m, p in zip(blocks, peak, strict=True)]
-    return SimResult(records, peak, capacity, count, memory_peak)
+    stats = service.stats() if service is not None else {}
+    return SimResult(records, peak, capacity, count, memory_peak, stats)

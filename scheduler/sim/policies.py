@@ -19,6 +19,7 @@ when eq. 20 says the chain has room (the scheduler tells them).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,11 +31,12 @@ from scheduler.algorithms.cgbp import cg_bp, choose_num_requests
 from scheduler.algorithms.chains import ServerChain, chain_hops, gca, request_times
 from scheduler.algorithms.jffc import JffcDispatcher
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
-from scheduler.algorithms.routing_graph import ChainHop
+from scheduler.algorithms.routing_graph import ChainHop, chain_fits
 from scheduler.algorithms.tuning import compose, tune_capacity
 from scheduler.algorithms.windows import lexicographic_min_window
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim.engine import CLIENT, Decision, Queued, RetryAt, SimulationError, StartAt, service_hops
+from scheduler.sim.length_info import LengthSource
 from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.scenarios import Scenario
 from scheduler.sim.workload import Request
@@ -107,7 +109,14 @@ class PetalsRouting:
 
 
 class WsRrRouting:
-    """The scheduler's WS-RR (`RoutingState`): start when eq. 20 says every hop has room."""
+    """The scheduler's WS-RR (`RoutingState`): start when eq. 20 says every hop has room.
+
+    With `lengths` (`scheduler.sim.length_info`, issue 38) routing and the waits use the `l_out` it
+    estimates, not the request's true one, and a request starts as the live scheduler admits it
+    (`scheduler.service.sessions`): as soon as its chain has room, waiting ones in predicted order,
+    none overtaking an earlier one on a shared server. Without `lengths` (the oracle) eq. 20's
+    start is exact, so a request starts at it (as before issue 38).
+    """
 
     def __init__(
         self,
@@ -115,9 +124,17 @@ class WsRrRouting:
         spans: Sequence[Span | None],
         setup_s: float,
         prefill: PrefillModel | None = None,
+        lengths: LengthSource | None = None,
     ):
         self.state, self.spans, self.setup_s = state, list(spans), setup_s
         self.prefill = prefill  # the engine's per-request prefill, so recorded ends match its own
+        self.lengths = lengths
+        self.told_waits: dict[int, float] = {}  # eq. 20's wait at each request's first routing
+        self._waiting: dict[int, tuple[Request, tuple[ChainHop, ...], float, float, int]] = {}
+        self._services: dict[int, float] = {}  # predicted run time of each request admitted, not started
+        self._running: dict[int, tuple[ChainHop, ...]] = {}
+        self._free = [self.state.cache_slots(j) for j in range(len(self.spans))]
+        self._order = itertools.count()
 
     def slot_capacity(self) -> Sequence[int]:
         return [self.state.cache_slots(j) for j in range(len(self.spans))]
@@ -127,23 +144,57 @@ class WsRrRouting:
 
     def on_arrival(self, request: Request, now: float, attempt: int, free_slots: Sequence[int]) -> Decision:
         self.state.end_session(request.id)  # re-decision after a start that found no room
-        route = self.state.route(CLIENT, request.l_out, now)
+        l_out = request.l_out if self.lengths is None else max(self.lengths.estimate(request), 1)
+        route = self.state.route(CLIENT, l_out, now)
         if route is None or not math.isfinite(route.wait):
             raise SimulationError(f"request {request.id}: no chain can ever serve it")
         start = now + route.wait
+        self.told_waits.setdefault(request.id, route.wait)
         # Record the session until the end the engine will compute (same eq. 1 arithmetic), so
-        # later eq. 20 waits are exact.
+        # later eq. 20 waits are exact (with the oracle's l_out).
         hops = service_hops(self.state.servers, route.chain.hops, self.prefill, request.l_in)
-        duration = request_time(hops, request.l_out)
+        duration = request_time(hops, l_out)
         self.state.add_session(request.id, route.slots_by_server(), start + duration)
-        return StartAt(route.chain.hops, start)
+        if self.lengths is None:
+            return StartAt(route.chain.hops, start)
+        entry = (request, route.chain.hops, start, duration, next(self._order))
+        ahead = [w for w in self._waiting.values() if (w[2], w[4]) < (start, entry[4])]
+        blocked = {h.server for w in ahead for h in w[1]}
+        if blocked.isdisjoint(h.server for h in entry[1]) and chain_fits(entry[1], free_slots):
+            self._services[request.id] = duration
+            return StartAt(entry[1], now)
+        self._waiting[request.id] = entry
+        return Queued()
 
     def on_start(self, request: Request, hops: tuple[ChainHop, ...], now: float, finish: float) -> None:
-        pass
+        if self.lengths is None:
+            return
+        self._running[request.id] = hops
+        for h in hops:
+            self._free[h.server] -= h.num_blocks
+        # it runs from now: its predicted end moves with its real start (as the live scheduler's)
+        self.state.reschedule(request.id, now + self._services.pop(request.id))
 
     def on_finish(self, request: Request, now: float) -> list[tuple[Request, tuple[ChainHop, ...]]]:
         self.state.end_session(request.id)
-        return []
+        if self.lengths is None:
+            return []
+        self.lengths.observe(request)
+        for h in self._running.pop(request.id):
+            self._free[h.server] += h.num_blocks
+        free = list(self._free)  # `on_start` takes each admitted one's slots from `_free`
+        admitted, blocked = [], set()
+        for waiting, hops, _, duration, _ in sorted(self._waiting.values(), key=lambda w: (w[2], w[4])):
+            servers = {h.server for h in hops}
+            if blocked.isdisjoint(servers) and chain_fits(hops, free):
+                for h in hops:
+                    free[h.server] -= h.num_blocks
+                admitted.append((waiting, hops))
+                self._services[waiting.id] = duration
+                del self._waiting[waiting.id]
+            else:
+                blocked.update(servers)  # later ones must not overtake it on these servers
+        return admitted
 
 
 class JffcRouting:
@@ -285,8 +336,11 @@ def build_dispatcher(
     arrival_rate: float,
     rng: np.random.Generator,
     setup: SetupDelays = NONE,
+    lengths: LengthSource | None = None,
 ):
-    """The dispatcher of `policy` for a scenario; `rng` draws PETALS' random join order."""
+    """The dispatcher of `policy` for a scenario; `rng` draws PETALS' random join order; `lengths`:
+    what WS-RR (cg-bp, opt-rr) routes by instead of each request's true `l_out` (the others' routing
+    does not read it)."""
     servers, model = list(scenario.servers), scenario.model
     setup_s = setup.for_policy(policy)
     join_order = [int(j) for j in rng.permutation(len(servers))]
@@ -298,7 +352,7 @@ def build_dispatcher(
         fixed = petals_fixed_cache(servers, model, spans)
         if policy == "opt-rr":
             state = RoutingState(effective_memory(servers, model, spans, fixed), model, spans)
-            return WsRrRouting(state, spans, setup_s, scenario.prefill)
+            return WsRrRouting(state, spans, setup_s, scenario.prefill, lengths)
         return PetalsRouting(with_ping_rtts(scenario), model, spans, fixed, setup_s)
     if policy == "opt-num":
         cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
@@ -312,7 +366,8 @@ def build_dispatcher(
         return PetalsRouting(with_ping_rtts(scenario), route_model, spans, slots, setup_s)
     if policy == "cg-bp":
         cg = proposed_placement(servers, model, arrival_rate, scenario.l_out)
-        return WsRrRouting(RoutingState(servers, model, cg.spans), cg.spans, setup_s, scenario.prefill)
+        state = RoutingState(servers, model, cg.spans)
+        return WsRrRouting(state, cg.spans, setup_s, scenario.prefill, lengths)
     if policy == "chains":
         timed = with_chain_times(scenario, scenario.l_out)
         composition = tune_capacity(timed, model, arrival_rate) or compose(timed, model, 1)

@@ -13,12 +13,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from scheduler.sim import scenarios, workload
+from scheduler.sim import contended_run, hetero, scenarios, workload
 from scheduler.sim.engine import SimResult, simulate
+from scheduler.sim.length_info import TRACE_MAX_NEW_TOKENS, check_length_info, length_source
 from scheduler.sim.metrics import Slo, average, summarize
 from scheduler.sim.policies import NONE, PAPER000, POLICIES, build_dispatcher
 
-SCENARIOS = ("clustered", "abovenet", "bellcanada", "gtsce", "ripe")
+SCENARIOS = ("clustered", "abovenet", "bellcanada", "gtsce", "ripe", "hetero")
 SETUPS = ("paper", "none")  # session set-up delays: paper 000's calibrated ones, or none
 
 
@@ -42,6 +43,15 @@ class CellConfig:
     slo_ttft: float | None = None  # SLOs of docs/reference.md 6 (seconds); either one adds `slo_attainment`
     slo_tpot: float | None = None
     setup: str = "paper"  # "paper": paper 000's calibrated session set-up delays; "none"
+    length_info: str = "oracle"  # the l_out WS-RR routes by (`scheduler.sim.length_info`)
+    # Contended servers (`scheduler.sim.contended_run`; None: paper 000's model, eq. 1)
+    contended: str | None = None  # the accelerator model: "serial" or "overlap"
+    batch_wait_ms: float = 2.0
+    prefill_chunk: int = 256
+    roles: str | None = None  # e.g. "prefill*2,decode*6" (`scheduler.sim.roles.parse_roles`)
+    link_mbps: float | None = None  # between every two servers (None: the scenario's own links)
+    link_rtt_ms: float = 10.0
+    disaggregate: str = "auto"
 
     def __post_init__(self) -> None:
         """Every value checked where the config is made (messages name `swarm-sim`'s flags)."""
@@ -59,6 +69,24 @@ class CellConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive")
         if self.fast_fraction is not None and not 0 <= self.fast_fraction <= 1:
             raise ValueError(f"--eta must be in [0, 1], got {self.fast_fraction}")
+        check_length_info(self.length_info)
+        if self.contended is not None:
+            self.contended_options()  # checks the contended flags
+        elif self.roles is not None or self.link_mbps is not None:
+            raise ValueError("--roles and --link-mbps need --contended serial|overlap")
+
+    def contended_options(self) -> contended_run.ContendedOptions:
+        return contended_run.ContendedOptions(
+            self.contended, self.batch_wait_ms, self.prefill_chunk, self.roles, self.link_mbps,
+            self.link_rtt_ms, self.disaggregate,
+        )  # fmt: skip
+
+    @property
+    def declared_l_out(self) -> int | None:
+        """What clients declare as max_new_tokens (None: each request's own l_out)."""
+        if self.max_l_out is not None:
+            return self.max_l_out
+        return TRACE_MAX_NEW_TOKENS if self.arrivals.startswith("azure") else None  # trace lengths
 
 
 @lru_cache(maxsize=8)
@@ -90,6 +118,8 @@ def _base_scenario(config: CellConfig, rng: np.random.Generator) -> scenarios.Sc
         )
     if config.scenario == "ripe":
         return scenarios.ripe_atlas(_ripe(), rng, config.l_in, config.l_out)
+    if config.scenario == "hetero":
+        return hetero.hetero(config.l_in, config.l_out)
     raise ValueError(f"unknown scenario {config.scenario!r}; choose from {', '.join(SCENARIOS)}")
 
 
@@ -98,6 +128,11 @@ def make_requests(config: CellConfig, rng: np.random.Generator) -> list[workload
         return workload.poisson(config.rate, config.requests, config.l_in, config.l_out, rng)
     if config.arrivals == "azure":
         return workload.trace_replay(list(_azure()), config.requests, config.max_l_in, config.max_l_out, rng)
+    if config.arrivals == "azure-lengths":  # Poisson at `rate`, each request a trace record's lengths
+        records = list(_azure())
+        return hetero.poisson_trace_lengths(
+            config.rate, config.requests, records, config.max_l_in, config.max_l_out, rng
+        )
     raise ValueError(f"unknown arrival process {config.arrivals!r}")
 
 
@@ -110,7 +145,15 @@ def run_seed(config: CellConfig, seed: int) -> SimResult:
     if config.arrivals == "azure" and len(requests) > 1:  # the scheduler plans for the trace's rate
         rate = (len(requests) - 1) / max(requests[-1].arrival - requests[0].arrival, 1e-9)
     setup = PAPER000 if config.setup == "paper" else NONE
-    dispatcher = build_dispatcher(config.policy, scenario, rate, rng, setup)
+    lengths = length_source(config.length_info, config.l_out, config.declared_l_out)
+    if config.contended is not None:
+        return contended_run.simulate_contended(
+            scenario,
+            config.contended_options(),
+            requests,
+            lambda decode: build_dispatcher(config.policy, decode, rate, rng, setup, lengths),
+        )
+    dispatcher = build_dispatcher(config.policy, scenario, rate, rng, setup, lengths)
     return simulate(scenario.servers, scenario.model, dispatcher, requests, scenario.prefill)
 
 

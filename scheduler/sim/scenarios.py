@@ -46,6 +46,8 @@ class Scenario:
     `servers[j].rtt[CLIENT]` / `.rtt_prefill[CLIENT]` are `t_cj` / `t_prefill_cj(l_in)`;
     `ping_rtt[j]` is the raw RTT PETALS' router sees; `prefill` gives both prefill terms at any
     input length (the servers' values are its lines at the nominal `l_in`).
+    `roles` (prefill / decode / both per server; None: all both) and `server_links[a][b]` (the link
+    between servers a and b) matter only to the contended model's hand-offs (`scheduler.sim.roles`).
     """
 
     name: str
@@ -56,6 +58,8 @@ class Scenario:
     l_in: int
     l_out: int
     prefill: PrefillModel
+    roles: tuple[str, ...] | None = None
+    server_links: tuple[tuple[Link, ...], ...] | None = None
 
 
 @dataclass(frozen=True)

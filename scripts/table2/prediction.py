@@ -3,13 +3,15 @@ measured round trips and arrivals, through `scheduler.sim`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from scheduler.algorithms.chains import gca, request_times
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim import workload
-from scheduler.sim.engine import CLIENT, RetryAt, simulate
+from scheduler.sim.engine import CLIENT, RetryAt, Service, simulate
 from scheduler.sim.metrics import summarize
 from scheduler.sim.policies import JffcRouting, PetalsRouting, WsRrRouting
 
@@ -44,11 +46,17 @@ def predict(
     l_out: int,
     scale: float,
     setup: float,
+    service_for: Callable[[list[ServerSpec]], Service] | None = None,
 ) -> dict:
     """The simulator on this very swarm: spans and cache slots as emulated, tau/tau_prefill as the
     servers announced them, t_cj = the client's measured info-RPC round trip + the batching wait,
     a per-session set-up of `setup` seconds (the idle probe), PETALS' backoff x the time scale;
-    `chains`: GCA's chains on the emulated spans (times as the live scheduler computes them), JFFC."""
+    `chains`: GCA's chains on the emulated spans (times as the live scheduler computes them), JFFC.
+
+    `service_for(servers)`: serve the sessions through that service (the contended model,
+    `scripts/bench_sim_contended.py`), which runs the batching window itself: t_cj is then the
+    round trip alone."""
+    batch_wait = BATCH_WAIT_S if service_for is None else 0.0
     servers = []
     for plan in plans:
         info = online.get(plan.name)
@@ -64,7 +72,7 @@ def predict(
                 )
             )
             continue
-        rtt = info["rtt_info_s"] + BATCH_WAIT_S
+        rtt = info["rtt_info_s"] + batch_wait
         tau_prefill = (
             info["tau_prefill"] * l_in / info["prefill_tokens"] if info["prefill_tokens"] else info["tau"]
         )
@@ -87,7 +95,8 @@ def predict(
         dispatcher = JffcRouting(gca(servers, model, spans), spans, setup)
     else:
         dispatcher = WsRrRouting(RoutingState(servers, model, spans), spans, setup)
-    result = simulate(servers, model, dispatcher, requests)
+    service = service_for(servers) if service_for is not None else None
+    result = simulate(servers, model, dispatcher, requests, service=service)
     summary = summarize(result.records)
     summary["hops_mean"] = float(np.mean([r.num_hops for r in result.records]))
     return summary

@@ -65,7 +65,7 @@ class Hop(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("session_id", "chain", "admitted", "expected_wait", "expected_completion", "cost", "lease", "epoch", "error")
+    __slots__ = ("session_id", "chain", "admitted", "expected_wait", "expected_completion", "cost", "lease", "epoch", "error", "slo_miss", "slo_reason", "expected_ttft")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,9 @@ class RouteReply(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SLO_MISS_FIELD_NUMBER: _ClassVar[int]
+    SLO_REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TTFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     chain: _containers.RepeatedCompositeFieldContainer[Hop]
     admitted: bool
@@ -84,7 +87,10 @@ class RouteReply(_message.Message):
     lease: float
     epoch: int
     error: str
-    def __init__(self, session_id: _Optional[str] = ..., chain: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., admitted: _Optional[bool] = ..., expected_wait: _Optional[float] = ..., expected_completion: _Optional[float] = ..., cost: _Optional[float] = ..., lease: _Optional[float] = ..., epoch: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    slo_miss: bool
+    slo_reason: str
+    expected_ttft: float
+    def __init__(self, session_id: _Optional[str] = ..., chain: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., admitted: _Optional[bool] = ..., expected_wait: _Optional[float] = ..., expected_completion: _Optional[float] = ..., cost: _Optional[float] = ..., lease: _Optional[float] = ..., epoch: _Optional[int] = ..., error: _Optional[str] = ..., slo_miss: _Optional[bool] = ..., slo_reason: _Optional[str] = ..., expected_ttft: _Optional[float] = ...) -> None: ...
 
 class AwaitRequest(_message.Message):
     __slots__ = ("session_id", "timeout")

@@ -1,0 +1,223 @@
+"""Prefill and decode roles, and cache hand-offs between servers, in the contended model (issue 37).
+
+A scenario may give each server a role (`swarm.server_info.ServerRole`: prefill, decode or both) and
+the links between servers (round trip, bandwidth). Chains route only through servers that decode
+(`decode`, `both`), as the live scheduler and clients route; the placement policies see only those.
+Prefill servers hold the whole model when it fits their memory (else a contiguous span, spans laid
+one after another around the model), and take only prompts.
+
+When a session starts, for each hop of its chain the client's rule (`swarm.prefill_cost`, the same
+arithmetic as `client/prefill_roles.py`) picks a prefill server holding the hop's blocks with room
+for the prompt's cache, if its prefill of the prompt (its announced `tau_prefill`, scaled) plus the
+hand-off at the link's rate beats the decode server's own prefill. The prompt then runs on that
+prefill server's loop; after the prompt's pass, each such hop hands its cache over, one after
+another (as the client does), each costing a client round trip to the prefill server (its
+`HandOff` request and `HandedOff` answer), a round trip between the two servers (the push stream's
+opening and last acknowledgement) and `tokens x kv bytes per token per block x blocks` over the
+link's bandwidth. A prefill server holds the prompt's cache from the session's start until its
+hand-off is done. Links are not shared: concurrent hand-offs over one link each get its bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.algorithms.problem import Span
+from scheduler.algorithms.routing_graph import ChainHop
+from scheduler.sim.prefill import PrefillModel
+from scheduler.sim.scenarios import CLIENT, Link, Scenario
+from scheduler.sim.workload import Request
+from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, scaled_prefill_seconds
+from swarm.server_info import ServerRole
+
+
+def parse_roles(text: str, count: int) -> tuple[ServerRole, ...]:
+    """`swarm-sim --roles`: one role per server, comma-separated, `role*n` repeating one n times
+    (e.g. `prefill*2,both*7`)."""
+    roles: list[ServerRole] = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        name, _, times = item.partition("*")
+        try:
+            role = ServerRole(name.strip())
+            repeat = int(times) if times else 1
+        except ValueError:
+            raise ValueError(
+                f"--roles: {item!r} is not ROLE or ROLE*N with ROLE one of prefill, decode, both"
+            ) from None
+        if repeat < 1:
+            raise ValueError(f"--roles: {item!r} repeats a role fewer than once")
+        roles.extend([role] * repeat)
+    if len(roles) != count:
+        raise ValueError(f"--roles gives {len(roles)} roles for {count} servers")
+    if not any(role.serves("decode") for role in roles):
+        raise ValueError("--roles: no server decodes (every role is prefill)")
+    return tuple(roles)
+
+
+def subset(scenario: Scenario, indices: Sequence[int]) -> Scenario:
+    """The scenario restricted to `indices` (in that order): servers, pings, names, prefill lines."""
+    p = scenario.prefill
+    return dataclasses.replace(
+        scenario,
+        servers=tuple(scenario.servers[j] for j in indices),
+        ping_rtt=tuple(scenario.ping_rtt[j] for j in indices),
+        gpu_names=tuple(scenario.gpu_names[j] for j in indices),
+        prefill=PrefillModel(
+            tuple(p.tau_base[j] for j in indices),
+            tuple(p.tau_per_token[j] for j in indices),
+            tuple(p.rtt_base[j] for j in indices),
+            tuple(p.rtt_per_token[j] for j in indices),
+        ),
+        roles=None,
+        server_links=None,
+    )
+
+
+@dataclass
+class _PrefillServer:
+    index: int  # in the contended model's server list
+    span: Span
+    room_bytes: float  # cache bytes left for prompts once its blocks are loaded
+    held: list[tuple[float, float]]  # (release time, bytes) of the prompts it holds
+
+
+class Disaggregation:
+    """The per-session prefill plan and the hand-offs' time (see the module docstring).
+
+    Servers are numbered as the contended model numbers them: the decode servers first (the engine's
+    indices), then the prefill servers. `announced[k] = (tau_prefill, prefill_tokens, tau)` is what
+    server k announces; `links[a][b]` joins servers a and b.
+    """
+
+    def __init__(
+        self,
+        num_decode: int,
+        prefill_spans: Sequence[Span],
+        room_bytes: Sequence[float],
+        announced: Sequence[tuple[float, int, float]],
+        links: Sequence[Sequence[Link]],
+        client_rtt: Sequence[float],
+        kv_token_bytes: float,
+        policy: str = "auto",
+    ):
+        total = num_decode + len(prefill_spans)
+        if len(announced) != total or len(links) != total or len(client_rtt) != total:
+            raise ValueError("roles: announcements, links and client round trips must cover every server")
+        if len(room_bytes) != len(prefill_spans):
+            raise ValueError("roles: one cache room per prefill server")
+        choose_prefill_server({}, 0.0, policy)  # checks the policy's name
+        self.num_decode, self.policy = num_decode, policy
+        self.announced, self.links, self.client_rtt = list(announced), links, list(client_rtt)
+        self.kv_token_bytes = kv_token_bytes
+        self.prefill = [
+            _PrefillServer(num_decode + k, span, room, [])
+            for k, (span, room) in enumerate(zip(prefill_spans, room_bytes, strict=True))
+        ]
+
+    def _per_block(self, server: int, tokens: int) -> float:
+        tau_prefill, prefill_tokens, tau = self.announced[server]
+        return scaled_prefill_seconds(tau_prefill, prefill_tokens, tau, tokens)
+
+    def plan(self, request: Request, hops: Sequence[ChainHop], now: float) -> tuple[int, ...]:
+        """Per hop, the server its prompt runs on (the hop's own, or a prefill server's index)."""
+        tokens = request.l_in
+        chosen = []
+        for hop in hops:
+            blocks = hop.num_blocks
+            prompt_bytes = tokens * self.kv_token_bytes * blocks
+            costs: dict[int, float] = {}
+            for server in self.prefill:
+                server.held = [(t, b) for t, b in server.held if t > now]
+                if server.span.start <= hop.start and hop.end <= server.span.end:
+                    if server.room_bytes - sum(b for _, b in server.held) >= prompt_bytes:
+                        link = self.links[server.index][hop.server].bandwidth_bps
+                        costs[server.index] = disaggregated_seconds(
+                            self._per_block(server.index, tokens), blocks, prompt_bytes, link / 8
+                        )
+            colocated = self._per_block(hop.server, tokens) * blocks
+            best = choose_prefill_server(costs, colocated, self.policy) if tokens >= 2 else None
+            if best is None:
+                chosen.append(hop.server)
+                continue
+            self.prefill[best - self.num_decode].held.append((math.inf, prompt_bytes))
+            chosen.append(best)
+        return tuple(chosen)
+
+    def handoff_seconds(
+        self, request: Request, hops: Sequence[ChainHop], prompt_servers: Sequence[int], now: float
+    ) -> float:
+        """The hand-offs after the prompt's pass (one after another); frees each prompt's cache."""
+        elapsed = 0.0
+        for hop, source in zip(hops, prompt_servers, strict=True):
+            if source == hop.server:
+                continue
+            link = self.links[source][hop.server]
+            cache_bytes = request.l_in * self.kv_token_bytes * hop.num_blocks
+            elapsed += self.client_rtt[source] + link.rtt + 8 * cache_bytes / link.bandwidth_bps
+            held = self.prefill[source - self.num_decode].held
+            for k, (release, size) in enumerate(held):
+                if math.isinf(release) and size == cache_bytes:
+                    held[k] = (now + elapsed, size)
+                    break
+        return elapsed
+
+
+def prefill_spans(scenario: Scenario, indices: Sequence[int]) -> tuple[list[Span], list[float]]:
+    """Spans of the prefill servers `indices` (the whole model where it fits with room for one
+    nominal prompt, else as many blocks as fit, laid one after another) and their prompt room."""
+    model, l_in = scenario.model, scenario.l_in
+    width = model.kv_dim or model.hidden_size or 0
+    prompt_per_block = 2 * width * model.dtype_bytes * l_in
+    spans, rooms, start = [], [], 0
+    for j in indices:
+        memory = scenario.servers[j].memory_bytes
+        blocks = min(model.num_blocks, int(memory // (model.block_bytes + prompt_per_block)))
+        if blocks < 1:
+            raise ValueError(f"prefill server {scenario.servers[j].name} cannot hold a block and a prompt")
+        if blocks == model.num_blocks:
+            span = Span(0, blocks)
+        else:
+            start = start if start + blocks <= model.num_blocks else model.num_blocks - blocks
+            span = Span(start, start + blocks)
+            start = span.end % model.num_blocks
+        spans.append(span)
+        rooms.append(memory - model.block_bytes * span.length)
+    return spans, rooms
+
+
+def uniform_links(count: int, rtt: float, bandwidth_bps: float) -> tuple[tuple[Link, ...], ...]:
+    """Every pair of servers joined by the same link (a server to itself: free)."""
+    if not (rtt >= 0 and bandwidth_bps > 0):
+        raise ValueError("server links need a round trip >= 0 and a positive bandwidth")
+    same = Link(0.0, math.inf)
+    return tuple(
+        tuple(same if a == b else Link(rtt, bandwidth_bps) for b in range(count)) for a in range(count)
+    )
+
+
+def split(scenario: Scenario, policy: str = "auto") -> tuple[Scenario, list[int], Disaggregation | None]:
+    """(the scenario of the servers that decode, the contended model's order of the scenario's
+    servers, the prefill plan or None when no server has the prefill role)."""
+    roles = scenario.roles or tuple(ServerRole.BOTH for _ in scenario.servers)
+    if len(roles) != len(scenario.servers):
+        raise ValueError("the scenario gives a role count different from its server count")
+    decode = [j for j, role in enumerate(roles) if ServerRole(role).serves("decode")]
+    prefill = [j for j, role in enumerate(roles) if ServerRole(role) == ServerRole.PREFILL]
+    order = decode + prefill
+    if not prefill:
+        return subset(scenario, decode) if len(decode) < len(roles) else scenario, order, None
+    if scenario.server_links is None:
+        raise ValueError("prefill servers need the links between servers (--link-mbps and --link-rtt-ms)")
+    spans, rooms = prefill_spans(scenario, prefill)
+    model = scenario.model
+    width = model.kv_dim or model.hidden_size or 0
+    announced = [(s.tau_prefill, scenario.l_in, s.tau) for s in (scenario.servers[j] for j in order)]
+    links = [[scenario.server_links[a][b] for b in order] for a in order]
+    client_rtt = [scenario.servers[j].rtt[CLIENT] for j in order]
+    plan = Disaggregation(
+        len(decode), spans, rooms, announced, links, client_rtt, 2 * width * model.dtype_bytes, policy
+    )
+    return subset(scenario, decode), order, plan

@@ -1,0 +1,63 @@
+"""Prefill time from a server's announced measurement, and whether a prefill server pays (pure).
+
+Shared by the client (`client/handoff_cost.py`, `client/prefill_roles.py`) and the simulator
+(`scheduler/sim/roles.py`), which must decide the way clients do.
+
+A server announces `tau_prefill`, its per-block time for a prompt of `prefill_tokens` tokens; a
+prompt of `tokens` tokens is charged that time scaled linearly. A session's hop may run its prompt
+on a prefill server P and hand the cache to its decode server D (docs/architecture.md, "Prefill and
+decode roles"): P's prefill plus the cache's transfer over the P-to-D link (free when the link's
+rate is unknown: the hand-off's own time limit then bounds the loss) against D's own prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
+
+from swarm.server_info import ServerInfo
+
+DISAGGREGATE_POLICIES = ("auto", "always", "never")
+
+_K = TypeVar("_K", bound=Hashable)
+
+
+def scaled_prefill_seconds(
+    tau_prefill: float | None, prefill_tokens: int, tau: float | None, tokens: int
+) -> float:
+    """Per-block prefill seconds of `tokens` tokens from an announced `tau_prefill` measured on
+    `prefill_tokens` tokens (without one: `tau` per token)."""
+    if tau_prefill is None or prefill_tokens <= 0:
+        return (tau or 0.0) * tokens
+    return tau_prefill * tokens / prefill_tokens
+
+
+def prefill_seconds(info: ServerInfo, tokens: int) -> float:
+    """Per-block prefill time of `tokens` tokens, scaled from the server's announced measurement."""
+    return scaled_prefill_seconds(info.tau_prefill, info.prefill_tokens, info.tau, tokens)
+
+
+def disaggregated_seconds(
+    prefill_per_block: float, blocks: int, cache_bytes: float, link_bytes_per_s: float | None
+) -> float:
+    """A prefill server's estimate for one hop: its prefill of the hop's blocks plus the hand-off of
+    `cache_bytes` at the link's rate (0 when the rate is unknown)."""
+    handoff = cache_bytes / link_bytes_per_s if link_bytes_per_s else 0.0
+    return prefill_per_block * blocks + handoff
+
+
+def choose_prefill_server(costs: Mapping[_K, float], colocated: float, policy: str = "auto") -> _K | None:
+    """The prefill server (key of `costs`, its `disaggregated_seconds`) a hop's prompt goes to, or
+    None to prefill on the decode server (whose own prefill takes `colocated` seconds).
+
+    "auto": the cheapest one if it beats `colocated`; "always": the cheapest one; "never": none.
+    Ties go to the first key, as `min` keeps it.
+    """
+    if policy not in DISAGGREGATE_POLICIES:
+        raise ValueError(f"unknown disaggregation policy {policy!r}; choose from {DISAGGREGATE_POLICIES}")
+    if policy == "never" or not costs:
+        return None
+    best = min(costs, key=costs.__getitem__)
+    if policy == "auto" and costs[best] >= colocated:
+        return None
+    return best
