@@ -15,11 +15,12 @@ colocated serving does: the decode server computes the prompt itself (a replay o
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
-from client.handoff_cost import prefill_seconds
 from client.stream import ServerStream, StepInput
+from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, prefill_seconds
 from swarm.route_request import RouteHop
 
 logger = logging.getLogger(__name__)
@@ -48,17 +49,22 @@ class DisaggregatedPrefill:
             ]
             if not covering or hop.peer_id not in servers:
                 continue
-            costs = {}
-            for peer in covering:
-                link = connection.link_rates.get((peer, hop.peer_id)) or servers[peer].links.get(hop.peer_id)
-                cache_bytes = (
-                    self.shape.l_in * self.shape.batch_size * servers[peer].cache_token_bytes * blocks
+            cache_bytes = {
+                peer: self.shape.l_in * self.shape.batch_size * servers[peer].cache_token_bytes * blocks
+                for peer in covering
+            }
+            costs = {
+                peer: disaggregated_seconds(
+                    prefill_seconds(servers[peer], self.shape.l_in),
+                    blocks,
+                    cache_bytes[peer],
+                    connection.link_rates.get((peer, hop.peer_id)) or servers[peer].links.get(hop.peer_id),
                 )
-                handoff = cache_bytes / link if link else 0.0
-                costs[peer] = prefill_seconds(servers[peer], self.shape.l_in) * blocks + handoff
-            peer = min(costs, key=costs.get)
+                for peer in covering
+            }
             colocated = prefill_seconds(servers[hop.peer_id], self.shape.l_in) * blocks
-            if policy == "auto" and costs[peer] >= colocated:
+            peer = choose_prefill_server(costs, colocated, policy)
+            if peer is None:
                 continue
             stream = ServerStream(RouteHop(peer, hop.start, hop.end), uuid.uuid4().hex, self.shape)
             try:
@@ -89,10 +95,25 @@ class DisaggregatedPrefill:
                     self.streams[index] = decode[index]
                 stream.close()
             raise
+        # every hop's cache crosses its own link at once: one hop's hand-off never waits for another's
+        handed = [
+            index for index, stream in enumerate(self.streams) if index in plan and stream is plan[index]
+        ]
+        results = await asyncio.gather(
+            *(self._hand_prefill(self.streams[index], decode[index]) for index in handed),
+            return_exceptions=True,
+        )
+        by_hop = dict(zip(handed, results, strict=True))
+        failure = next((result for result in results if isinstance(result, BaseException)), None)
+        if failure is not None:  # only a fatal error gets here (others fell back to replay or failover)
+            for result in results:
+                for stream in result if not isinstance(result, BaseException) else ():
+                    stream.close()
+            raise failure
         chain: list[ServerStream] = []
         for index, stream in enumerate(self.streams):
-            if index in plan and stream is plan[index]:
-                chain += await self._hand_prefill(stream, decode[index])
+            if index in by_hop:
+                chain += by_hop[index]
             else:
                 if index in decode:  # its prompt failed over elsewhere: the reserved decode session goes
                     decode[index].close()

@@ -137,6 +137,7 @@ class _Zygote:
         return reply
 
     def spawn(self, argv: Sequence[str], log_path: Path) -> ZygoteProcess:
+        log_path.write_bytes(b"")  # exists once we return, as with Popen (callers read it at once)
         request = {"argv": list(argv[2:]), "log": str(log_path), "cwd": os.getcwd()}
         with self._request_lock:
             assert self._process.stdin is not None

@@ -39,7 +39,7 @@ def _run_child(argv: list[str], log_path: str, cwd: str) -> None:
         os.setsid()
         os.chdir(cwd)
         devnull = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # the parent created it
         os.dup2(devnull, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)

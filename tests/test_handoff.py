@@ -237,16 +237,27 @@ def llama_kv_shape(model_dir) -> tuple[int, int]:
 
 
 def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swarm, llama_dir):
-    """`--role prefill` and `--role decode`: the decode server prefills slowly (emulated), so the client
-    sends each prompt to the prefill server, whose cache is handed to the decode server."""
+    """`--role prefill` and `--role decode`, two hops: the decode servers prefill slowly (emulated), so
+    the client sends each prompt to the prefill servers, whose caches are handed to the decode servers
+    of their hops (both hops at once)."""
     prefix = default_prefix(str(llama_dir))
-    blocks = f"0:{NUM_BLOCKS}"
-    swarm.start_server("prefill", llama_dir, blocks, "1GB", "--role", "prefill")
-    swarm.start_server(
-        "decode", llama_dir, blocks, "1GB", "--role", "decode", "--compute-delay-per-token", "0.002"
-    )
-    online = swarm.wait_online(prefix, NUM_BLOCKS, ["prefill", "decode"])
-    assert online["prefill"].role == "prefill" and online["decode"].role == "decode"
+    half = NUM_BLOCKS // 2
+    spans = {"a": f"0:{half}", "b": f"{half}:{NUM_BLOCKS}"}
+    for hop, blocks in spans.items():
+        swarm.start_server(f"prefill-{hop}", llama_dir, blocks, "1GB", "--role", "prefill")
+        swarm.start_server(
+            f"decode-{hop}",
+            llama_dir,
+            blocks,
+            "1GB",
+            "--role",
+            "decode",
+            "--compute-delay-per-token",
+            "0.002",
+        )
+    names = [f"{role}-{hop}" for role in ("prefill", "decode") for hop in spans]
+    online = swarm.wait_online(prefix, NUM_BLOCKS, names)
+    assert [online[name].role for name in names] == ["prefill", "prefill", "decode", "decode"]
     reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     batch = tokenizer(
@@ -259,12 +270,18 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
         for inputs in ({"input_ids": PROMPT}, dict(batch)):
             expected = reference.generate(**inputs, max_new_tokens=10, do_sample=False)
             assert torch.equal(model.generate(**inputs, max_new_tokens=10, do_sample=False), expected)
-        _wait_for_log(swarm, "prefill", "handed")
-        _wait_for_log(swarm, "decode", "received a cache")
-        assert "handed" not in swarm.log("decode")  # decoding stayed on the decode server
-        # the prefill server announces the link it measured (bounded record field)
-        decode_peer = _peer(swarm, prefix, "decode")
-        swarm.wait_for(prefix, NUM_BLOCKS, lambda online: list(online["prefill"].links) == [decode_peer], 30)
+        for hop in spans:
+            _wait_for_log(swarm, f"prefill-{hop}", "handed")
+            _wait_for_log(swarm, f"decode-{hop}", "received a cache")
+            assert "handed" not in swarm.log(f"decode-{hop}")  # decoding stayed on the decode servers
+            # each prefill server announces the link it measured to its hop's decode server
+            decode_peer = _peer(swarm, prefix, f"decode-{hop}")
+            swarm.wait_for(
+                prefix,
+                NUM_BLOCKS,
+                lambda online, hop=hop, peer=decode_peer: list(online[f"prefill-{hop}"].links) == [peer],
+                30,
+            )
     finally:
         model.shutdown()
 

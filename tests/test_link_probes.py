@@ -48,7 +48,7 @@ async def _probe(
             response, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
             metadata = decode_metadata(response.metadata)
             kinds.append(metadata["type"] if metadata["type"] != "error" else f"error: {metadata['message']}")
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionError):  # the server ended the stream on an error
         kinds.append("closed")
     finally:
         writer.close()
