@@ -126,8 +126,11 @@ async def _push(connection, peer_id: str, requests: list) -> list[str]:
     _, reader, writer = await connection.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
     kinds: list[str] = []
     try:
-        for request in requests:
-            await P2P.send_protobuf(request, writer)
+        try:
+            for request in requests:
+                await P2P.send_protobuf(request, writer)
+        except ConnectionError:  # the server refused early and ended the stream: its error is still to read
+            pass
         while not kinds or kinds[-1] == "chunk_ack":
             response, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
             metadata = decode_metadata(response.metadata)

@@ -35,8 +35,11 @@ async def _probe(
     _, reader, writer = await connection.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
     kinds: list[str] = []
     try:
-        for request in requests:
-            await P2P.send_protobuf(request, writer)
+        try:
+            for request in requests:
+                await P2P.send_protobuf(request, writer)
+        except ConnectionError:  # the server refused early and ended the stream: its error is still to read
+            pass
         if keep_open is not None:
             while not keep_open.is_set():
                 await asyncio.sleep(0.05)
