@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_options(
         parser, PlanSettings, {"--min-gain": "re-place a working swarm only if this much faster (0.1 = 10%%)"}
     )
+    parser.add_argument(
+        "--roles",
+        choices=["off", "auto"],
+        default="off",
+        help="auto: tell managed servers to run as prefill or both, planned from the server-to-server "
+        "links they announce and scored by the contended simulator for the SLOs (docs/algorithms.md); "
+        "servers started with --role prefill|decode keep theirs (default off: no role is assigned)",
+    )
     for name, what in (("ttft", "time to first token"), ("tpot", "time per later token")):
         parser.add_argument(
             f"--slo-{name}",

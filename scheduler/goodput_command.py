@@ -28,6 +28,7 @@ from scheduler.sim.goodput_plan import (
 from scheduler.sim.metrics import Slo
 from scheduler.sim.planning_swarm import named_swarm, problem_swarm, with_added_servers
 from scheduler.sim.policies import NONE, PAPER000
+from scheduler.sim.role_planning import roles_document
 from scheduler.sim.runner import SCENARIOS
 from scheduler.sim.scenarios import Scenario
 
@@ -47,12 +48,17 @@ Nx: N times what a lone request gets in the idle swarm (e.g. --slo-ttft 5x --slo
 attainment at it is reported and the best plan's placement is made for it.
 --servers-to-add KIND --at-rate R: the fewest more servers of KIND (a GPU kind of the scenario,
 e.g. A100, or the name of a server to copy) with which some plan meets the SLOs at rate R.
+--link-mbps M (every two servers joined at M Mbit/s) with --roles auto (the default): the role
+planner's choice of prefill servers (swarm-scheduler --roles auto's), its goodput and colocated
+serving's in the contended simulator (cg-bp), under "roles"; without links no roles are planned.
 
 examples:
   swarm-plan goodput --scenario clustered --slo-ttft 5x --slo-tpot 1.5x
   swarm-plan goodput --scenario ripe --l-in 2048 --slo-ttft 1.5 --slo-tpot 0.09 \\
       --servers-to-add MIG-3g.40gb --at-rate 16
   swarm-plan goodput --slo-ttft 10 --slo-tpot 0.5 --rate 0.8 < plan_input.json
+  swarm-plan goodput --scenario hetero --l-in 2048 --l-out 128 --slo-ttft 10 --slo-tpot 0.3 \\
+      --link-mbps 1000   # also: prefill/decode roles against colocated serving ("roles")
 """
 
 _SLO = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(x?)\s*$")
@@ -109,6 +115,17 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--at-rate", type=float, help="... to be met at this arrival rate")
     parser.add_argument("--max-servers-to-add", type=int, default=32, help="give up beyond this many")
+    parser.add_argument(
+        "--roles",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: with --link-mbps, also plan prefill/decode roles (scheduler.algorithms.roles, scored "
+        'by the contended simulator) and report them beside colocated serving under "roles"',
+    )
+    parser.add_argument(
+        "--link-mbps", type=float, help="bandwidth between every two servers (needed for --roles auto)"
+    )
+    parser.add_argument("--link-rtt-ms", type=float, default=10.0, help="round trip between two servers")
     parser.set_defaults(run=run, reads_stdin=lambda args: args.scenario is None)
 
 
@@ -129,6 +146,8 @@ def run(args: argparse.Namespace, text: bytes) -> dict[str, Any]:
         slo = Slo(_target(args.slo_ttft, idle.ttft), _target(args.slo_tpot, idle.tpot))
         plan = plan_goodput(scenario, slo, rate, settings)
         output = plan_document(plan, scenario, slo, rate)
+        if args.roles == "auto" and args.link_mbps is not None:
+            output["roles"] = roles_document(scenario, slo, args.link_mbps, args.link_rtt_ms)
         if args.servers_to_add is not None:
             added = servers_to_add(
                 scenario,
@@ -168,6 +187,10 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise PlanInputError(f"--{name.replace('_', '-')} must be a positive number of requests/s")
+    if args.link_mbps is not None and not (math.isfinite(args.link_mbps) and args.link_mbps > 0):
+        raise PlanInputError("--link-mbps must be a positive number of Mbit/s")
+    if not (math.isfinite(args.link_rtt_ms) and args.link_rtt_ms >= 0):
+        raise PlanInputError("--link-rtt-ms must be >= 0")
     if (args.servers_to_add is None) != (args.at_rate is None):
         raise PlanInputError("--servers-to-add and --at-rate go together")
     if args.seeds < 1 or args.l_in < 1 or (args.l_out is not None and args.l_out < 1):

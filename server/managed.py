@@ -75,6 +75,7 @@ class SpanManager:
                 deadline = now + config.scheduler_timeout  # it answers: no fallback while it does
                 if assignment.assigned and self._usable(assignment):
                     self.epoch = assignment.epoch
+                    server.role.follow(assignment.role)  # announced with the span
                     logger.info(
                         "scheduler at %s assigned blocks %d:%d (epoch %d, policy %s) after %.1f s",
                         self.link.address,
@@ -193,6 +194,8 @@ class SpanManager:
                 if warned:
                     warned = False
                     logger.info("scheduler at %s answers", self.link.address)
+                if assignment.assigned and server.role.follow(assignment.role):
+                    await server.announce_quietly()
                 if assignment.assigned and self._should_move(assignment) and self._usable(assignment):
                     await self._move(p2p, assignment)
         except Exception as error:  # a failed move leaves nothing to serve: stop, and say why

@@ -18,6 +18,7 @@ from hivemind.dht import DHT
 from tqdm import tqdm
 
 from server.active_span import ActiveSpan, run_bounded
+from server.assigned_role import AssignedRole
 from server.config import ServerConfig
 from server.emulated_delay import emulated_seconds_per_block
 from server.handler import BlockServicer, PeerLimits
@@ -35,7 +36,7 @@ from swarm.models.adapters import attach_adapters
 from swarm.models.checkpoint import load_config
 from swarm.models.span import TransformerSpan, load_span, rebuild_span
 from swarm.reachability import DialBackService
-from swarm.server_info import Reachability, ServerInfo, ServerRole, ServerState
+from swarm.server_info import Reachability, ServerInfo, ServerState
 from swarm.stop_deadline import STOP_DEADLINE
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class SwarmServer:
         self.identity: PeerIdentity | None = None
         self.reachability = Reachability.DIRECT  # decided when joining (server.joining)
         self.limits = ModelLimits.from_config(load_config(config.model_dir))
+        self.role = AssignedRole(config.role)  # managed: the scheduler may assign one (--roles auto)
 
     # --- what we announce -----------------------------------------------------------------------
     @property
@@ -109,7 +111,7 @@ class SwarmServer:
             active_sessions=served.open_sessions if served is not None else 0,
             reachability=self.reachability,
             adapters=served.adapter_names if served is not None else (),
-            role=ServerRole(config.role),
+            role=self.role.role,
             links=served.link_rates if served is not None else {},
         )
 

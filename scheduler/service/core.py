@@ -32,6 +32,7 @@ from scheduler.service.planner import (
     idle_per_token_time,
     plan_summary,
     r_changed,
+    role_assigner,
 )
 from scheduler.service.request_stats import RequestStats
 from scheduler.service.sessions import RouteDecision, SessionBook, SessionRecord
@@ -89,6 +90,7 @@ class Assignment:
     span: Span | None
     epoch: int
     reason: str = ""
+    role: str = ""  # prefill, decode or both (`--roles auto`); empty: the server keeps its own
 
 
 class SchedulerCore:
@@ -109,6 +111,7 @@ class SchedulerCore:
         self._members_changed_at: float | None = None
         self._last_review = now
         self._first_roster = True
+        self.roles = role_assigner(settings.plan, (settings.slo_ttft, settings.slo_tpot))
 
     # --- the roster (from the DHT) -------------------------------------------------------------
     def update_roster(self, records: Mapping[str, ServerInfo], now: float) -> None:
@@ -143,7 +146,17 @@ class SchedulerCore:
 
     # --- placement ---------------------------------------------------------------------------------
     def review(self, now: float, force: bool = False) -> bool:
-        """Re-place if there is a reason to (planner's list); returns whether a new placement was adopted."""
+        """Re-place if there is a reason to (planner's list); returns whether a new placement was adopted.
+        With `--roles auto`, then re-plans the servers' roles when their inputs changed."""
+        last = self._last_review
+        adopted = self._review_placement(now, force)
+        # only when the placement was reviewed (not at every roster read): a re-plan simulates
+        reviewed = self._last_review != last and self.placed_members is not None
+        if reviewed and self.settings.plan.roles != "off":
+            self.roles.review(self.view, self.assignment, self.rate.rate(now))
+        return adopted
+
+    def _review_placement(self, now: float, force: bool) -> bool:
         members = frozenset(self.view.placeable())
         settled = (
             self._members_changed_at is not None and now - self._members_changed_at >= self.settings.settle
@@ -221,7 +234,7 @@ class SchedulerCore:
             return Assignment(
                 False, None, self.epoch, f"no blocks: not enough memory for R={self.num_requests}"
             )
-        return Assignment(True, span, self.epoch)
+        return Assignment(True, span, self.epoch, role=self.roles.role_for(peer))
 
     # --- routing --------------------------------------------------------------------------------------
     def route(self, request: RouteRequest, now: float) -> RouteDecision | None:

@@ -61,6 +61,7 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
             policy=self.core.settings.plan.policy,
             retry_after=0.0 if assignment.assigned else 1.0,
             reason=assignment.reason,
+            role=assignment.role,
         )
 
     # --- clients ------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from scheduler.algorithms.placing import PLACEMENTS, PlacedServers, PlanProblem
 from scheduler.algorithms.problem import Span
 from scheduler.plan_commands import placement_output
 from scheduler.plan_io import problem_json
+from scheduler.service.live_roles import RoleAssigner
+from scheduler.service.live_roles import check_mode as check_role_mode
 from scheduler.service.view import SwarmView
 from swarm.errors import SwarmUserError
 
@@ -44,6 +46,7 @@ class PlanSettings:
     min_gain: float = 0.1  # adopt a merely faster placement only if at least this much faster
     r_hysteresis: float = 0.25  # re-place for R only when it changes by this fraction (and >= 1)
     rate_window: float = 300.0  # seconds of arrivals the online rate estimate looks at
+    roles: str = "off"  # "auto": plan prefill/decode roles from the announced links (`live_roles`)
 
     def __post_init__(self) -> None:
         """Every value checked where the settings are made (messages name `swarm-scheduler`'s flags)."""
@@ -57,6 +60,7 @@ class PlanSettings:
             raise SwarmUserError(f"--min-gain must be in [0, 1), got {self.min_gain}")
         if not self.r_hysteresis >= 0 or not self.rate_window > 0:
             raise SwarmUserError("the R hysteresis must be >= 0 and the rate window positive")
+        check_role_mode(self.roles)
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,12 @@ def idle_per_token_time(view: SwarmView, peers: Sequence[str], spans: Sequence[S
     except ValueError:
         return math.inf
     return total / view.l_out
+
+
+def role_assigner(settings: PlanSettings, slo: tuple[float | None, float | None]) -> RoleAssigner:
+    """Who hands out prefill/decode roles (`--roles auto`; off: every server keeps its own, and
+    assignments carry no role)."""
+    return RoleAssigner(settings.roles, slo)
 
 
 def plan_summary(plan: Plan) -> str:

@@ -10,8 +10,8 @@ When a session starts, for each hop of its chain the client's rule (`swarm.prefi
 arithmetic as `client/prefill_roles.py`) picks a prefill server holding the hop's blocks with room
 for the prompt's cache, if its prefill of the prompt (its announced `tau_prefill`, scaled) plus the
 hand-off at the link's rate beats the decode server's own prefill. The prompt then runs on that
-prefill server's loop; after the prompt's pass, each such hop hands its cache over, one after
-another (as the client does), each costing a client round trip to the prefill server (its
+prefill server's loop; after the prompt's pass, every such hop hands its cache over at once (as the
+client does, each over its own link), each costing a client round trip to the prefill server (its
 `HandOff` request and `HandedOff` answer), a round trip between the two servers (the push stream's
 opening and last acknowledgement) and `tokens x kv bytes per token per block x blocks` over the
 link's bandwidth. A prefill server holds the prompt's cache from the session's start until its
@@ -149,18 +149,20 @@ class Disaggregation:
     def handoff_seconds(
         self, request: Request, hops: Sequence[ChainHop], prompt_servers: Sequence[int], now: float
     ) -> float:
-        """The hand-offs after the prompt's pass (one after another); frees each prompt's cache."""
+        """The hand-offs after the prompt's pass, all hops at once as the client starts them (each over
+        its own link); frees each prompt's cache when its own hand-off ends. Returns the longest."""
         elapsed = 0.0
         for hop, source in zip(hops, prompt_servers, strict=True):
             if source == hop.server:
                 continue
             link = self.links[source][hop.server]
             cache_bytes = request.l_in * self.kv_token_bytes * hop.num_blocks
-            elapsed += self.client_rtt[source] + link.rtt + 8 * cache_bytes / link.bandwidth_bps
+            seconds = self.client_rtt[source] + link.rtt + 8 * cache_bytes / link.bandwidth_bps
+            elapsed = max(elapsed, seconds)
             held = self.prefill[source - self.num_decode].held
             for k, (release, size) in enumerate(held):
                 if math.isinf(release) and size == cache_bytes:
-                    held[k] = (now + elapsed, size)
+                    held[k] = (now + seconds, size)
                     break
         return elapsed
 

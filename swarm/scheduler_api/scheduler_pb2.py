@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#swarm/scheduler_api/scheduler.proto\x12\x15llmswarm.scheduler.v1\"$\n\x11\x41ssignmentRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"~\n\nAssignment\x12\x10\n\x08\x61ssigned\x18\x01 \x01(\x08\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x13\n\x0bretry_after\x18\x06 \x01(\x01\x12\x0e\n\x06reason\x18\x07 \x01(\t\")\n\tServerRtt\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0b\n\x03rtt\x18\x02 \x01(\x01\"\x96\x01\n\x0cRouteRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12.\n\x04rtts\x18\x02 \x03(\x0b\x32 .llmswarm.scheduler.v1.ServerRtt\x12\x0c\n\x04l_in\x18\x03 \x01(\x05\x12\r\n\x05l_out\x18\x04 \x01(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\"2\n\x03Hop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\x89\x02\n\nRouteReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x05\x63hain\x18\x02 \x03(\x0b\x32\x1a.llmswarm.scheduler.v1.Hop\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x08\x12\x15\n\rexpected_wait\x18\x04 \x01(\x01\x12\x1b\n\x13\x65xpected_completion\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\x12\r\n\x05lease\x18\x07 \x01(\x01\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x10\n\x08slo_miss\x18\n \x01(\x08\x12\x12\n\nslo_reason\x18\x0b \x01(\t\x12\x15\n\rexpected_ttft\x18\x0c \x01(\x01\"3\n\x0c\x41waitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"L\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04ttft\x18\x02 \x01(\x01\x12\x0c\n\x04tpot\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x05\"*\n\nLeaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05lease\x18\x02 \x01(\x01\"\x19\n\x08\x45ndReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xb0\x02\n\x0cServerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x13\n\x0bpublic_name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07managed\x18\x04 \x01(\x08\x12\r\n\x05start\x18\x05 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x05\x12\x16\n\x0e\x61ssigned_start\x18\x07 \x01(\x05\x12\x14\n\x0c\x61ssigned_end\x18\x08 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\t \x01(\x01\x12\x0b\n\x03tau\x18\n \x01(\x01\x12\x13\n\x0btau_prefill\x18\x0b \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_slots\x18\x0c \x01(\x05\x12\x14\n\x0cslots_in_use\x18\r \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0e \x01(\x05\x12\x14\n\x0creachability\x18\x0f \x01(\t\"\xdf\x03\n\x06Status\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x05\x12\r\n\x05\x62ound\x18\x05 \x01(\x01\x12\x14\n\x0c\x61rrival_rate\x18\x06 \x01(\x01\x12\x34\n\x07servers\x18\x07 \x03(\x0b\x32#.llmswarm.scheduler.v1.ServerStatus\x12\x10\n\x08\x63overage\x18\x08 \x03(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\x05\x12\x18\n\x10waiting_sessions\x18\n \x01(\x05\x12\x18\n\x10uncovered_blocks\x18\x0b \x03(\x05\x12\x12\n\nplan_input\x18\x0c \x01(\t\x12\x13\n\x0bplan_output\x18\r \x01(\t\x12\x0e\n\x06uptime\x18\x0e \x01(\x01\x12\x19\n\x11\x66inished_requests\x18\x0f \x01(\x05\x12\x10\n\x08ttft_p50\x18\x10 \x01(\x01\x12\x10\n\x08ttft_p95\x18\x11 \x01(\x01\x12\x10\n\x08tpot_p50\x18\x12 \x01(\x01\x12\x10\n\x08tpot_p95\x18\x13 \x01(\x01\x12\x10\n\x08wait_p50\x18\x14 \x01(\x01\x12\x10\n\x08wait_p95\x18\x15 \x01(\x01\x12\x12\n\nstatus_url\x18\x16 \x01(\t2\x8b\x04\n\tScheduler\x12\\\n\rGetAssignment\x12(.llmswarm.scheduler.v1.AssignmentRequest\x1a!.llmswarm.scheduler.v1.Assignment\x12O\n\x05Route\x12#.llmswarm.scheduler.v1.RouteRequest\x1a!.llmswarm.scheduler.v1.RouteReply\x12X\n\x0e\x41waitAdmission\x12#.llmswarm.scheduler.v1.AwaitRequest\x1a!.llmswarm.scheduler.v1.RouteReply\x12Q\n\tKeepAlive\x12!.llmswarm.scheduler.v1.SessionRef\x1a!.llmswarm.scheduler.v1.LeaseReply\x12P\n\nEndSession\x12!.llmswarm.scheduler.v1.SessionRef\x1a\x1f.llmswarm.scheduler.v1.EndReply\x12P\n\tGetStatus\x12$.llmswarm.scheduler.v1.StatusRequest\x1a\x1d.llmswarm.scheduler.v1.Statusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#swarm/scheduler_api/scheduler.proto\x12\x15llmswarm.scheduler.v1\"$\n\x11\x41ssignmentRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"\x8c\x01\n\nAssignment\x12\x10\n\x08\x61ssigned\x18\x01 \x01(\x08\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x13\n\x0bretry_after\x18\x06 \x01(\x01\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0c\n\x04role\x18\x08 \x01(\t\")\n\tServerRtt\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0b\n\x03rtt\x18\x02 \x01(\x01\"\x96\x01\n\x0cRouteRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12.\n\x04rtts\x18\x02 \x03(\x0b\x32 .llmswarm.scheduler.v1.ServerRtt\x12\x0c\n\x04l_in\x18\x03 \x01(\x05\x12\r\n\x05l_out\x18\x04 \x01(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x12\n\nmax_length\x18\x06 \x01(\x05\"2\n\x03Hop\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\x89\x02\n\nRouteReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x05\x63hain\x18\x02 \x03(\x0b\x32\x1a.llmswarm.scheduler.v1.Hop\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x08\x12\x15\n\rexpected_wait\x18\x04 \x01(\x01\x12\x1b\n\x13\x65xpected_completion\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\x12\r\n\x05lease\x18\x07 \x01(\x01\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x10\n\x08slo_miss\x18\n \x01(\x08\x12\x12\n\nslo_reason\x18\x0b \x01(\t\x12\x15\n\rexpected_ttft\x18\x0c \x01(\x01\"3\n\x0c\x41waitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"L\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04ttft\x18\x02 \x01(\x01\x12\x0c\n\x04tpot\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x05\"*\n\nLeaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05lease\x18\x02 \x01(\x01\"\x19\n\x08\x45ndReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xb0\x02\n\x0cServerStatus\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x13\n\x0bpublic_name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07managed\x18\x04 \x01(\x08\x12\r\n\x05start\x18\x05 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x05\x12\x16\n\x0e\x61ssigned_start\x18\x07 \x01(\x05\x12\x14\n\x0c\x61ssigned_end\x18\x08 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\t \x01(\x01\x12\x0b\n\x03tau\x18\n \x01(\x01\x12\x13\n\x0btau_prefill\x18\x0b \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_slots\x18\x0c \x01(\x05\x12\x14\n\x0cslots_in_use\x18\r \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0e \x01(\x05\x12\x14\n\x0creachability\x18\x0f \x01(\t\"\xdf\x03\n\x06Status\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x05\x12\r\n\x05\x62ound\x18\x05 \x01(\x01\x12\x14\n\x0c\x61rrival_rate\x18\x06 \x01(\x01\x12\x34\n\x07servers\x18\x07 \x03(\x0b\x32#.llmswarm.scheduler.v1.ServerStatus\x12\x10\n\x08\x63overage\x18\x08 \x03(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\x05\x12\x18\n\x10waiting_sessions\x18\n \x01(\x05\x12\x18\n\x10uncovered_blocks\x18\x0b \x03(\x05\x12\x12\n\nplan_input\x18\x0c \x01(\t\x12\x13\n\x0bplan_output\x18\r \x01(\t\x12\x0e\n\x06uptime\x18\x0e \x01(\x01\x12\x19\n\x11\x66inished_requests\x18\x0f \x01(\x05\x12\x10\n\x08ttft_p50\x18\x10 \x01(\x01\x12\x10\n\x08ttft_p95\x18\x11 \x01(\x01\x12\x10\n\x08tpot_p50\x18\x12 \x01(\x01\x12\x10\n\x08tpot_p95\x18\x13 \x01(\x01\x12\x10\n\x08wait_p50\x18\x14 \x01(\x01\x12\x10\n\x08wait_p95\x18\x15 \x01(\x01\x12\x12\n\nstatus_url\x18\x16 \x01(\t2\x8b\x04\n\tScheduler\x12\\\n\rGetAssignment\x12(.llmswarm.scheduler.v1.AssignmentRequest\x1a!.llmswarm.scheduler.v1.Assignment\x12O\n\x05Route\x12#.llmswarm.scheduler.v1.RouteRequest\x1a!.llmswarm.scheduler.v1.RouteReply\x12X\n\x0e\x41waitAdmission\x12#.llmswarm.scheduler.v1.AwaitRequest\x1a!.llmswarm.scheduler.v1.RouteReply\x12Q\n\tKeepAlive\x12!.llmswarm.scheduler.v1.SessionRef\x1a!.llmswarm.scheduler.v1.LeaseReply\x12P\n\nEndSession\x12!.llmswarm.scheduler.v1.SessionRef\x1a\x1f.llmswarm.scheduler.v1.EndReply\x12P\n\tGetStatus\x12$.llmswarm.scheduler.v1.StatusRequest\x1a\x1d.llmswarm.scheduler.v1.Statusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ASSIGNMENTREQUEST']._serialized_start=62
   _globals['_ASSIGNMENTREQUEST']._serialized_end=98
-  _globals['_ASSIGNMENT']._serialized_start=100
-  _globals['_ASSIGNMENT']._serialized_end=226
-  _globals['_SERVERRTT']._serialized_start=228
-  _globals['_SERVERRTT']._serialized_end=269
-  _globals['_ROUTEREQUEST']._serialized_start=272
-  _globals['_ROUTEREQUEST']._serialized_end=422
-  _globals['_HOP']._serialized_start=424
-  _globals['_HOP']._serialized_end=474
-  _globals['_ROUTEREPLY']._serialized_start=477
-  _globals['_ROUTEREPLY']._serialized_end=742
-  _globals['_AWAITREQUEST']._serialized_start=744
-  _globals['_AWAITREQUEST']._serialized_end=795
-  _globals['_SESSIONREF']._serialized_start=797
-  _globals['_SESSIONREF']._serialized_end=873
-  _globals['_LEASEREPLY']._serialized_start=875
-  _globals['_LEASEREPLY']._serialized_end=917
-  _globals['_ENDREPLY']._serialized_start=919
-  _globals['_ENDREPLY']._serialized_end=944
-  _globals['_STATUSREQUEST']._serialized_start=946
-  _globals['_STATUSREQUEST']._serialized_end=961
-  _globals['_SERVERSTATUS']._serialized_start=964
-  _globals['_SERVERSTATUS']._serialized_end=1268
-  _globals['_STATUS']._serialized_start=1271
-  _globals['_STATUS']._serialized_end=1750
-  _globals['_SCHEDULER']._serialized_start=1753
-  _globals['_SCHEDULER']._serialized_end=2276
+  _globals['_ASSIGNMENT']._serialized_start=101
+  _globals['_ASSIGNMENT']._serialized_end=241
+  _globals['_SERVERRTT']._serialized_start=243
+  _globals['_SERVERRTT']._serialized_end=284
+  _globals['_ROUTEREQUEST']._serialized_start=287
+  _globals['_ROUTEREQUEST']._serialized_end=437
+  _globals['_HOP']._serialized_start=439
+  _globals['_HOP']._serialized_end=489
+  _globals['_ROUTEREPLY']._serialized_start=492
+  _globals['_ROUTEREPLY']._serialized_end=757
+  _globals['_AWAITREQUEST']._serialized_start=759
+  _globals['_AWAITREQUEST']._serialized_end=810
+  _globals['_SESSIONREF']._serialized_start=812
+  _globals['_SESSIONREF']._serialized_end=888
+  _globals['_LEASEREPLY']._serialized_start=890
+  _globals['_LEASEREPLY']._serialized_end=932
+  _globals['_ENDREPLY']._serialized_start=934
+  _globals['_ENDREPLY']._serialized_end=959
+  _globals['_STATUSREQUEST']._serialized_start=961
+  _globals['_STATUSREQUEST']._serialized_end=976
+  _globals['_SERVERSTATUS']._serialized_start=979
+  _globals['_SERVERSTATUS']._serialized_end=1283
+  _globals['_STATUS']._serialized_start=1286
+  _globals['_STATUS']._serialized_end=1765
+  _globals['_SCHEDULER']._serialized_start=1768
+  _globals['_SCHEDULER']._serialized_end=2291
 # @@protoc_insertion_point(module_scope)

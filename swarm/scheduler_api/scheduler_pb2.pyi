@@ -13,7 +13,7 @@ class AssignmentRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("assigned", "start", "end", "epoch", "policy", "retry_after", "reason")
+    __slots__ = ("assigned", "start", "end", "epoch", "policy", "retry_after", "reason", "role")
     ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class Assignment(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     assigned: bool
     start: int
     end: int
@@ -28,7 +29,8 @@ class Assignment(_message.Message):
     policy: str
     retry_after: float
     reason: str
-    def __init__(self, assigned: _Optional[bool] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., epoch: _Optional[int] = ..., policy: _Optional[str] = ..., retry_after: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, assigned: _Optional[bool] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., epoch: _Optional[int] = ..., policy: _Optional[str] = ..., retry_after: _Optional[float] = ..., reason: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ServerRtt(_message.Message):
     __slots__ = ("peer_id", "rtt")
