@@ -38,6 +38,12 @@ def enable() -> None:
     _enabled = True
 
 
+def disable() -> None:
+    """Start later processes as fresh interpreters again (the zygote, if started, stays until `shutdown`)."""
+    global _enabled
+    _enabled = False
+
+
 def enabled() -> bool:
     return _enabled
 
