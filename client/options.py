@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from swarm.adapter_names import check_adapter_name
 from swarm.closed_swarm import SwarmSecret
 from swarm.errors import SwarmUserError
+from swarm.task_label import check_label
 
 
 @dataclass
@@ -60,6 +61,9 @@ class ClientOptions:
     # the LoRA adapter every session and forward of this client uses (PETALS' `active_adapter`): only
     # servers announcing it are routed through; None: the plain model
     active_adapter: str | None = None
+    # what kind of work this client's sessions are ("code", "chat"...; at most 64 printable characters):
+    # a scheduler learns output lengths per label and routes by them (swarm-scheduler --l-out-prediction)
+    task_label: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -91,6 +95,10 @@ class ClientOptions:
             raise SwarmUserError("ClientOptions.max_failovers must be >= 0 and max_refusals >= 1")
         if self.active_adapter is not None:
             check_adapter_name(self.active_adapter)
+        try:
+            check_label(self.task_label)
+        except ValueError as error:
+            raise SwarmUserError(f"ClientOptions.task_label: {error}") from None
         if self.scheduler_key is not None:
             from swarm.identity import read_public_key
 

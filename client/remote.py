@@ -170,7 +170,8 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
         link, options = self.connection.scheduler, self.connection.options
         candidates = await self.connection.candidates()
         rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
-        reply = await link.route(RouteRequest(self.connection.client_id, rtts, self.shape))
+        request = RouteRequest(self.connection.client_id, rtts, self.shape, options.task_label or "")
+        reply = await link.route(request)
         if not await _usable_reply(link, reply, "the scheduler has no route (%s): routing locally"):
             return None
         if reply.slo_miss and first:

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from swarm.task_label import check_label
+
 MAX_LENGTH = 1 << 20  # tokens: what a route request may declare (scheduler.service.grpc_api.MAX_TOKENS)
 BUCKET_TOKENS = 200  # TetriInfer's output buckets: [0, 200), [200, 400), ...
 NUM_OUTPUT_BUCKETS = 64  # the last 200-token bucket holds every length >= 12,600
 NUM_PROMPT_BUCKETS = 21  # prompt lengths in [2^k, 2^(k+1)), k = 0..20 (2^20 = MAX_LENGTH)
 MIN_OBSERVATIONS = 16  # a distribution with fewer observations answers nothing: fall back
 MAX_LABELS = 64  # labels beyond these are not learned (their sessions count as unlabelled)
-LABEL_CHARS = 64
 WINDOW = 4096  # a histogram halves its counts when it holds twice this many observations
 STATISTICS = ("mean", "median")
 
@@ -82,15 +83,6 @@ def check_length(name: str, value: object, maximum: int = MAX_LENGTH) -> int:
     if not 1 <= length <= maximum:
         raise ValueError(f"{name} must be in 1..{maximum} tokens, got {length}")
     return length
-
-
-def check_label(label: str | None) -> str | None:
-    """A task label: None or "" (none), else at most `LABEL_CHARS` printable characters."""
-    if label is None or label == "":
-        return None
-    if not isinstance(label, str) or len(label) > LABEL_CHARS or not label.isprintable():
-        raise ValueError(f"a task label must be at most {LABEL_CHARS} printable characters, got {label!r}")
-    return label
 
 
 class _Histogram:

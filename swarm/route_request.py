@@ -48,6 +48,7 @@ class RouteRequest:
     client_id: str  # how the scheduler tells one client's round-trip reports and sessions apart
     rtts: Mapping[str, float]  # seconds, by server peer id
     shape: SessionShape
+    task: str = ""  # the kind of work the client declares ("": none); lengths are learned per label
 
     def to_proto(self) -> pb.RouteRequest:
         return pb.RouteRequest(
@@ -57,9 +58,11 @@ class RouteRequest:
             l_out=self.shape.l_out,
             batch_size=self.shape.batch_size,
             max_length=self.shape.max_length,
+            task=self.task,
         )
 
     @classmethod
     def from_proto(cls, request: pb.RouteRequest) -> RouteRequest:
         shape = SessionShape(request.batch_size, request.max_length, request.l_in, request.l_out)
-        return cls(request.client_id, {entry.peer_id: entry.rtt for entry in request.rtts}, shape)
+        rtts = {entry.peer_id: entry.rtt for entry in request.rtts}
+        return cls(request.client_id, rtts, shape, request.task)

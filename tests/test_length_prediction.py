@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from client.options import ClientOptions
 from scheduler.length_prediction import (
     MAX_LENGTH,
     MIN_OBSERVATIONS,
@@ -30,6 +31,7 @@ from scheduler.sim.engine import simulate
 from scheduler.sim.policies import NONE, build_dispatcher
 from scheduler.sim.runner import CellConfig, make_requests, make_scenario, run_seed
 from scheduler.sim_cli import main as sim_main
+from swarm.errors import SwarmUserError
 from swarm.route_request import RouteRequest, SessionShape
 from swarm.server_info import ServerInfo, ServerState
 
@@ -206,8 +208,8 @@ def _core(prediction: bool, sessions: int = 4) -> SchedulerCore:
     return core
 
 
-def _route(core: SchedulerCore, client: str, l_out: int, now: float):
-    return core.route(RouteRequest(client, {"peer-a": 0.01}, SessionShape(1, 64, 4, l_out)), now)
+def _route(core: SchedulerCore, client: str, l_out: int, now: float, task: str = ""):
+    return core.route(RouteRequest(client, {"peer-a": 0.01}, SessionShape(1, 64, 4, l_out), task), now)
 
 
 @pytest.mark.parametrize("prediction", [True, False])
@@ -231,6 +233,26 @@ def test_the_scheduler_learns_answer_lengths_from_ended_sessions(prediction):
     assert later.completion == pytest.approx(expected)
     # the declared length stays the bound: a client asking for 5 tokens is routed by 5
     assert _route(core, "c8", 5, now).completion < later.completion
+
+
+def test_lengths_are_learned_per_declared_task_label():
+    """ "code" sessions answer 50 tokens, "chat" ones 6: once each label has enough ended sessions, a
+    session is routed by its own label's length, an unlabelled one by everyone's."""
+    core = _core(prediction=True)
+    routed_as = {
+        length: _route(_core(prediction=True), "probe", length, 1.0).completion for length in (6, 50)
+    }
+    now = 2.0
+    for k in range(2 * MIN_OBSERVATIONS):
+        task, steps = ("code", 49) if k % 2 else ("chat", 5)
+        decision = _route(core, f"c{k % 4}", 60, now, task)
+        now += 0.5
+        core.end_session(decision.session.session_id, ttft=0.1, tpot=0.01, tokens=steps)
+    assert _route(core, "c9", 60, now, "chat").completion == pytest.approx(routed_as[6], rel=1e-6)
+    assert _route(core, "c9", 60, now, "code").completion == pytest.approx(routed_as[50], rel=1e-6)
+    assert routed_as[6] < _route(core, "c9", 60, now).completion < routed_as[50]
+    with pytest.raises(SwarmUserError, match="task_label"):
+        ClientOptions(task_label="x" * 65)
 
 
 def test_only_sessions_the_scheduler_admitted_teach_it_once_each():

@@ -252,11 +252,12 @@ class SchedulerCore:
         prefill_scale = max(shape.l_in, 1) / self.view.l_in  # servers' tau_prefill is for view.l_in tokens
         routed_l_out = l_out
         if self.settings.l_out_prediction:
-            routed_l_out = self.lengths.l_out_for(max(shape.l_in, 1), l_out)
+            routed_l_out = self.lengths.l_out_for(max(shape.l_in, 1), l_out, request.task or None)
         decision = self.book.route(uuid.uuid4().hex, client_id, rtts, routed_l_out, units, now, prefill_scale)
         if decision is None:
             return None
         decision.session.l_in, decision.session.l_out = max(shape.l_in, 1), l_out
+        decision.session.task = request.task
         problem = self._chain_cannot_hold(decision.session.hops, decision.session.units, max_length)
         if problem is not None:
             self.book.end(decision.session.session_id)
@@ -359,7 +360,9 @@ class SchedulerCore:
         self.requests.record_finished(ttft, tpot, tokens)
         session = self.book.sessions.get(session_id)
         if session is not None and session.admitted and session.l_out > 0:
-            self.lengths.session_ended(session.client_id, session.l_in, session.l_out, tokens, ttft)
+            self.lengths.session_ended(
+                session.client_id, session.l_in, session.l_out, tokens, ttft, session.task or None
+            )
         return self.book.end(session_id, now)
 
     def status(self, now: float) -> dict:

@@ -20,6 +20,7 @@ from scheduler.service.slo_admission import SloPrediction
 from swarm.route_request import RouteRequest
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from swarm.task_label import check_label
 
 MAX_AWAIT_S = 30.0  # one AwaitAdmission blocks at most this long; clients call again
 MAX_TOKENS = 1 << 20
@@ -71,6 +72,10 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
             value = getattr(request, name)
             if not 1 <= value <= MAX_TOKENS:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be in 1..{MAX_TOKENS}")
+        try:
+            check_label(request.task)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"task: {error}")
         if len(request.rtts) > MAX_RTTS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_RTTS} rtts")
         for entry in request.rtts:

@@ -25,6 +25,7 @@ class SessionRecord:
     service: float = 0.0  # WS-RR policies: eq. 1's predicted run time once admitted (unstretched)
     l_in: int = 0  # the prompt and answer lengths the client declared when routed (what its end
     l_out: int = 0  # report is checked against and learned with: `scheduler.length_prediction`)
+    task: str = ""  # the task label it declared (lengths are learned per label)
 
     def slots(self) -> dict[str, int]:
         return {hop.peer_id: hop.num_blocks * self.units for hop in self.hops}
