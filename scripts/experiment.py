@@ -26,6 +26,13 @@ emulation's scale; `/k` gives the paper-scale equivalent (`k = 1`: none needed).
 
     sudo .venv/bin/python scripts/experiment.py --requests 0.1:20,0.5:40 --write-benchmarks
 
+A goodput plan (issue 38) runs the same way: `--write-problem P.json` writes the emulated swarm as a
+`swarm-plan` problem (no root), `swarm-plan goodput ... < P.json` chooses the plan, and
+`--policies 'cg-bp:R=128'` (or `chains:c=16`, or a default policy) runs it with that parameter fixed
+in the placement and the scheduler. `--slo-ttft/--slo-tpot` (seconds) add SLO attainment (failed
+requests count as misses) measured vs simulated on the same arrivals, and at tighter targets from
+the same requests.
+
 Needs root (network namespaces). Results: `results/netem/table2.{json,md}` and per-run logs.
 This file runs the cells; `scripts/table2/` holds the parts: inputs (scenario, tiny-model costs,
 server plans), placement, the simulator's prediction and the report.
@@ -63,21 +70,21 @@ from table2.inputs import (  # noqa: E402
     write_block_timings,
 )
 from table2.placement import cache_slot_counts, place, problem_document  # noqa: E402
+from table2.plans import PlanSpec, attainment, check_slo, measured_times, parse_plans  # noqa: E402
 from table2.prediction import predict  # noqa: E402
 from table2.report import HEADER, benchmarks_section, markdown  # noqa: E402
 
 from scheduler.algorithms.problem import Span  # noqa: E402
 from scheduler.sim import workload  # noqa: E402
 from scheduler.sim.engine import RequestRecord  # noqa: E402
-from scheduler.sim.metrics import summarize  # noqa: E402
+from scheduler.sim.metrics import Slo, summarize  # noqa: E402
 
 SCENARIO = ROOT / "scripts" / "netem" / "scenarios" / "table2.json"
-EXPERIMENT_POLICIES = ("petals", "cg-bp", "chains")  # the scheduler's policy names, also the simulator's
 
 
 def run_policy(
     emulation: Emulation,
-    policy: str,
+    spec: PlanSpec,
     cell: Cell,
     args: argparse.Namespace,
     raw: dict,
@@ -89,11 +96,11 @@ def run_policy(
     client_site: str,
     control_site: str,
 ) -> dict:
-    scale, l_in = args.time_scale, args.l_in
+    scale, l_in, policy = args.time_scale, args.l_in, spec.policy
     model = paper_model(raw, l_in, cell.l_out)
     ordered = [plans[j] for j in join_order] if policy == "petals" else list(plans)
     document = problem_document(ordered, model, emulation.scenario, client_site, scale, tiny)
-    placed = place(policy, document, model, cell.rate / scale, cell.l_out)
+    placed = place(policy, document, model, cell.rate / scale, cell.l_out, spec.parameter)
     by_name = {entry["name"]: entry for entry in placed["placement"]}
     spans = [
         Span(by_name[p.name]["start"], by_name[p.name]["end"])
@@ -108,7 +115,7 @@ def run_policy(
         tiny.block_bytes * (span.length if span else 0) + s_c * n + s_c // 2
         for span, n in zip(spans, slots, strict=True)
     ]
-    label = f"{policy}-r{cell.rate:g}-l{cell.l_out}"
+    label = f"{spec.slug}-r{cell.rate:g}-l{cell.l_out}"
     print(
         f"[{label}] placement: "
         + ", ".join(f"{p.name}={s.start}:{s.end}" for p, s in zip(plans, spans, strict=True) if s)
@@ -132,7 +139,7 @@ def run_policy(
         )  # fmt: skip
         names.append(plan.name)
     online = emulation.wait_online(client_site, model_dir, names, timeout=300)
-    spec = {
+    loadgen_spec = {
         "model_dir": str(model_dir),
         "initial_peers": emulation.initial_peers,
         "scheduler_key": emulation.scheduler_key,
@@ -143,7 +150,7 @@ def run_policy(
     }
     spec_path = emulation.run_dir / f"{label}.loadgen.json"
     out_path = emulation.run_dir / f"{label}.results.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps(loadgen_spec))
     out_path.unlink(missing_ok=True)
     started = time.monotonic()
     process = emulation.start(
@@ -182,13 +189,30 @@ def run_policy(
     ]
     measured_summary = summarize(records) if records else {}
     setup = float(measured.get("setup_probe_s", 0.0))
-    predicted = predict(policy, plans, spans, slots, online, model, requests, l_in, cell.l_out, scale, setup)
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    predicted = predict(
+        policy, plans, spans, slots, online, model, requests, l_in, cell.l_out, scale, setup,
+        slo=slo if slo.active else None, keep_requests=True,
+    )  # fmt: skip
+    simulated_per_request = predicted.pop("per_request")
+    if slo.active:  # every request counts: one that failed missed its SLOs
+        ttft, tpot, failures = measured_times(measured["requests"])
+        measured_summary["slo_attainment"] = attainment(ttft, tpot, failures, slo.ttft_s, slo.tpot_s)
     print(
         f"[{label}] measured per-token {measured_summary.get('per_token_time_mean', math.nan):.3f} s, "
         f"simulated {predicted['per_token_time_mean']:.3f} s; {len(failed)} failed; {wall:.0f} s"
+        + (
+            f"; SLO attainment measured {measured_summary['slo_attainment']:.1%}, "
+            f"simulated {predicted['slo_attainment']:.1%}"
+            if slo.active
+            else ""
+        )
     )
     return {
         "policy": policy,
+        "plan": spec.label,
+        "parameter": spec.parameter,
+        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot} if slo.active else None,
         "rate": cell.rate,
         "l_out": cell.l_out,
         "requests": cell.requests,
@@ -205,6 +229,7 @@ def run_policy(
         "failed": [{k: r[k] for k in ("id", "error")} for r in failed],
         "no_cache_room_refusals": measured.get("refusals_no_cache_room"),
         "per_request": measured["requests"],
+        "simulated_per_request": simulated_per_request,
         "wall_s": wall,
         "cpu_s": cpu,
         "stop_problems": problems,
@@ -214,7 +239,12 @@ def run_policy(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", type=Path, default=SCENARIO)
-    parser.add_argument("--policies", default="petals,cg-bp", help="comma-separated: petals, cg-bp, chains")
+    parser.add_argument(
+        "--policies",
+        default="petals,cg-bp",
+        help="comma-separated: petals, cg-bp, chains, or a plan with its parameter fixed as "
+        "`swarm-plan goodput` prints it, e.g. cg-bp:R=128, chains:c=16",
+    )
     parser.add_argument("--rates", default="0.1,0.5", help="paper-scale arrival rates, requests/s")
     parser.add_argument("--l-out", default="64,128")
     parser.add_argument("--l-in", type=int, default=20)
@@ -240,6 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "netem")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/lsw-experiment"), help="model and logs")
+    parser.add_argument(
+        "--slo-ttft", type=float, help="TTFT target, seconds at the emulation's scale: report SLO attainment"
+    )
+    parser.add_argument("--slo-tpot", type=float, help="TPOT target, seconds at the emulation's scale")
+    parser.add_argument(
+        "--write-problem",
+        type=Path,
+        help="only write the swarm-plan problem document of the first cell (the emulated servers' times "
+        "and round trips, the cell's rate and l_out: what `swarm-plan goodput` plans on) and exit; no root",
+    )
     parser.add_argument("--write-benchmarks", action="store_true", help="put the table into BENCHMARKS.md")
     parser.add_argument(
         "--merge",
@@ -248,14 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         "(e.g. a later `--policies chains` beside an earlier petals/cg-bp run)",
     )
     args = parser.parse_args(argv)
-    reason = netns_works()
-    if reason is not None:
-        print(f"experiment: {reason}", file=sys.stderr)
-        return 2
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = set(policies) - set(EXPERIMENT_POLICIES)
-    if unknown:
-        parser.error(f"unknown policies {sorted(unknown)} (known: {', '.join(EXPERIMENT_POLICIES)})")
+    try:
+        policies = parse_plans(args.policies)
+        check_slo(args.slo_ttft, "--slo-ttft")
+        check_slo(args.slo_tpot, "--slo-tpot")
+    except ValueError as error:
+        parser.error(str(error))
+    if args.write_problem is None:
+        reason = netns_works()
+        if reason is not None:
+            print(f"experiment: {reason}", file=sys.stderr)
+            return 2
     rates = [float(r) for r in args.rates.split(",")]
     per_rate = dict(item.split(":") for item in args.requests.split(",")) if ":" in args.requests else {}
     cells = [
@@ -283,6 +326,16 @@ def main(argv: list[str] | None = None) -> int:
         f"tiny block: {tiny}; compute delays: "
         + ", ".join(f"{p.name}={p.compute_delay * 1e3:.3f} ms" for p in plans)
     )
+    if args.write_problem is not None:
+        cell = cells[0]
+        document = problem_document(
+            plans, paper_model(raw, args.l_in, cell.l_out), scenario, client_site, args.time_scale, tiny
+        )
+        document.update(arrival_rate=cell.rate / args.time_scale, l_out=cell.l_out)
+        args.write_problem.parent.mkdir(parents=True, exist_ok=True)
+        args.write_problem.write_text(json.dumps(document, indent=1))
+        print(f"wrote {args.write_problem}")
+        return 0
     run_dir = args.work_dir / time.strftime("run-%Y%m%d-%H%M%S")
     write_block_timings(model_dir, tiny, {p.compute_delay for p in plans}, run_dir / "cache")
     os.environ["SWARM_CACHE_DIR"] = str(run_dir / "cache")  # the servers' environment (Emulation.env)
@@ -299,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     earlier: list[dict] = []
     if args.merge and (args.out / "table2.json").exists():
         previous = json.loads((args.out / "table2.json").read_text())
-        fresh = {(p, c.rate, c.l_out) for p in policies for c in cells}
-        earlier = [r for r in previous["runs"] if (r["policy"], r["rate"], r["l_out"]) not in fresh]
+        fresh = {(p.label, c.rate, c.l_out) for p in policies for c in cells}
+        earlier = [
+            r for r in previous["runs"] if (r.get("plan", r["policy"]), r["rate"], r["l_out"]) not in fresh
+        ]
         report["merged"] = previous.get("merged", []) + [
             {"config": previous["config"], "wall_s": previous.get("wall_s"), "runs": len(earlier)}
         ]
@@ -315,12 +370,12 @@ def main(argv: list[str] | None = None) -> int:
                 cell.rate / args.time_scale, cell.requests, args.l_in, cell.l_out, rng
             )
             join_order = [int(j) for j in rng.permutation(len(plans))]
-            for policy in policies:
+            for spec in policies:
                 run = run_policy(
-                    emulation, policy, cell, args, raw, plans, tiny, model_dir, requests, join_order,
+                    emulation, spec, cell, args, raw, plans, tiny, model_dir, requests, join_order,
                     client_site, control_site,
                 )  # fmt: skip
-                run["join_order"] = [plans[j].name for j in join_order] if policy == "petals" else None
+                run["join_order"] = [plans[j].name for j in join_order] if spec.policy == "petals" else None
                 report["runs"].append(run)
                 (args.out / "table2.json").write_text(json.dumps(report, indent=1))
     report["delayer"] = emulation.network.delayer_stats()

@@ -3,6 +3,7 @@ the commands."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,8 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from table2.placement import with_chain_times  # noqa: E402
+from table2.placement import place, with_chain_times  # noqa: E402
+from table2.plans import attainment, measured_times, parse_plan, parse_plans, run_attainment  # noqa: E402
 from table2.report import command_of, markdown  # noqa: E402
+
+from scheduler.algorithms.problem import ModelSpec  # noqa: E402
 
 
 def test_chain_times_make_eq_2_equal_eq_1():
@@ -66,3 +70,138 @@ def test_commands_name_the_policies_and_the_merge():
     assert "--policies chains" in command and command.endswith("--merge --write-benchmarks")
     default = {**config, "policies": "petals,cg-bp", "merge": False}
     assert "--policies" not in command_of(default)
+
+
+# -- fixed-parameter plans and SLO attainment (issue 38: a goodput plan on the emulator) ---------------
+
+
+@pytest.mark.parametrize(
+    ("text", "policy", "parameter", "label"),
+    [
+        ("chains", "chains", None, "chains"),
+        ("cg-bp:R=128", "cg-bp", 128, "cg-bp R=128"),
+        ("cg-bp R=128", "cg-bp", 128, "cg-bp R=128"),  # as swarm-plan goodput prints it
+        (" chains:c=16 ", "chains", 16, "chains c=16"),
+        ("petals", "petals", None, "petals"),
+    ],
+)
+def test_plans_parse_as_swarm_plan_goodput_prints_them(text, policy, parameter, label):
+    spec = parse_plan(text)
+    assert (spec.policy, spec.parameter, spec.label) == (policy, parameter, label)
+    assert " " not in spec.slug and ":" not in spec.slug  # file names
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("vllm", "unknown policy"),
+        ("petals:R=4", "takes no parameter"),
+        ("cg-bp:c=4", "parameter is R"),
+        ("chains:c=0", "positive integer"),
+        ("chains:c=2.5", "positive integer"),
+        ("cg-bp:R=", "expected POLICY"),
+    ],
+)
+def test_bad_plans_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_plan(text)
+
+
+def test_a_policies_list_keeps_order_and_refuses_repeats():
+    assert [p.label for p in parse_plans("chains,cg-bp,cg-bp:R=128")] == ["chains", "cg-bp", "cg-bp R=128"]
+    with pytest.raises(ValueError, match="more than once"):
+        parse_plans("cg-bp R=8,cg-bp:R=8")
+    with pytest.raises(ValueError, match="at least one"):
+        parse_plans(" , ")
+
+
+def test_attainment_needs_both_targets_and_counts_failures_as_misses():
+    ttft, tpot = [0.5, 1.0, 2.0, 0.5], [0.3, 0.3, 0.3, 0.6]
+    assert attainment(ttft, tpot, 0, 1.0, 0.5) == pytest.approx(2 / 4)  # bounds inclusive
+    assert attainment(ttft, tpot, 4, 1.0, 0.5) == pytest.approx(2 / 8)
+    assert attainment(ttft, tpot, 0, None, 0.5) == pytest.approx(3 / 4)
+    with pytest.raises(ValueError):
+        attainment([], [], 0, 1.0, None)
+
+
+def slo_run(plan: str, parameter: int | None) -> dict:
+    """Two answered requests (TTFT 0.5 and 2 s, TPOT 0.2 s) and one failed; the simulator: both fast."""
+    per_request = [
+        {"id": 0, "arrival": 1.0, "first_token": 1.5, "finish": 1.5 + 3 * 0.2, "l_out": 4, "hops": ["a"]},
+        {"id": 1, "arrival": 2.0, "first_token": 4.0, "finish": 4.0 + 3 * 0.2, "l_out": 4, "hops": ["a"]},
+        {"id": 2, "arrival": 3.0, "error": "SwarmUnavailable"},
+    ]
+    return {
+        **run("cg-bp", 0.3, 0.25),
+        "plan": plan,
+        "parameter": parameter,
+        "slo": {"ttft_s": 1.0, "tpot_s": 0.25},
+        "measured": {"per_token_time_mean": 0.3, "slo_attainment": 1 / 3, "ttft_p50": 1.25},
+        "simulated": {"per_token_time_mean": 0.25, "slo_attainment": 1.0, "hops_mean": 1.0},
+        "per_request": per_request,
+        "simulated_per_request": {"id": [0, 1, 2], "ttft": [0.4, 0.4, 0.6], "tpot": [0.2, 0.2, 0.2]},
+    }
+
+
+def test_measured_times_follow_the_metrics_definitions():
+    ttft, tpot, failed = measured_times(slo_run("cg-bp", None)["per_request"])
+    assert ttft == pytest.approx([0.5, 2.0]) and tpot == pytest.approx([0.2, 0.2]) and failed == 1
+
+
+def test_the_report_puts_measured_attainment_beside_the_prediction():
+    report = {"config": {"time_scale": 1.0}, "runs": [slo_run("cg-bp R=128", 128), slo_run("cg-bp", None)]}
+    table = markdown(report)
+    rows = [line for line in table.splitlines() if line.startswith("| 0.5, 64 | cg-bp")]
+    assert rows[0].startswith("| 0.5, 64 | cg-bp |")  # the default before the fixed plan
+    assert "| 0.5, 64 | cg-bp R=128 | 1, 0.25 | 33.3% | 100.0% | -66.7 |" in table
+    # the sweep: TTFT x0.5 (0.5 s) is met by request 0 alone, and by the simulator's 0 and 1
+    assert run_attainment(slo_run("cg-bp", None), 0.5, 0.25) == pytest.approx((1 / 3, 2 / 3))
+    assert "| 33% / 67% |" in table
+
+
+def test_commands_carry_the_slos_and_the_results_folder():
+    config = {
+        "policies": "chains,cg-bp R=128",
+        "rates": "0.5",
+        "l_out": "64",
+        "requests": "100",
+        "time_scale": 1.0,
+        "client_cluster": 0,
+        "seed": 0,
+        "gpu_model": "overlap",
+        "slo_ttft": 2.19,
+        "slo_tpot": 0.65,
+        "out": str(Path(__file__).resolve().parents[1] / "results" / "netem" / "goodput"),
+        "write_benchmarks": False,
+    }
+    command = command_of(config)
+    assert "--policies 'chains,cg-bp R=128'" in command
+    assert "--slo-ttft 2.19 --slo-tpot 0.65 --out results/netem/goodput" in command
+    assert not command.endswith("--write-benchmarks")
+
+
+def fixed_problem() -> tuple[dict, ModelSpec]:
+    """Two servers that each hold the whole (4-block) model with cache room for many sessions."""
+    model = ModelSpec(
+        num_blocks=4, block_bytes=1e9, cache_bytes=1e7, hidden_size=64, kv_dim=64, dtype_bytes=2
+    )
+    servers = [
+        {
+            "name": name,
+            "memory_bytes": 6e9,
+            "tau": 0.01,
+            "tau_prefill": 0.02,
+            "rtt": {"client": 0.05},
+            "rtt_prefill": {"client": 0.05},
+        }
+        for name in ("a", "b")
+    ]
+    return {"model": dataclasses.asdict(model), "servers": servers}, model
+
+
+def test_a_fixed_parameter_is_placed_as_given():
+    document, model = fixed_problem()
+    assert place("cg-bp", document, model, 0.5, 16, parameter=7)["num_requests"] == 7
+    assert place("chains", document, model, 0.5, 16, parameter=3)["c"] == 3
+    with pytest.raises(RuntimeError, match="R=100000"):
+        place("cg-bp", document, model, 0.5, 16, parameter=100000)

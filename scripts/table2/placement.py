@@ -68,14 +68,25 @@ def with_chain_times(document: dict, l_out: int) -> dict:
     return {**document, "servers": servers}
 
 
-def place(policy: str, document: dict, model: ModelSpec, rate: float, l_out: int) -> dict:
+def place(
+    policy: str, document: dict, model: ModelSpec, rate: float, l_out: int, parameter: int | None = None
+) -> dict:
+    """`policy`'s placement for `rate`: R (cg-bp) or c (chains) chosen from the rate as the scheduler
+    does, or fixed to `parameter` (a plan of `swarm-plan goodput`: placed as given, or an error)."""
     if policy in ("petals", "chains"):
         algo, problem = "petals", document
-        if policy == "chains":  # GBP-CR with c tuned for this rate (Theorem 3.7's lower bound)
-            algo, problem = "gbp-cr", {**with_chain_times(document, l_out), "c": "auto", "arrival_rate": rate}
+        if policy == "chains":  # GBP-CR with c tuned for this rate (Theorem 3.7's lower bound), or fixed
+            capacity = "auto" if parameter is None else parameter
+            problem = {**with_chain_times(document, l_out), "c": capacity, "arrival_rate": rate}
+            algo = "gbp-cr"
         code, output = swarm_plan(algo, problem)
         if code != 0:
             raise RuntimeError(f"swarm-plan place --algo {algo} failed: {output}")
+        return output
+    if parameter is not None:  # a fixed R: CG-BP places exactly that many, as the goodput plan simulated
+        code, output = swarm_plan("cg-bp", {**document, "num_requests": parameter})
+        if code != 0:
+            raise RuntimeError(f"swarm-plan place --algo cg-bp with R={parameter} failed: {output}")
         return output
     problem = parse_problem(dumps(document))
     requests = choose_num_requests(problem.servers, model, rate, l_out) or 1

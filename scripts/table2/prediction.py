@@ -12,7 +12,7 @@ from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim import workload
 from scheduler.sim.engine import CLIENT, RetryAt, Service, simulate
-from scheduler.sim.metrics import summarize
+from scheduler.sim.metrics import Slo, per_request, summarize
 from scheduler.sim.policies import JffcRouting, PetalsRouting, WsRrRouting
 
 from .inputs import ServerPlan
@@ -47,6 +47,8 @@ def predict(
     scale: float,
     setup: float,
     service_for: Callable[[list[ServerSpec]], Service] | None = None,
+    slo: Slo | None = None,
+    keep_requests: bool = False,
 ) -> dict:
     """The simulator on this very swarm: spans and cache slots as emulated, tau/tau_prefill as the
     servers announced them, t_cj = the client's measured info-RPC round trip + the batching wait,
@@ -55,7 +57,9 @@ def predict(
 
     `service_for(servers)`: serve the sessions through that service (the contended model,
     `scripts/bench_sim_contended.py`), which runs the batching window itself: t_cj is then the
-    round trip alone."""
+    round trip alone. `slo`: the summary also holds `slo_attainment` (fraction of requests
+    within both targets). `keep_requests`: also each request's TTFT and TPOT under `per_request`
+    (lists by request id), for attainment at other targets."""
     batch_wait = BATCH_WAIT_S if service_for is None else 0.0
     servers = []
     for plan in plans:
@@ -97,6 +101,14 @@ def predict(
         dispatcher = WsRrRouting(RoutingState(servers, model, spans), spans, setup)
     service = service_for(servers) if service_for is not None else None
     result = simulate(servers, model, dispatcher, requests, service=service)
-    summary = summarize(result.records)
+    summary = summarize(result.records, slo)
     summary["hops_mean"] = float(np.mean([r.num_hops for r in result.records]))
+    if keep_requests:
+        ordered = sorted(result.records, key=lambda r: r.id)
+        values = per_request(ordered)
+        summary["per_request"] = {
+            "id": [r.id for r in ordered],
+            "ttft": [float(v) for v in values["ttft"]],
+            "tpot": [float(v) for v in values["tpot"]],
+        }
     return summary
