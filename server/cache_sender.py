@@ -73,12 +73,12 @@ async def push_cache(p2p: P2P, handle_name: str, session: Session, order: HandOf
                 await P2P.send_protobuf(encode(chunk, [keys, values]), writer)
                 in_flight.append(per_position * (end - position))
                 while len(in_flight) >= WINDOW:
-                    await _answer(reader, ChunkAck)
+                    await receive_reply(reader, ChunkAck)
                     acked += in_flight.popleft()
                     _check_pace(started, acked, total, order.max_seconds)
         for _ in range(len(in_flight)):
-            await _answer(reader, ChunkAck)
-        await _answer(reader, CacheAccepted)
+            await receive_reply(reader, ChunkAck)
+        await receive_reply(reader, CacheAccepted)
         return PushResult(total, time.monotonic() - started)
     finally:
         with contextlib.suppress(Exception):
@@ -96,13 +96,21 @@ def _check_pace(started: float, acked: int, total: int, allowed: float) -> None:
         raise HandOffTooSlow(projected, rate, allowed)
 
 
-async def _answer(reader: asyncio.StreamReader, expected: type):
+async def receive_reply(
+    reader: asyncio.StreamReader,
+    expected: type,
+    timeout: float = REPLY_TIMEOUT,
+    peer: str = "the receiver",
+    refusal: str = "the receiving server refused the cache",
+):
+    """The next reply of the server at the other end of a push or probe stream, as `expected`; its
+    error (`refusal`) or its failed handler (`peer`'s) as ProtocolError; waits at most `timeout` s."""
     response, failure = await asyncio.wait_for(
-        P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), REPLY_TIMEOUT
+        P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), timeout
     )
     if failure is not None:
-        raise ProtocolError(ErrorCode.INTERNAL, f"the receiver's handler failed: {failure.message}")
+        raise ProtocolError(ErrorCode.INTERNAL, f"{peer}'s handler failed: {failure.message}")
     if decode_metadata(response.metadata).get("type") == "error":
         error = parse(response.metadata, Error)
-        raise ProtocolError(error.code, f"the receiving server refused the cache: {error.message}")
+        raise ProtocolError(error.code, f"{refusal}: {error.message}")
     return parse(response.metadata, expected)

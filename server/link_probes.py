@@ -25,10 +25,11 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from server.bounded_stream import StreamLimit
+from server.cache_sender import receive_reply
 from swarm.dht_records import fetch_servers_async
 from swarm.handoff_wire import CHUNK_BYTES, ProbeAck, ProbeChunk, ProbeLink
 from swarm.server_info import ServerInfo
-from swarm.wire import Error, ErrorCode, ProtocolError, decode_metadata, decode_tensors, encode, parse
+from swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
 
 logger = logging.getLogger(__name__)
 
@@ -107,15 +108,10 @@ async def probe_link(p2p: P2P, handle_name: str, peer_id: str, chunks: int = PRO
 
 
 async def _acknowledged(reader: asyncio.StreamReader) -> int:
-    response, failure = await asyncio.wait_for(
-        P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), PROBE_IDLE_TIMEOUT
+    reply = await receive_reply(
+        reader, ProbeAck, PROBE_IDLE_TIMEOUT, "the probed server", "the probed server refused"
     )
-    if failure is not None:
-        raise ProtocolError(ErrorCode.INTERNAL, f"the probed server's handler failed: {failure.message}")
-    if decode_metadata(response.metadata).get("type") == "error":
-        error = parse(response.metadata, Error)
-        raise ProtocolError(error.code, f"the probed server refused: {error.message}")
-    return parse(response.metadata, ProbeAck).bytes
+    return reply.bytes
 
 
 def probe_targets(

@@ -4,7 +4,6 @@ cannot finish falls back to replay; hostile pushes are refused and leave nothing
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import signal
@@ -14,20 +13,18 @@ import uuid
 
 import pytest
 import torch
-from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import run_sync
 from client.stream import ServerStream, StepInput
 from server.handoff_rpcs import PUSH_HANDLE
-from swarm.block_rpc import BlockRpc
 from swarm.dht_keys import default_prefix
 from swarm.handoff_wire import CacheChunk, PushCache
 from swarm.route_request import RouteHop, SessionShape
-from swarm.wire import decode_metadata, encode
+from swarm.wire import encode
 from tests.conftest import NUM_BLOCKS
+from tests.raw_streams import exchange
 
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 
@@ -122,24 +119,9 @@ def test_a_handoff_cut_half_way_falls_back_to_replay(swarm, fault, llama_dir, bl
 async def _push(connection, peer_id: str, requests: list) -> list[str]:
     """Send `requests` on a push stream to `peer_id` as they are; the types of the replies until the
     server ends (an error, or the cache accepted)."""
-    name = BlockRpc._get_handle_name(connection.prefix, PUSH_HANDLE)
-    _, reader, writer = await connection.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
-    kinds: list[str] = []
-    try:
-        try:
-            for request in requests:
-                await P2P.send_protobuf(request, writer)
-        except ConnectionError:  # the server refused early and ended the stream: its error is still to read
-            pass
-        while not kinds or kinds[-1] == "chunk_ack":
-            response, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
-            metadata = decode_metadata(response.metadata)
-            kinds.append(metadata["type"] if metadata["type"] != "error" else f"error: {metadata['message']}")
-    except asyncio.IncompleteReadError:
-        kinds.append("closed")
-    finally:
-        writer.close()
-    return kinds
+    return await exchange(
+        connection, peer_id, PUSH_HANDLE, requests, lambda kinds: not kinds or kinds[-1] == "chunk_ack"
+    )
 
 
 def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir):

@@ -4,24 +4,21 @@ cannot hold the probe handler."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import torch
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
 from client.connection import run_sync
 from server.link_probes import PROBE_HANDLE
-from swarm.block_rpc import BlockRpc
 from swarm.dht_keys import default_prefix
 from swarm.handoff_wire import CHUNK_BYTES, ProbeChunk, ProbeLink
 from swarm.wire import decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
+from tests.raw_streams import exchange
 
 HALF = NUM_BLOCKS // 2
 
@@ -31,31 +28,12 @@ async def _probe(
 ) -> list[str]:
     """Send `requests` on a probe stream as they are; the types of the replies until an error or the
     last acknowledgement. `keep_open`: after sending, hold the stream until it is set (a stalled sender)."""
-    name = BlockRpc._get_handle_name(connection.prefix, PROBE_HANDLE)
-    _, reader, writer = await connection.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
-    kinds: list[str] = []
-    try:
-        try:
-            for request in requests:
-                await P2P.send_protobuf(request, writer)
-        except ConnectionError:  # the server refused early and ended the stream: its error is still to read
-            pass
-        if keep_open is not None:
-            while not keep_open.is_set():
-                await asyncio.sleep(0.05)
-            return kinds
-        expected_acks = sum(
-            1 for request in requests if decode_metadata(request.metadata)["type"] == "probe_chunk"
-        )
-        while len(kinds) < expected_acks and not (kinds and kinds[-1].startswith("error")):
-            response, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
-            metadata = decode_metadata(response.metadata)
-            kinds.append(metadata["type"] if metadata["type"] != "error" else f"error: {metadata['message']}")
-    except (asyncio.IncompleteReadError, ConnectionError):  # the server ended the stream on an error
-        kinds.append("closed")
-    finally:
-        writer.close()
-    return kinds
+    acks = sum(1 for request in requests if decode_metadata(request.metadata)["type"] == "probe_chunk")
+
+    def read_more(kinds: list[str]) -> bool:
+        return len(kinds) < acks and not (kinds and kinds[-1].startswith("error"))
+
+    return await exchange(connection, peer_id, PROBE_HANDLE, requests, read_more, hold=keep_open)
 
 
 def test_servers_measure_and_announce_their_links_and_refuse_hostile_probes(swarm, llama_dir):
