@@ -93,6 +93,7 @@ class SwarmConnection:
         self.link_rates: dict[tuple[str, str], float] = {}
         self.caught: dict[str, int] = {}  # peer -> steps where replicas outvoted it (wrong outputs)
         self.verified_steps = 0  # steps a replica confirmed
+        self.unverifiable_steps = 0  # steps whose only replicas were of a kind that cannot check them
         self._reports: set[asyncio.Task] = set()  # reports of wrong outputs on their way
         options = self.options
         self.scheduler = (

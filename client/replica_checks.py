@@ -47,6 +47,9 @@ class ReplicaChecks:
             self._drop_verifier(verifier, error)
             return output
         tol = self._tolerance(stream.hop.peer_id, verifier.hop.peer_id)
+        if tol is None:  # no replica of a kind that can check this one (`tolerance`)
+            self.connection.unverifiable_steps += 1
+            return output
         if agree(output, checked, tol):
             self.connection.verified_steps += 1
             return output
@@ -75,7 +78,16 @@ class ReplicaChecks:
                 f"{difference:.3g}, tolerance {tol:.3g}) and no third server holds them to decide"
             )
         third = await _replay_then_step(arbiter, history, step, timeout)
-        tol = max(tol, self._tolerance(arbiter.hop.peer_id))
+        tol = self._tolerance(primary, second, arbiter.hop.peer_id)
+        if tol is None:  # the arbiter's kind cannot judge these two: no verdict, nobody banned
+            arbiter.close()
+            logger.warning(
+                "servers %s and %s disagree on blocks %s (relative difference %.3g) and the only third "
+                "server computes in a kind that cannot judge them: step not verified",
+                primary, second, blocks, difference,
+            )  # fmt: skip
+            self.connection.unverifiable_steps += 1
+            return output
         verdict = decide({primary: output, second: checked, arbiter.hop.peer_id: third}, tol)
         if verdict.liar is None:
             arbiter.close()
@@ -120,9 +132,11 @@ class ReplicaChecks:
             return current
         start, end = stream.hop.start, stream.hop.end
         skip = {stream.hop.peer_id, *exclude}
+        kind = self._kind(stream.hop.peer_id)
+        # a replica of the chain server's own kind first: it can check it tightly (`tolerance`)
         candidates = sorted(
             (c for c in await self.connection.candidates(blocks=(start, end)) if c.peer_id not in skip),
-            key=lambda candidate: candidate.rtt,
+            key=lambda candidate: (candidate.info.dtype != kind, candidate.rtt),
         )
         for candidate in candidates:
             info = candidate.info
@@ -150,9 +164,12 @@ class ReplicaChecks:
         if error is not None:
             self.connection.blame(verifier.hop.peer_id, error)
 
-    def _tolerance(self, *peers: str) -> float:
-        servers = self.connection.known_servers
-        return tolerance(servers[peer].dtype if peer in servers else "" for peer in peers)
+    def _kind(self, peer: str) -> str:
+        server = self.connection.known_servers.get(peer)
+        return server.dtype if server is not None else ""
+
+    def _tolerance(self, *peers: str) -> float | None:
+        return tolerance(self._kind(peer) for peer in peers)
 
 
 async def _replay_then_step(

@@ -24,6 +24,7 @@ then starts a DHT and `--servers` servers splitting the blocks on the device and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -72,7 +73,23 @@ def copy_bandwidth(device: torch.device, size_bytes: int) -> float:
     return 2 * size_bytes / best
 
 
+def time_decode(span, cache, context: int, steps: int) -> float:
+    """Median seconds of `steps` single-token steps after `context` cached tokens (synchronized)."""
+    device = span.device
+    step = torch.randn(1, 1, span.hidden_size).to(span.dtype)
+    times = []
+    for position in range(context, context + steps):
+        synchronize(device)
+        started = time.perf_counter()
+        span(step, cache, position)
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def measure_block(model_dir: Path, device: torch.device, dtype: str, quant: str, context: int, steps: int):
+    """One block's bytes, its cache's bytes, and its decode time eagerly and from CUDA graphs (the
+    same span and prefix, one after the other)."""
     before = allocated(device)
     span, _ = load_span(model_dir, 0, 1, dtype=dtype, device=device, quant=quant)
     synchronize(device)
@@ -82,33 +99,36 @@ def measure_block(model_dir: Path, device: torch.device, dtype: str, quant: str,
     real_cache_bytes = allocated(device) - before
     hidden = torch.randn(1, context, span.hidden_size, generator=torch.Generator().manual_seed(0))
     span(hidden.to(span.dtype), cache, 0)
-    step = torch.randn(1, 1, span.hidden_size).to(span.dtype)
-    times = []
-    for position in range(context, context + steps):
-        synchronize(device)
-        started = time.perf_counter()
-        span(step, cache, position)
-        synchronize(device)
-        times.append(time.perf_counter() - started)
+    eager = time_decode(span, cache, context, steps)
+    graphs = None
+    if span.use_decode_graphs():
+        graphs = time_decode(span, cache, context, steps)
+        if span.decode_graphs.replays == 0:  # capture failed (logged): nothing was measured
+            graphs = None
     result = {
         "dtype": dtype,
         "quant": quant,
         "s_m": span.block_bytes,
         "s_m_allocated": real_block_bytes,  # 0 on the CPU: no allocator to ask
-        "decode_s": statistics.median(times),
+        "decode_s": graphs if graphs is not None else eager,
+        "decode_eager_s": eager,
+        "decode_graph_s": graphs,
         "cache_formula": span.cache_bytes(context + steps + 1),
         "cache_allocated": real_cache_bytes or cache.nbytes,
     }
     del span, cache
+    gc.collect()  # the next row's "allocated" must not see this one's blocks freed while it loads
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
-def measure_swarm(model_dir: Path, args, dtype: str, quant: str, log_dir: Path) -> list[float]:
+def measure_swarm(
+    model_dir: Path, args, dtype: str, quant: str, log_dir: Path, graphs: bool = True
+) -> list[float]:
     layers, servers = args.layers, args.servers
     bounds = [round(i * layers / servers) for i in range(servers + 1)]
-    run_dir = log_dir / f"{dtype}-{quant}"
+    run_dir = log_dir / f"{dtype}-{quant}-{'graphs' if graphs else 'eager'}"
     run_dir.mkdir(parents=True, exist_ok=True)
     swarm = LocalSwarm(run_dir)
     try:
@@ -117,6 +137,7 @@ def measure_swarm(model_dir: Path, args, dtype: str, quant: str, log_dir: Path) 
             swarm.start_server(
                 f"s{i}", model_dir, f"{bounds[i]}:{bounds[i + 1]}", args.memory_per_server,
                 "--device", args.device, "--dtype", dtype, "--quant", quant,
+                *([] if graphs else ["--no-cuda-graphs"]),
             )  # fmt: skip
         swarm.wait_online(default_prefix(str(model_dir)), layers, [f"s{i}" for i in range(servers)], 600)
         model = DistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, dtype=dtype)
@@ -154,6 +175,16 @@ def main() -> None:
     parser.add_argument(
         "--rows", type=Path, default=Path("results/hardware/rows.json"), help="where rows accumulate"
     )
+    parser.add_argument(
+        "--swarm-for",
+        default="all",
+        help="DTYPE:QUANT pairs (comma-separated) whose swarm is timed; the others: one block only",
+    )
+    parser.add_argument(
+        "--eager-swarm",
+        action="store_true",
+        help="also time the swarm with --no-cuda-graphs servers (side by side with graphs)",
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     device = resolve_device(args.device, probe_device())
@@ -177,9 +208,17 @@ def main() -> None:
         for dtype in dtypes:
             for quant in quants:
                 block = measure_block(model_dir, device, dtype, quant, args.context, args.steps)
+                block["bandwidth"] = bandwidth
+                if args.swarm_for != "all" and f"{dtype}:{quant}" not in args.swarm_for.split(","):
+                    rows.append(block)
+                    print(block, flush=True)
+                    continue
                 intervals = measure_swarm(model_dir, args, dtype, quant, Path(scratch) / "logs")
                 block["token_p50"] = statistics.median(intervals)
                 block["token_p95"] = statistics.quantiles(intervals, n=20)[-1]
+                if args.eager_swarm and device.type == "cuda":
+                    eager = measure_swarm(model_dir, args, dtype, quant, Path(scratch) / "logs", graphs=False)
+                    block["token_eager_p50"] = statistics.median(eager)
                 block["bandwidth"] = bandwidth
                 rows.append(block)
                 print(block, flush=True)
@@ -215,18 +254,27 @@ def merge_rows(path: Path, new_rows: list[dict]) -> list[dict]:
 
 def render_table(rows: list[dict]) -> str:
     lines = [
-        "| dtype | quant | s_m (MB) | allocated (MB) | decode / block (ms) | bandwidth limit (ms) | ratio "
-        "| cache: real / s_c | per token p50 / p95 (ms) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| dtype | quant | s_m (MB) | allocated (MB) | decode / block: eager (ms) | graphs (ms) "
+        "| bandwidth limit (ms) | ratio | cache: real / s_c | per token p50 / p95 (ms) "
+        "| eager swarm p50 (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         limit = row["s_m"] / row["bandwidth"]
+        eager = row.get("decode_eager_s", row["decode_s"])  # rows from before graphs: eager only
+        graphs = row.get("decode_graph_s")
+        graph_text = f"{graphs * 1e3:.3f}" if graphs else "-"
+        eager_swarm = row.get("token_eager_p50")
+        eager_swarm_text = f"{eager_swarm * 1e3:.1f}" if eager_swarm else "-"
+        token_text = "-"
+        if row.get("token_p50"):
+            token_text = f"{row['token_p50'] * 1e3:.1f} / {row['token_p95'] * 1e3:.1f}"
         lines.append(
             f"| {row['dtype']} | {row['quant']} | {row['s_m'] / 1e6:.1f} "
             f"| {row['s_m_allocated'] / 1e6:.1f} "
-            f"| {row['decode_s'] * 1e3:.3f} | {limit * 1e3:.3f} | {row['decode_s'] / limit:.2f}x "
+            f"| {eager * 1e3:.3f} | {graph_text} | {limit * 1e3:.3f} | {row['decode_s'] / limit:.2f}x "
             f"| {row['cache_allocated'] / row['cache_formula']:.3f} "
-            f"| {row['token_p50'] * 1e3:.1f} / {row['token_p95'] * 1e3:.1f} |"
+            f"| {token_text} | {eager_swarm_text} |"
         )
     return "\n".join(lines)
 

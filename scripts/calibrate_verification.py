@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import parse_bench_args, publish_table  # noqa: E402
 
-from client.verification import TOLERANCE, relative_difference  # noqa: E402
+from client.verification import TOLERANCE, relative_difference, tolerance  # noqa: E402
 from swarm.models import load_span  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 
@@ -38,9 +38,9 @@ SHAPES = {
 
 def decode(span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
     cache = span.new_cache(1, prompt.shape[1] + len(steps))
-    outputs = [span(prompt, cache, 0)[:, -1:].float()]
+    outputs = [span(prompt, cache, 0)[:, -1:].float().cpu()]
     for index, step in enumerate(steps):
-        outputs.append(span(step, cache, prompt.shape[1] + index).float())
+        outputs.append(span(step, cache, prompt.shape[1] + index).float().cpu())
     return outputs
 
 
@@ -74,8 +74,84 @@ def measure(model_dir: Path, tokens: int) -> dict[str, float]:
     return results
 
 
+CUDA_KINDS = [("float16", "none"), ("bfloat16", "none"), ("float16", "int8"), ("float16", "nf4")]
+
+
+def measure_cuda(model_dir: Path, tokens: int) -> dict[str, float]:
+    """On a GPU: float32 there against the CPU's, CUDA graphs against eager steps (float16), and each
+    16-bit or quantized server kind against float32 on the same GPU."""
+    torch.manual_seed(0)
+    cpu = load_span(model_dir, 0, 3, dtype="float32")[0]
+    width = cpu.hidden_size
+    prompt = torch.randn(1, 8, width)
+    steps = [torch.randn(1, 1, width) for _ in range(tokens)]
+    base_cpu = decode(cpu, prompt, steps)
+    reference = load_span(model_dir, 0, 3, dtype="float32", device="cuda")[0]
+    base = decode(reference, prompt, steps)
+    worst = max(relative_difference(a, b) for a, b in zip(base, base_cpu, strict=True))
+    results = {"float32 cuda vs cpu": worst}
+    eager = decode(load_span(model_dir, 0, 3, dtype="float16", device="cuda")[0], prompt, steps)
+    graphed_span = load_span(model_dir, 0, 3, dtype="float16", device="cuda")[0]
+    graphed_span.use_decode_graphs()
+    graphed = decode(graphed_span, prompt, steps)
+    results["graphs vs eager"] = max(relative_difference(a, b) for a, b in zip(graphed, eager, strict=True))
+    for dtype, quant in CUDA_KINDS:
+        span = load_span(model_dir, 0, 3, dtype=dtype, device="cuda", quant=quant)[0]
+        outputs = decode(span, prompt, steps)
+        results[quant if quant != "none" else dtype] = max(
+            relative_difference(a, b) for a, b in zip(outputs, base, strict=True)
+        )
+    return results
+
+
+def tolerance_text(kinds: list[str]) -> str:
+    value = tolerance(kinds)
+    return f"{value:.0e}" if value is not None else "none: unverified"
+
+
+def main_cuda(args) -> None:
+    rows = []
+    columns = ["float32 cuda vs cpu", "graphs vs eager", "float16", "bfloat16", "int8", "nf4"]
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, spec in SHAPES.items():
+            if spec.family != "llama":
+                continue  # BLOOM decodes eagerly; its dtypes are in the CPU table
+            model_dir = Path(scratch) / name.replace(" ", "-")
+            build_tiny_model(model_dir, spec)
+            results = measure_cuda(model_dir, args.tokens)
+            rows.append(f"| {name} | " + " | ".join(f"{results[c]:.1e}" for c in columns) + " |")
+    lines = [
+        "| blocks (3) | float32: CUDA vs CPU | float16: graphs vs eager | float16 vs float32 "
+        "| bfloat16 vs float32 | int8 vs float32 | nf4 vs float32 |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "| tolerance used | "
+        + " | ".join(
+            tolerance_text(kinds)
+            for kinds in (["float32"], ["float16"], ["float16", "float32"], ["bfloat16", "float32"])
+            + [["int8", "float32"], ["nf4", "float32"]]
+        )
+        + " |",
+    ]
+    name = torch.cuda.get_device_name()
+    publish_table(
+        __file__,
+        args,
+        lines,
+        "## Replica verification on a GPU (issue 40)",
+        "The same measure as the CPU table above, on "
+        f"{name}: the largest relative difference of 3 blocks' outputs over {args.tokens} decode steps "
+        "(after an 8-token prompt) between float32 on the GPU and each other kind of honest server on "
+        "the same GPU (bitsandbytes int8 and nf4 compute in float16), plus float32 on the GPU against the "
+        "CPU and float16 steps replayed from CUDA graphs against eager ones.",
+    )
+
+
 def main() -> None:
-    args = parse_bench_args(__doc__, tokens=32)
+    args = parse_bench_args(__doc__, tokens=32, device="cpu")
+    if args.device.startswith("cuda"):
+        main_cuda(args)
+        return
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:

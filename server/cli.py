@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--compute-delay-overlap": "emulation: concurrent sessions' delays overlap (an accelerator whose "
             "step time does not depend on how many sessions it serves, paper 000's model); default: a "
             "delay holds the compute thread",
+            "--no-cuda-graphs": "on a GPU, run every decode step eagerly instead of replaying captured "
+            "CUDA graphs (for comparison and debugging)",
             "--batch-wait-ms": "how long a decode step waits to be batched with other sessions' steps (0: "
             "no batching)",
             "--drain-timeout": "on SIGTERM or a move to a new span, seconds to let open sessions finish "

@@ -39,6 +39,9 @@ class ServerConfig:
     # emulation: seconds per block per token on top, so a long prefill costs what it would on a GPU
     compute_delay_per_token: float = 0.0
     compute_delay_overlap: bool = False  # emulation: concurrent sessions' delays overlap (see handler)
+    # on CUDA, single-token decode steps replay captured CUDA graphs (swarm.models.decode_graphs);
+    # this turns that off (every step eager, as on the CPU)
+    no_cuda_graphs: bool = False
     batch_wait_ms: float = 2.0  # window for batching concurrent decode steps; 0 = no batching
     # a prefill longer than this runs in chunks of this many tokens, decode iterations of other
     # sessions in between (server/engine.py); 0: whole prefills

@@ -275,8 +275,10 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
         self.sessions.pop(session.session_id, None)
         self.metrics.sessions.set(len(self.sessions))
         self.budget.release(session.session_id)
-        if self.engine is not None and session.cache is not None:
-            self.engine.forget(session.cache)
+        if session.cache is not None:
+            self.span.forget_cache(session.cache)
+            if self.engine is not None:
+                self.engine.forget(session.cache)
         session.cache = None  # drop the tensors now, not when the stream object is collected
         logger.info("session %s closed, %d cache bytes free", session.session_id[:8], self.budget.bytes_left)
         self.on_sessions_changed()

@@ -195,6 +195,7 @@ class SwarmServer:
         )
         self.block_bytes = self._probe.block_bytes
         self.cache_token_bytes = self._probe.cache_bytes(num_tokens=1)
+        self._probe.use_decode_graphs(not config.no_cuda_graphs)  # timings as sessions will see them
         self.timings = self._measure_timings(self._probe)
         self._announce()  # JOINING without blocks: the scheduler can place us from now on
         logger.info(
@@ -239,6 +240,8 @@ class SwarmServer:
                 end,
                 adapter_bytes,
             )
+        if span.use_decode_graphs(not self.config.no_cuda_graphs):
+            logger.info("decode steps of blocks %d:%d replay CUDA graphs once captured", start, end)
         budget = CacheBudget(self.config.memory_bytes, self.block_bytes * span.num_blocks + adapter_bytes)
         return ActiveSpan(span, start, end, budget)
 

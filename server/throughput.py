@@ -45,7 +45,9 @@ def timings_cache_key(span: TransformerSpan, prefill_tokens: int, compute_delay:
     threads = torch.get_num_threads()
     device = span.device.type if span.device.type == "cpu" else _device_name(span.device)
     quant = "" if span.quant == "none" else f":{span.quant}"  # unquantized keys as before
-    return f"{shape}:{device}:{dtype_name(span.dtype)}{quant}:{threads}t:{prefill_tokens}:{compute_delay}"
+    graphs = ":graphs" if span.decode_graphs is not None else ""  # eager keys as before
+    kind = f"{device}:{dtype_name(span.dtype)}{quant}{graphs}"
+    return f"{shape}:{kind}:{threads}t:{prefill_tokens}:{compute_delay}"
 
 
 def _device_name(device: torch.device) -> str:
@@ -72,6 +74,7 @@ def measure_block_timings(
             span(step, cache, position)
             _synchronize(span.device)
             decode_times.append(time.perf_counter() - started)
+        span.forget_cache(cache)
     blocks = span.num_blocks
     return BlockTimings(
         tau=statistics.median(decode_times) / blocks + compute_delay,

@@ -131,7 +131,11 @@ def _server_args(model_dir, *extra):
 
 def test_server_flags_resolve_to_a_config(llama_dir):
     config = config_from_args(_server_args(llama_dir, "--memory", "1GB"))
-    assert (config.device, config.dtype, config.quant) == ("cpu", "float32", "none")
+    if torch.cuda.is_available():  # auto: the first GPU, in the checkpoint's 16-bit dtype or bfloat16
+        assert config.device.startswith("cuda") and config.dtype in ("float16", "bfloat16")
+    else:
+        assert (config.device, config.dtype) == ("cpu", "float32")
+    assert config.quant == "none"
     config = config_from_args(_server_args(llama_dir, "--memory", "auto", "--dtype", "bfloat16"))
     assert config.dtype == "bfloat16" and config.memory_bytes > 0
 

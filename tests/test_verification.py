@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import SwarmUnavailable
+from client.verification import TOLERANCE, UNKNOWN_TOLERANCE, agree, tolerance
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm, prometheus_sample
 from tests.conftest import NUM_BLOCKS
@@ -44,6 +45,20 @@ def lying_swarm(llama_dir, tmp_path_factory):
         yield swarm, peers
     finally:
         assert not swarm.close()
+
+
+def test_tolerance_follows_the_kinds_measured_disagreement():
+    """Calibrated on an H100 (BENCHMARKS.md, "Replica verification on a GPU"): nf4 differs from float32
+    by up to 0.89 at hidden 512, more than a liar's 0.5: such pairs go unverified, while two servers
+    of the same quantization check each other like 16-bit servers."""
+    assert tolerance(["float32"]) == TOLERANCE["float32"]
+    assert tolerance(["float32", "float16"]) == TOLERANCE["float16"]
+    assert tolerance(["int8", "float16"]) == TOLERANCE["int8"] < 0.5
+    assert tolerance(["nf4", "nf4"]) == tolerance(["int8"]) == TOLERANCE["bfloat16"]
+    assert tolerance(["nf4", "float16"]) is None and tolerance(["nf4", "int8"]) is None
+    assert tolerance(["", "float32"]) == UNKNOWN_TOLERANCE
+    noise = torch.randn(4, 1, 64)
+    assert not agree(noise, noise + 0.5 * noise.norm() / 8 * torch.randn(4, 1, 64), tolerance(["int8"]))
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,13 @@ The object speaks the one method of the `transformers` cache protocol that atten
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from swarm.models.inplace_attention import SessionKeyValues, SessionView
+
+_SERIALS = itertools.count()
 
 
 class SpanCache:
@@ -42,6 +46,8 @@ class SpanCache:
         self.batch_size = batch_size
         self.max_length = max_length
         self.length = 0  # positions [0, length) hold valid keys/values in every block
+        # never reused (unlike id()): what CUDA graphs of this cache's tensors are keyed by
+        self.serial = next(_SERIALS)
         self._step_start = 0
         self._step_end = 0
 

@@ -95,6 +95,21 @@ class ModelFamily(ABC):
     ) -> StepInputs:
         """The inputs that tell a block where the step's tokens stand (ALiBi, rotary embeddings)."""
 
+    # whether a single-token decode step of this family's blocks can be captured as a CUDA graph
+    # (swarm.models.decode_graphs): no host synchronization inside, attention through `swarm_sdpa`
+    decode_graphs = False
+
+    def static_decode_inputs(
+        self,
+        config: PretrainedConfig,
+        helpers: nn.ModuleDict,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> StepInputs:
+        """Per-step inputs of a captured decode step, from position ids held in a tensor (`[batch, 1]`);
+        attention masks come with the cache view there. Only families with `decode_graphs`."""
+        raise NotImplementedError(f"{type(self).__name__} has no captured decode step")
+
     @abstractmethod
     def run_block(
         self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs

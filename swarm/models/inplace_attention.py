@@ -47,8 +47,33 @@ class SessionKeyValues:
     sessions: tuple[SessionView, ...]
 
 
+@dataclass(frozen=True)
+class StaticSession:
+    """One session inside a captured decode step (`swarm.models.decode_graphs`): its rows, the first
+    `width` positions of its cache, and the mask of those it may see (`[rows, 1, 1, width]`, bool)."""
+
+    rows: slice
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StaticSessions:
+    """What `StaticDecodeView.update` returns for keys and for values alike."""
+
+    sessions: tuple[StaticSession, ...]
+
+
 def swarm_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """`sdpa_attention_forward`, per session when the keys are a batched step's `SessionKeyValues`."""
+    """`sdpa_attention_forward`, per session when the keys are a batched step's `SessionKeyValues`
+    or a captured step's `StaticSessions`."""
+    if isinstance(key, StaticSessions):
+        outputs = [
+            sdpa_attention_forward(module, query[s.rows], s.keys, s.values, s.mask, **kwargs)[0]
+            for s in key.sessions
+        ]
+        return torch.cat(outputs), None
     if not isinstance(key, SessionKeyValues):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outputs = []

@@ -38,6 +38,17 @@ class LlamaFamily(ModelFamily):
         position_ids = token_positions(step.hidden, step.position, step.padding_mask)
         return {"position_embeddings": helpers["rotary"](step.hidden, position_ids)}
 
+    decode_graphs = True
+
+    def static_decode_inputs(
+        self,
+        config: PretrainedConfig,
+        helpers: nn.ModuleDict,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> StepInputs:
+        return {"position_embeddings": helpers["rotary"](hidden, position_ids), "attention_mask": None}
+
     def run_block(
         self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs
     ) -> torch.Tensor:

@@ -101,10 +101,26 @@ class TransformerSpan(nn.Module):
         self.num_kv_heads = family.num_kv_heads(config)
         self.head_dim = family.head_dim(config)
         self.adapters = None  # LoRA adapters injected into the blocks (swarm.models.adapters), if any
+        # captured single-token decode steps (swarm.models.decode_graphs), once `use_decode_graphs` ran
+        self.decode_graphs = None
 
     @property
     def num_blocks(self) -> int:
         return self.end - self.start
+
+    def use_decode_graphs(self, enabled: bool = True) -> bool:
+        """Run single-token decode steps from CUDA graphs where this span can (a CUDA device, a family
+        whose blocks capture, no adapters); returns whether it will."""
+        from swarm.models.decode_graphs import DecodeGraphs  # it imports this module's neighbours
+
+        usable = enabled and self.device.type == "cuda" and DecodeGraphs.supported(self)
+        self.decode_graphs = DecodeGraphs(self) if usable else None
+        return usable
+
+    def forget_cache(self, cache: SpanCache) -> None:
+        """A session's cache is gone: drop what was captured over its tensors."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.forget(cache)
 
     @property
     def block_bytes(self) -> int:
@@ -163,6 +179,10 @@ class TransformerSpan(nn.Module):
         `prompts` (deep prompt tuning, `[cache's blocks, batch or 1, prefix, hidden]`): block i's
         input at positions below `prefix` gets `prompts[i]` added."""
         cache.begin_step(position, hidden.shape[1])
+        if self.decode_graphs is not None and prompts is None and _graphable(hidden, padding_mask):
+            outputs = self.decode_graphs.run([(hidden, cache, position, padding_mask)])
+            if outputs is not None:
+                return outputs[0]
         blocks = range(cache.block_offset, cache.block_offset + cache.num_blocks)
         hidden = self._run_blocks(blocks, hidden, cache, position, padding_mask, prompts)
         cache.end_step()
@@ -231,6 +251,10 @@ class TransformerSpan(nn.Module):
             raise ValueError("a session can take part in a batched step only once")
         for cache, position in zip(caches, positions, strict=True):
             cache.begin_step(position, 1)  # validates each position against its own cache
+        if self.decode_graphs is not None and all(_graphable(hidden, mask) for hidden, _, _, mask in steps):
+            outputs = self.decode_graphs.run(steps)
+            if outputs is not None:
+                return outputs
         total = max(positions) + 1
         view = BatchedStepCache(caches, positions, total, [mask is not None for *_, mask in steps])
         # keys of row r are the last `position + 1` columns (1 = a real key, 0 = padding)
@@ -252,6 +276,12 @@ class TransformerSpan(nn.Module):
         for cache in caches:
             cache.end_step()
         return list(hidden.split([cache.batch_size for cache in caches]))
+
+
+def _graphable(hidden: torch.Tensor, padding_mask: torch.Tensor | None) -> bool:
+    """A step a captured graph can run: one token that is not itself padding (a masked-out query has
+    no key to see; eager's finite mask gives it a defined, if meaningless, output)."""
+    return hidden.shape[1] == 1 and (padding_mask is None or bool(padding_mask[:, -1].all()))
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, position: int) -> torch.Tensor:
