@@ -129,6 +129,30 @@ def test_a_rewound_session_overwrites_what_it_wrote(llama_span):
     assert (got - want).abs().max().item() <= 1e-5 and graph.length == 21
 
 
+def test_drafts_of_several_tokens_are_verified_from_graphs_and_rewound(llama_span):
+    """Speculative decoding's verification step: four draft tokens at once, after which the client
+    keeps some and the next step starts where it rewound to; a padded two-row batch too."""
+    span = llama_span
+    generator = torch.Generator().manual_seed(4)
+    graphs = DecodeGraphs(span, capture=False)
+    for rows, mask in ((1, None), (2, torch.tensor([[1.0] * 30, [0.0] * 3 + [1.0] * 27]))):
+        prompt = torch.randn(rows, 30, span.hidden_size, generator=generator)
+        eager, graph = prefilled(span, prompt, 128, mask), prefilled(span, prompt, 128, mask)
+        position = 30
+        for kept in (2, 4, 1, 3):
+            draft = torch.randn(rows, 4, span.hidden_size, generator=generator)
+            step_mask = None if mask is None else torch.ones(rows, position + 4)
+            if step_mask is not None:
+                step_mask[:, :30] = mask
+            want = span(draft, eager, position, step_mask)
+            graph.begin_step(position, 4)
+            (got,) = graphs.run([(draft, graph, position, step_mask)])
+            assert (got - want).abs().max().item() <= 1e-5
+            position += kept  # the rest of the draft was rejected: the next step overwrites it
+            eager.length = graph.length = position
+    assert graphs.num_graphs >= 2
+
+
 def test_which_spans_run_from_graphs(tmp_path, llama_span, bloom_dir):
     assert DecodeGraphs.supported(llama_span)
     bloom, _ = load_span(bloom_dir, 0, 2)
@@ -136,9 +160,11 @@ def test_which_spans_run_from_graphs(tmp_path, llama_span, bloom_dir):
     spec = TinyModelSpec(family="mixtral", num_layers=2)
     config = spec.config()
     assert not family_for(config).decode_graphs  # experts chosen by a host-side nonzero()
-    several_tokens = torch.zeros(1, 2, llama_span.hidden_size)
+    prompt = torch.zeros(1, 17, llama_span.hidden_size)  # longer than a draft: a prefill, eager
     graphs = DecodeGraphs(llama_span, capture=False)
-    assert graphs.run([(several_tokens, llama_span.new_cache(1, 8), 0, None)]) is None
+    assert graphs.run([(prompt, llama_span.new_cache(1, 32), 0, None)]) is None
+    mixed = [(torch.zeros(1, n, llama_span.hidden_size), llama_span.new_cache(1, 8), 0, None) for n in (1, 2)]
+    assert graphs.run(mixed) is None  # one captured step runs one number of tokens
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -155,7 +181,18 @@ def test_replayed_graphs_equal_eager_steps_on_cuda(tmp_path, dtype):
     assert worst <= (1e-4 if dtype == "float32" else 2e-2)
     worst, answered = run_both(span, graphs, sessions, 8, generator)
     assert answered >= 7 and worst <= (1e-4 if dtype == "float32" else 2e-2)
-    assert graphs.capture_failures == 0
+    replays = graphs.replays
+    eager, graph = sessions[0]["eager"], sessions[0]["graph"]  # drafts of 4 tokens, 2 kept each time
+    for _ in range(6):
+        position = eager.length
+        draft = torch.randn(1, 4, span.hidden_size, generator=generator).to(span.dtype)
+        want = span(draft, eager, position)
+        graph.begin_step(position, 4)
+        outputs = graphs.run([(draft, graph, position, None)])
+        got = outputs[0] if outputs is not None else span(draft, graph, position)  # first: eager
+        assert (got - want).abs().max().item() <= (1e-4 if dtype == "float32" else 2e-2)
+        eager.length = graph.length = position + 2
+    assert graphs.replays >= replays + 4 and graphs.capture_failures == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

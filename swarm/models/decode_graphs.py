@@ -45,12 +45,15 @@ from swarm.models.inplace_attention import StaticSession, StaticSessions
 logger = logging.getLogger(__name__)
 
 MIN_WIDTH = 64  # narrowest attention window captured: shorter sessions share one graph per session
+# most new tokens per session a captured step takes: decode steps (1) and speculative decoding's
+# verification of a draft (a few); longer steps are prefills, each of a length seen once: eager
+MAX_TOKENS = 16
 MAX_GRAPHS = 32  # graphs kept per span (LRU); each holds a few MB of activations in the shared pool
 MAX_SEEN = 1024  # keys remembered while waiting for their second occurrence
 CAPTURE_AFTER = 2  # a key is captured the time it comes this often
 
 
-# one session's single-token step: (hidden [batch_i, 1, hidden], cache, position, padding mask or None)
+# one session's step: (hidden [batch_i, tokens, hidden], cache, position, padding mask or None)
 Step = tuple[torch.Tensor, SpanCache, int, torch.Tensor | None]
 
 
@@ -73,10 +76,11 @@ class _Member:
 class _Graph:
     """Static inputs, the captured graph (None when run eagerly) and its output buffer."""
 
-    def __init__(self, span, members: list[_Member], num_rows: int):
+    def __init__(self, span, members: list[_Member], num_rows: int, num_tokens: int):
         device = span.device
         self.members = members
-        self.hidden = torch.zeros(num_rows, 1, span.hidden_size, dtype=span.dtype, device=device)
+        self.hidden = torch.zeros(num_rows, num_tokens, span.hidden_size, dtype=span.dtype, device=device)
+        self.offsets = torch.arange(num_tokens, device=device)  # the new tokens' places after a position
         self.positions = torch.zeros(len(members), dtype=torch.long, device=device)
         widest = max(member.width for member in members)
         self.columns = torch.arange(widest, device=device)
@@ -95,9 +99,10 @@ class _Graph:
         source = hiddens[0] if len(hiddens) == 1 else torch.cat([h.to(self.hidden.device) for h in hiddens])
         self.hidden.copy_(source)
         self.positions.copy_(torch.tensor([position for _, _, position, _ in steps]))
+        end = self.hidden.shape[1]
         for buffer, (_, _, position, mask) in zip(self.padding, steps, strict=True):
             if buffer is not None:
-                buffer[:, : position + 1].copy_(mask[:, : position + 1].bool())
+                buffer[:, : position + end].copy_(mask[:, : position + end].bool())
 
 
 class DecodeGraphs:
@@ -135,10 +140,13 @@ class DecodeGraphs:
         return family_ok and span.adapters is None and span.quant != "int8"
 
     def run(self, steps: Sequence[Step]) -> list[torch.Tensor] | None:
-        """Outputs of these single-token steps (one per step, as `TransformerSpan.forward_batch`
-        returns them), or None when they should run eagerly (not captured yet, or not capturable).
-        Each member's `begin_step` must already pass; its `end_step` is called here."""
-        if not steps or any(hidden.shape[1] != 1 for hidden, *_ in steps) or self.span.adapters is not None:
+        """Outputs of these steps of the same few tokens each (one output per step, as
+        `TransformerSpan.forward_batch` returns them), or None when they should run eagerly (not
+        captured yet, or not capturable). Each member's `begin_step` must already pass; its `end_step`
+        is called here."""
+        if not steps or self.span.adapters is not None:
+            return None
+        if len({hidden.shape[1] for hidden, *_ in steps}) != 1 or not 1 <= steps[0][0].shape[1] <= MAX_TOKENS:
             return None
         ranges = {(cache.block_offset, cache.num_blocks) for _, cache, _, _ in steps}
         if len(ranges) != 1 or len({id(cache) for _, cache, _, _ in steps}) != len(steps):
@@ -179,12 +187,13 @@ class DecodeGraphs:
 
     # --- internals -----------------------------------------------------------------------------
     def _key(self, steps: Sequence[Step]) -> tuple:
-        longest = max(position for _, _, position, _ in steps) + 1
+        tokens = steps[0][0].shape[1]
+        longest = max(position for _, _, position, _ in steps) + tokens
         shape = tuple(
             (cache.batch_size, mask is not None, window_width(longest, cache.max_length))
             for _, cache, _, mask in steps
         )
-        return shape, tuple(cache.serial for _, cache, _, _ in steps)
+        return (tokens, *shape), tuple(cache.serial for _, cache, _, _ in steps)
 
     def _worth_capturing(self, key: tuple) -> bool:
         if key[0] in self._failed:
@@ -199,10 +208,10 @@ class DecodeGraphs:
 
     def _build(self, key: tuple, steps: Sequence[Step]) -> torch.Tensor | None:
         members, row = [], 0
-        for (_, cache, _, mask), (_, _, width) in zip(steps, key[0], strict=True):
+        for (_, cache, _, mask), (_, _, width) in zip(steps, key[0][1:], strict=True):
             members.append(_Member(cache, slice(row, row + cache.batch_size), mask is not None, width))
             row += cache.batch_size
-        graph = _Graph(self.span, members, row)
+        graph = _Graph(self.span, members, row, key[0][0])
         graph.load(steps)
         if not self.capture:
             self._keep(key, graph)
@@ -249,17 +258,18 @@ class DecodeGraphs:
         """The step as the graph records it: static buffers in, hidden states out."""
         span = self.span
         sessions, position_ids = [], []
+        tokens = graph.offsets.shape[0]
         for index, (member, padding) in enumerate(zip(graph.members, graph.padding, strict=True)):
-            position = graph.positions[index : index + 1]
-            visible = graph.columns[: member.width] <= position  # [width]
+            places = graph.positions[index] + graph.offsets  # [tokens]: absolute positions
+            visible = graph.columns[None, : member.width] <= places[:, None]  # [tokens, width], causal
             rows = member.rows.stop - member.rows.start
             if padding is None:
-                mask = visible.view(1, 1, 1, -1).expand(rows, 1, 1, -1)
-                position_ids.append(position.view(1, 1).expand(rows, 1))
+                mask = visible[None, None].expand(rows, 1, tokens, -1)
+                position_ids.append(places[None].expand(rows, tokens))
             else:  # transformers' rule: real tokens count from 0; keys that are padding stay hidden
-                mask = (visible[None, :] & padding)[:, None, None, :]
+                mask = (visible[None] & padding[:, None, :])[:, None]
                 counted = padding.long().cumsum(-1) - 1
-                position_ids.append(counted.gather(1, position.view(1, 1).expand(rows, 1)))
+                position_ids.append(counted.gather(1, places[None].expand(rows, tokens)))
             sessions.append((member, mask))
         hidden = graph.hidden
         inputs = span.family.static_decode_inputs(span.config, span.helpers, hidden, torch.cat(position_ids))
@@ -283,9 +293,9 @@ class StaticDecodeView:
         views = []
         for index, (member, mask) in enumerate(self.sessions):
             keys, values = member.cache.keys[layer], member.cache.values[layer]
-            position = self.graph.positions[index : index + 1]
-            keys.index_copy_(2, position, key_states[member.rows])
-            values.index_copy_(2, position, value_states[member.rows])
+            places = self.graph.positions[index] + self.graph.offsets
+            keys.index_copy_(2, places, key_states[member.rows])
+            values.index_copy_(2, places, value_states[member.rows])
             views.append(
                 StaticSession(member.rows, keys[:, :, : member.width], values[:, :, : member.width], mask)
             )

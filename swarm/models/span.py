@@ -26,6 +26,8 @@ from swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
 from swarm.models.cache import BatchedStepCache, SpanCache
 from swarm.models.checkpoint import CheckpointReader, load_config
+from swarm.models.decode_graphs import MAX_TOKENS as MAX_GRAPH_TOKENS
+from swarm.models.decode_graphs import DecodeGraphs
 from swarm.models.family import ModelFamily, family_for
 from swarm.models.inplace_attention import ATTENTION_NAME as INPLACE_ATTENTION
 from swarm.quantization import check_quant_device, quantize_block
@@ -111,8 +113,6 @@ class TransformerSpan(nn.Module):
     def use_decode_graphs(self, enabled: bool = True) -> bool:
         """Run single-token decode steps from CUDA graphs where this span can (a CUDA device, a family
         whose blocks capture, no adapters); returns whether it will."""
-        from swarm.models.decode_graphs import DecodeGraphs  # it imports this module's neighbours
-
         usable = enabled and self.device.type == "cuda" and DecodeGraphs.supported(self)
         self.decode_graphs = DecodeGraphs(self) if usable else None
         return usable
@@ -279,9 +279,11 @@ class TransformerSpan(nn.Module):
 
 
 def _graphable(hidden: torch.Tensor, padding_mask: torch.Tensor | None) -> bool:
-    """A step a captured graph can run: one token that is not itself padding (a masked-out query has
-    no key to see; eager's finite mask gives it a defined, if meaningless, output)."""
-    return hidden.shape[1] == 1 and (padding_mask is None or bool(padding_mask[:, -1].all()))
+    """A step a captured graph can run: a few new tokens (a decode step, a draft to verify), none of
+    them padding (a masked-out query has no key to see; eager's finite mask gives it a defined, if
+    meaningless, output)."""
+    tokens = hidden.shape[1]
+    return tokens <= MAX_GRAPH_TOKENS and (padding_mask is None or bool(padding_mask[:, -tokens:].all()))
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, position: int) -> torch.Tensor:
