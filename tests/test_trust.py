@@ -299,6 +299,23 @@ def test_a_route_no_chain_can_hold_is_refused_and_blocks_nobody(attacked_swarm, 
                 pb.RouteRequest(client_id="x", rtts=too_many, l_in=1, l_out=1, batch_size=1, max_length=8)
             )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # task labels (issue 38) that are long, unprintable or huge: refused, nothing learned (a
+        # megabyte does not even get read: the server's message limit refuses it, RESOURCE_EXHAUSTED)
+        for task in ("t" * 65, "code\x00", "chat\n", "x" * (100 << 10)):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Route(
+                    pb.RouteRequest(
+                        client_id="x", rtts=rtts, l_in=1, l_out=1, batch_size=1, max_length=8, task=task
+                    ),
+                    timeout=10,
+                )
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "task" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            huge = pb.RouteRequest(client_id="x", rtts=rtts, l_in=1, l_out=1, batch_size=1, max_length=8)
+            huge.task = "x" * (1 << 20)
+            stub.Route(huge, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         status = stub.GetStatus(pb.StatusRequest(), timeout=10)
         assert status.waiting_sessions == 0 and status.active_sessions == 0
     generate_within_bound(llama_dir, swarm, reference, scheduler_key=swarm.scheduler_key)
