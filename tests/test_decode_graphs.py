@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarm.models import load_span
-from swarm.models.decode_graphs import MIN_WIDTH, DecodeGraphs, window_width
+from swarm.models.decode_graphs import MAX_CAPTURES_PER_SESSION, MIN_WIDTH, DecodeGraphs, window_width
 from swarm.models.family import family_for
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
@@ -151,6 +151,28 @@ def test_drafts_of_several_tokens_are_verified_from_graphs_and_rewound(llama_spa
             position += kept  # the rest of the draft was rejected: the next step overwrites it
             eager.length = graph.length = position
     assert graphs.num_graphs >= 2
+
+
+def test_one_session_cannot_make_the_server_capture_without_end(llama_span):
+    """A client cycling its draft length would cause a capture per length: past its budget its steps
+    run eagerly (still exact), and other sessions' graphs are not evicted for it."""
+    span = llama_span
+    generator = torch.Generator().manual_seed(5)
+    graphs = DecodeGraphs(span, capture=False)
+    honest = prefilled(span, torch.randn(1, 8, span.hidden_size, generator=generator), 64)
+    honest.begin_step(8, 1)
+    assert graphs.run([(torch.randn(1, 1, span.hidden_size), honest, 8, None)]) is not None
+    cycler = prefilled(span, torch.randn(1, 8, span.hidden_size, generator=generator), 64)
+    answered = 0
+    for tokens in list(range(1, 17)) * 2:
+        cycler.begin_step(8, tokens)
+        outputs = graphs.run([(torch.randn(1, tokens, span.hidden_size), cycler, 8, None)])
+        answered += outputs is not None
+        cycler.length = 8
+    # the first 12 lengths captured and replayed the second time round, the other 4 eager both times
+    assert answered == 2 * MAX_CAPTURES_PER_SESSION
+    assert sum(cycler.serial in key[1] for key in graphs._graphs) == MAX_CAPTURES_PER_SESSION
+    assert any(honest.serial in key[1] for key in graphs._graphs)
 
 
 def test_which_spans_run_from_graphs(tmp_path, llama_span, bloom_dir):

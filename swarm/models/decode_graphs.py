@@ -51,6 +51,10 @@ MAX_TOKENS = 16
 MAX_GRAPHS = 32  # graphs kept per span (LRU); each holds a few MB of activations in the shared pool
 MAX_SEEN = 1024  # keys remembered while waiting for their second occurrence
 CAPTURE_AFTER = 2  # a key is captured the time it comes this often
+# captures a session may cause over its life (each window doubling, each draft length, each batch it
+# joins): past this it runs eagerly, so one client cannot evict everyone's graphs or make the server
+# capture at every step
+MAX_CAPTURES_PER_SESSION = 12
 
 
 # one session's step: (hidden [batch_i, tokens, hidden], cache, position, padding mask or None)
@@ -119,6 +123,7 @@ class DecodeGraphs:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: OrderedDict[tuple, int] = OrderedDict()
         self._failed: set[tuple] = set()  # shapes whose capture failed: eager from then on
+        self._captures_of: dict[int, int] = {}  # cache serial -> captures its session caused
         self._lock = threading.Lock()  # `forget` comes from the server's RPC threads
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
@@ -180,6 +185,7 @@ class DecodeGraphs:
                 del self._graphs[key]
             for key in [key for key in self._seen if cache.serial in key[1]]:
                 del self._seen[key]
+            self._captures_of.pop(cache.serial, None)
 
     @property
     def num_graphs(self) -> int:
@@ -197,6 +203,8 @@ class DecodeGraphs:
 
     def _worth_capturing(self, key: tuple) -> bool:
         if key[0] in self._failed:
+            return False
+        if any(self._captures_of.get(serial, 0) >= MAX_CAPTURES_PER_SESSION for serial in key[1]):
             return False
         count = self._seen.pop(key, 0) + 1
         if count >= CAPTURE_AFTER or not self.capture:
@@ -228,6 +236,8 @@ class DecodeGraphs:
         return output
 
     def _keep(self, key: tuple, graph: _Graph) -> None:
+        for serial in key[1]:
+            self._captures_of[serial] = self._captures_of.get(serial, 0) + 1
         self._graphs[key] = graph
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
