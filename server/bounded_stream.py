@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 OPEN_MESSAGE_LIMIT = 64 * 1024  # before a session is open, only an Open message is expected
 DISCARD_SECONDS = 5.0  # after refusing a message, how long the client may keep sending into the void
+CATCH_UP_SECONDS = 10.0  # how long an oversized message waits, unread, for the handler to ask for it
 
 
 @dataclass
@@ -48,9 +49,17 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
         limit = StreamLimit()
         requests: asyncio.Queue = asyncio.Queue(max_prefetch)
+        waiting = asyncio.Event()  # set while the handler waits for a message and none is queued
 
         async def read_requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            while (request := await requests.get()) is not None:
+            while True:
+                waiting.set()
+                try:
+                    request = await requests.get()
+                finally:
+                    waiting.clear()
+                if request is None:
+                    return
                 yield request
 
         async def process() -> None:
@@ -64,7 +73,7 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
             processing = asyncio.create_task(process())
             try:
                 while True:
-                    receiving = asyncio.create_task(_receive(reader, limit))
+                    receiving = asyncio.create_task(_receive(reader, limit, waiting))
                     await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                     if processing.done():
                         receiving.cancel()
@@ -82,6 +91,7 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
                             # let it see the reply first, dropping (not keeping) what it still sends
                             await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
                         return
+                    waiting.clear()  # set again only once the handler asks for what follows this one
                     await requests.put(request)  # None: the client ended its side of the stream
             except Exception:
                 logger.warning("inference stream failed while receiving", exc_info=True)
@@ -95,14 +105,23 @@ class _Refused(Exception):
     pass
 
 
-async def _receive(reader: asyncio.StreamReader, limit: StreamLimit) -> runtime_pb2.ExpertRequest | None:
+async def _receive(
+    reader: asyncio.StreamReader, limit: StreamLimit, waiting: asyncio.Event | None = None
+) -> runtime_pb2.ExpertRequest | None:
     """One framed message (None for the end-of-stream marker), refused unread if over the limit.
 
     The limit is read when the header arrives, not when waiting starts: the wait for a session's first
     step begins while its open message is still being handled, before the limit is raised to the
-    session's size (a first prompt larger than the open limit would otherwise be refused)."""
+    session's size (a first prompt larger than the open limit would otherwise be refused). A message
+    over the limit is checked again, still unread, once the handler asks for the next message
+    (`waiting`, at most CATCH_UP_SECONDS): a sender that does not wait for a reply between messages
+    (a cache push's or a link probe's header, then its first 1 MiB chunk at once) must not be refused
+    because the handler, on a busy machine, has not yet read the header that raises the limit."""
     marker = await reader.readexactly(1)
     length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if length > limit.max_bytes and waiting is not None:
+        with suppress(TimeoutError):
+            await asyncio.wait_for(waiting.wait(), CATCH_UP_SECONDS)
     if length > limit.max_bytes:
         raise _Refused(f"message of {length:,} bytes exceeds this session's limit of {limit.max_bytes:,}")
     data = await reader.readexactly(length)

@@ -1,0 +1,360 @@
+"""Colocated serving against prefill/decode roles on the emulated swarm (issue 37), beside the simulator.
+
+Four servers of a tiny LLaMA (6 blocks, hidden 512, 8 KV heads: a float32 cache of 24 KB per token over
+the span), each holding every block, in four sites joined by `--link-mbps` links (2 ms); the client
+(with the DHT; no scheduler: the client routes each session itself, by eq. 1 among the servers with
+cache room) in its own site, `--client-rtt-ms` and `--uplink` Mbit/s from each. Every server
+sleeps `--compute-delay` per block per step and `per-token x tokens` when longer
+(`--compute-delay-per-token`): two compute-rich servers (`--rich-per-token`) and two prefill-slow
+ones (`--slow-per-token`). `colocated`: all four `--role
+both`; `roles`: the compute-rich ones `--role prefill`, the others `--role decode`; the client
+disaggregates by its own rule (`ClientOptions.disaggregate = "auto"`) with the links the servers
+probed (`--link-probe-period 5`). Load: Poisson arrivals at each `--rates`, prompts of the Azure code
+trace divided by `--length-scale` and capped at `--max-l-in`, answers capped at `--max-l-out`.
+Measured TTFT and TPOT beside the contended simulator's on the same arrivals and lengths
+(`roles_netem_sim.py`); some outputs are checked against local transformers.
+
+    sudo .venv/bin/python scripts/bench_roles_netem.py [--rates 0.5,1.0,1.5,2.0] [--link-mbps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _bench_common import measuring_parser  # noqa: E402
+
+LAYERS, HIDDEN = 6, 512
+HANDED = re.compile(r"session (\w+): prompt of blocks \d+:\d+ on prefill server \w+, cache to \w+ by (.*)")
+CHECKS_PER_RATE = 2
+
+
+# --- the measuring client (runs in the client's site) ---------------------------------------------------
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _wait_links(connection, seconds: float) -> dict:
+    """Until every prefill server announces a rate to every decode server (or `seconds` pass):
+    the client's rule then decides with measured links from the first request."""
+    from client.connection import run_sync
+
+    deadline = time.monotonic() + seconds
+    while True:
+        servers = run_sync(connection.servers(refresh=True))
+        prefill = {p: i for p, i in servers.items() if str(i.role) in ("prefill", "ServerRole.PREFILL")}
+        decode = [p for p, i in servers.items() if p not in prefill]
+        known = {p[-6:]: {d[-6:]: i.links.get(d) for d in decode} for p, i in prefill.items()}
+        if not prefill or all(None not in row.values() for row in known.values()):
+            return known
+        if time.monotonic() > deadline:
+            return known
+        time.sleep(1.0)
+
+
+def measure(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from client import AutoDistributedModelForCausalLM, ClientOptions
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    handed = _Lines()
+    logger = logging.getLogger("client.prefill_roles")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handed)
+    plan = json.loads(Path(args.plan).read_text())
+    options = ClientOptions(
+        request_timeout=120.0,
+        uplink_mbps=float(plan["uplink"]),
+        rtt_ttl=600.0,
+        refresh_period=10.0,
+        wait_for_servers=60.0,
+        wait_for_room=3600.0,
+        # sessions a scheduler routes never disaggregate (client/remote.py `_open_scheduled_chain` plans
+        # no prefill servers): the client routes itself, by eq. 1 among servers with cache room
+        use_scheduler=False,
+        expected_l_in=plan["max_l_in"],
+    )
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        args.model_dir, args.initial_peers, options=options
+    )
+    model.generation_config.eos_token_id = None  # random weights may say EOS: every answer has its length
+    connection = model.backend.connection
+    links = _wait_links(connection, 60.0)
+    probes = []
+    for _ in range(3):  # the per-session set-up on an idle swarm: the simulator's set-up constant
+        opened = time.monotonic()
+        model.open_session(max_length=64, prompt_tokens=32).close()
+        probes.append(time.monotonic() - opened)
+    results = {"links": links, "setup_s": sorted(probes)[1], "rates": []}
+    vocab = model.config.vocab_size
+    for batch in plan["batches"]:
+        before = len(handed.lines)
+        rows = [dict(r) for r in batch["requests"]]
+        start = time.monotonic()
+
+        def one(row: dict, start: float = start, seed: int = int(batch["seed"])) -> None:
+            generator = torch.Generator().manual_seed(1000 * seed + row["id"])
+            prompt = torch.randint(4, vocab, (1, row["l_in"]), generator=generator)
+            delay = start + row["arrival"] - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            times: list[float] = []
+
+            class Streamer:
+                calls = 0
+
+                def put(self, value) -> None:
+                    self.calls += 1
+                    if self.calls > 1:  # the first call is the prompt
+                        times.append(time.monotonic())
+
+                def end(self) -> None:
+                    pass
+
+            try:
+                session = model.open_session(
+                    row["l_in"] + row["l_out"], prompt_tokens=row["l_in"], expected_new_tokens=row["l_out"]
+                )
+                row["session"] = getattr(session.blocks, "session_id", "")[:8]
+                try:
+                    output = model.generate(
+                        prompt, session=session, max_new_tokens=row["l_out"], do_sample=False,
+                        streamer=Streamer(), pad_token_id=0,
+                    )  # fmt: skip
+                finally:
+                    session.close()
+                row["first_token"], row["finish"] = times[0] - start, times[-1] - start
+                row["tokens"] = output[0, row["l_in"] :].tolist()
+            except Exception as error:  # recorded; the run goes on (a failed request misses its SLOs)
+                row["error"] = f"{type(error).__name__}: {error}"
+
+        threads = [threading.Thread(target=one, args=(row,), daemon=True) for row in rows]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        moves = [HANDED.search(line) for line in handed.lines[before:]]
+        by_session = {m.group(1): m.group(2) for m in moves if m}
+        for row in rows:
+            row["prefill"] = by_session.get(row.get("session", "-"), "")
+        results["rates"].append({"rate": batch["rate"], "requests": rows})
+        print(f"rate {batch['rate']}: {sum('error' not in r for r in rows)} of {len(rows)} done", flush=True)
+        time.sleep(2.0)  # the last sessions' caches freed before the next rate starts
+    model.shutdown()
+    # exact outputs: a few requests per rate (disaggregated ones first) against local transformers
+    reference = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+    reference.generation_config.eos_token_id = None
+    checked, wrong = 0, []
+    for index, entry in enumerate(results["rates"]):
+        done = [r for r in entry["requests"] if "tokens" in r]
+        done.sort(key=lambda r: (not r["prefill"].startswith("hand-off"), r["l_in"]))
+        for row in done[:CHECKS_PER_RATE]:
+            generator = torch.Generator().manual_seed(1000 * int(plan["batches"][index]["seed"]) + row["id"])
+            prompt = torch.randint(4, vocab, (1, row["l_in"]), generator=generator)
+            with torch.inference_mode():
+                expected = reference.generate(
+                    prompt, max_new_tokens=row["l_out"], do_sample=False, pad_token_id=0
+                )
+            checked += 1
+            if expected[0, row["l_in"] :].tolist() != row["tokens"]:
+                wrong.append(row["id"])
+    results["checked"], results["wrong"] = checked, wrong
+    for entry in results["rates"]:
+        for row in entry["requests"]:
+            row.pop("tokens", None)
+    Path(args.out).write_text(json.dumps(results))
+    print(f"checked {checked} outputs against transformers, {len(wrong)} differ", flush=True)
+
+
+# --- the emulated swarm -----------------------------------------------------------------------------------
+def scenario(args: argparse.Namespace):
+    from netem.scenario import parse_scenario
+
+    sites = [{"name": "client", "group": "client", "processes": [{"role": "dht", "name": "dht"}]}]
+    sites += [{"name": f"site{j}", "group": "servers"} for j in range(4)]
+    return parse_scenario(
+        {
+            "name": "bench_roles_netem",
+            "links": {
+                "within_group": {"rtt_ms": 2, "bandwidth_mbit": args.link_mbps},
+                "between_groups": {"rtt_ms": args.client_rtt_ms, "bandwidth_mbit": args.uplink},
+            },
+            "sites": sites,
+        },
+        "bench_roles_netem",
+    )
+
+
+def cpu_costs(model_dir: Path):
+    """The tiny block's CPU costs (one thread, best of 3), for the simulator's host part."""
+    import torch
+    from roles_netem_sim import CpuCosts
+
+    from swarm.models import load_span
+
+    torch.set_num_threads(1)
+    span, _ = load_span(str(model_dir), 0, LAYERS, dtype="float32")
+    with torch.inference_mode():
+
+        def timed(rows: int, tokens: int, context: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                cache = span.new_cache(batch_size=rows, max_length=context + tokens + 1)
+                if context:
+                    span(torch.randn(rows, context, HIDDEN), cache, position=0)
+                started = time.perf_counter()
+                span(torch.randn(rows, tokens, HIDDEN), cache, position=context)
+                best = min(best, time.perf_counter() - started)
+            return best / LAYERS
+
+        one, eight = timed(1, 1, 256), timed(8, 1, 256)
+        prefill = timed(1, 512, 0)
+    return CpuCosts(
+        one,
+        max(eight - one, 0.0) / 7,
+        prefill / 512,
+        span.block_bytes,
+        span.cache_bytes(num_tokens=1),  # per block
+    )
+
+
+def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path, label: str) -> dict:
+    """One configuration: four servers with the mode's roles, the measuring client over every rate."""
+    roles = ["both"] * 4 if mode == "colocated" else ["prefill", "prefill", "decode", "decode"]
+    names = []
+    for j, role in enumerate(roles):
+        per_token = args.rich_per_token if j < 2 else args.slow_per_token
+        name = f"{label}-{'rich' if j < 2 else 'slow'}{j % 2}"
+        memory = args.prefill_memory if role == "prefill" else args.memory
+        emulation.start_server(
+            name, f"site{j}", model_dir, f"0:{LAYERS}", memory, args.compute_delay,
+            "--compute-delay-per-token", repr(per_token), "--role", role, "--link-probe-period", "5",
+            "--session-timeout", "600", "--drain-timeout", "1",
+        )  # fmt: skip
+        names.append(name)
+    online = emulation.wait_online("client", model_dir, names, timeout=300)
+    time.sleep(12)  # two probe periods: every server has measured its links
+    plan_path, out = work / f"{label}.plan.json", work / f"{label}.out.json"
+    plan_path.write_text(json.dumps(plan))
+    argv = [
+        sys.executable, str(Path(__file__).resolve()), "measure", "--model-dir", str(model_dir),
+        "--initial-peers", *emulation.initial_peers, "--out", str(out), "--plan", str(plan_path),
+    ]  # fmt: skip
+    client = emulation.start(f"measure-{label}", "client", argv)
+    limit = sum(b["requests"][-1]["arrival"] for b in plan["batches"]) + 300 + 60 * len(plan["batches"])
+    started = time.monotonic()
+    while client.poll() is None:
+        emulation.check_alive([n for n in emulation.processes if n in names])
+        if time.monotonic() - started > limit:
+            raise SystemExit(f"{label}: the measuring client ran past {limit:.0f} s")
+        time.sleep(1)
+    if client.returncode != 0 or not out.exists():
+        raise SystemExit(
+            f"{label}: the measuring client failed:\n{emulation.log(f'measure-{label}')[-3000:]}"
+        )
+    emulation.stop_many(names)
+    for name in names:
+        emulation.processes.pop(name)
+    result = json.loads(out.read_text())
+    result["online"] = online
+    result["roles"] = roles
+    return result
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    from netem.emulator import Emulation
+    from roles_netem_sim import trace_requests
+
+    from scheduler.sim.workload import load_azure_trace
+    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(family="llama", num_layers=LAYERS, hidden_size=HIDDEN, num_heads=8, num_kv_heads=8)
+    model_dir = build_tiny_model(work / "llama-512", spec)
+    cpu = cpu_costs(model_dir)
+    trace = load_azure_trace()
+    rates = [float(r) for r in args.rates.split(",")]
+    batches = []
+    for k, rate in enumerate(rates):
+        requests = trace_requests(
+            trace, rate, args.requests, args.length_scale, args.max_l_in, args.max_l_out, args.seed + k
+        )
+        batches.append({"rate": rate, "seed": args.seed + k, "requests": [r.__dict__ for r in requests]})
+    report = {"cpu": cpu.__dict__, "batches": batches, "modes": {}}
+    with Emulation(scenario(args), work / "netem") as emulation:
+        emulation.start_dht("client")
+        plan = {
+            "uplink": args.uplink,
+            "max_l_in": args.max_l_in,
+            "batches": batches,
+        }
+        for mode in args.modes.split(","):
+            print(f"[{mode}] starting", flush=True)
+            report["modes"][mode] = run_mode(args, emulation, model_dir, mode, plan, work, mode)
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def main() -> None:
+    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--plan")
+    parser.add_argument("--rates", default="0.5,1.0,1.5,2.0", help="Poisson arrival rates, req/s")
+    parser.add_argument("--requests", type=int, default=30, help="requests per rate and mode")
+    parser.add_argument("--modes", default="colocated,roles")
+    parser.add_argument("--link-mbps", type=float, default=1000.0, help="between servers")
+    parser.add_argument("--client-rtt-ms", type=float, default=30.0)
+    parser.add_argument("--uplink", type=float, default=100.0, help="Mbit/s between the client and servers")
+    parser.add_argument("--compute-delay", type=float, default=0.005, help="seconds per block per step")
+    parser.add_argument("--rich-per-token", type=float, default=0.0001)
+    parser.add_argument("--slow-per-token", type=float, default=0.001)
+    # blocks take 63 MB: the rest holds a few sessions, so that routing spreads them over servers
+    parser.add_argument("--memory", default="120MB")
+    # a prefill-only server holds prompts only until their hand-off: its memory bounds prompts in flight
+    parser.add_argument(
+        "--prefill-memory", default=None, help="memory of --role prefill servers (default: --memory)"
+    )
+    parser.add_argument("--length-scale", type=int, default=4, help="trace prompts divided by this")
+    parser.add_argument("--max-l-in", type=int, default=1024)
+    parser.add_argument("--max-l-out", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/roles_netem.json", help="the raw results (JSON)")
+    parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
+    args = parser.parse_args()
+    if args.command == "measure":
+        measure(args)
+        return
+    args.prefill_memory = args.prefill_memory or args.memory
+    with tempfile.TemporaryDirectory(prefix="bench-roles-") as work:
+        # the servers' timing cache stays inside the run (Emulation passes os.environ to children)
+        os.environ["SWARM_CACHE_DIR"] = str(Path(work) / "cache")
+        try:
+            report = run(args, Path(work))
+        finally:
+            if args.keep_logs:
+                shutil.copytree(Path(work) / "netem", args.keep_logs, dirs_exist_ok=True)
+    report["args"] = {k: v for k, v in vars(args).items() if k != "command"}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"raw results in {args.out}; tables: .venv/bin/python scripts/roles_netem_report.py {args.out}")
+
+
+if __name__ == "__main__":
+    main()

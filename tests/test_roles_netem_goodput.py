@@ -1,0 +1,48 @@
+"""The goodput arithmetic of scripts/bench_roles_netem.py (pure: no processes)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from roles_netem_sim import attainment, measured_times, rate_goodput, trace_requests  # noqa: E402
+
+from scheduler.sim.metrics import Slo  # noqa: E402
+from scheduler.sim.workload import TraceRecord  # noqa: E402
+
+
+def test_measured_times_and_failures_count_as_misses() -> None:
+    rows = [
+        {"arrival": 1.0, "first_token": 2.0, "finish": 2.9, "l_out": 10},  # TTFT 1, TPOT 0.1
+        {"arrival": 0.0, "first_token": 6.0, "finish": 6.5, "l_out": 6},  # TTFT 6: misses 5 s
+        {"arrival": 0.0, "error": "SwarmUnavailable: no room", "l_out": 4},
+        {"arrival": 0.0, "first_token": 0.5, "finish": 0.5, "l_out": 1},  # no TPOT: 0
+    ]
+    ttft, tpot, failed = measured_times(rows)
+    assert ttft == pytest.approx([1.0, 6.0, 0.5])
+    assert tpot == pytest.approx([0.1, 0.1, 0.0])
+    assert failed == 1
+    assert attainment(ttft, tpot, failed, Slo(5.0, 0.2)) == pytest.approx(2 / 4)
+    assert attainment(ttft, tpot, failed, Slo(5.0, 0.05)) == pytest.approx(1 / 4)
+    assert attainment([], [], 3, Slo(5.0, 0.2)) == 0.0
+    assert math.isnan(attainment([], [], 0, Slo(5.0, 0.2)))
+
+
+def test_goodput_is_the_highest_rate_of_a_passing_prefix_without_interpolation() -> None:
+    assert rate_goodput([0.3, 0.6, 0.9, 1.2], [1.0, 0.95, 0.85, 0.92]) == 0.6  # 1.2 alone does not count
+    assert rate_goodput([0.6, 0.3], [0.9, 1.0]) == 0.6  # order of probing does not matter; 0.9 passes
+    assert rate_goodput([0.3, 0.6], [0.89, 1.0]) == 0.0
+    assert rate_goodput([0.3, 0.6], [1.0, math.nan]) == 0.3  # a rate not run ends the prefix
+
+
+def test_trace_requests_scale_cap_and_floor_lengths() -> None:
+    records = [TraceRecord(0.0, 8000, 100), TraceRecord(0.0, 3, 1)]
+    requests = trace_requests(records, 2.0, 50, 4, 1024, 32, seed=0)
+    assert requests[0].arrival == 0.0
+    assert all(b.arrival >= a.arrival for a, b in zip(requests, requests[1:], strict=False))
+    assert {(r.l_in, r.l_out) for r in requests} == {(1024, 32), (2, 2)}
