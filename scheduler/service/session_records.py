@@ -26,6 +26,9 @@ class SessionRecord:
     l_in: int = 0  # the prompt and answer lengths the client declared when routed (what its end
     l_out: int = 0  # report is checked against and learned with: `scheduler.length_prediction`)
     task: str = ""  # the task label it declared (lengths are learned per label)
+    # where its prompt runs (`prefill_routing`): prefill servers for some hops; planned with the chain
+    prefill: tuple[RouteHop, ...] = ()
+    prefill_planned: bool = False
 
     def slots(self) -> dict[str, int]:
         return {hop.peer_id: hop.num_blocks * self.units for hop in self.hops}
