@@ -213,7 +213,7 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
             link.distrust(f"routed through an impossible chain ({problem})")
             return None
         if not all(servers[hop.peer_id].role.serves("decode") for hop in hops):
-            # the scheduler does not place or route by role yet: a prefill-only server takes no session
+            # a current scheduler never routes through one (an older one might): it takes no session
             await link.end_session(admission.scheduler_session)
             logger.info("the scheduler's route includes a prefill-only server: routing locally")
             return None
