@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from scheduler.algorithms.placing import Infeasible, PlanInputError
 from scheduler.algorithms.problem import Span
-from scheduler.length_prediction import OutputLengthPredictor, SessionLengthLearner
 from scheduler.service.planner import (
     ArrivalRate,
     Plan,
@@ -41,6 +40,7 @@ from scheduler.service.slo_admission import SloTargets, chain_latency, predict
 from scheduler.service.status import describe_servers
 from scheduler.service.view import ModelShape, SwarmView, prefill_time
 from swarm.errors import SwarmUserError
+from swarm.length_prediction import OutputLengthPredictor, SessionLengthLearner
 from swarm.route_request import RouteRequest
 from swarm.server_info import ServerInfo
 
