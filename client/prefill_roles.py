@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Sequence
 
 from client.stream import ServerStream, StepInput
 from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, prefill_seconds
@@ -33,13 +34,42 @@ class DisaggregatedPrefill:
 
     async def _plan_prefill(self, chain: list[RouteHop]) -> dict[int, ServerStream]:
         """Prefill servers for the hops of `chain` where disaggregating pays, their sessions opened."""
+        return await self._open_prefill(chain, self._choose_prefill(chain))
+
+    async def _scheduled_prefill(
+        self, chain: list[RouteHop], planned: Sequence[RouteHop]
+    ) -> dict[int, ServerStream]:
+        """The scheduler's plan for the prompt (`RouteReply.prefill`: a prefill server per hop it
+        chose), opened; entries that name no known prefill server holding their hop's blocks are
+        ignored (those hops prefill on their own server). `disaggregate="never"` keeps every prompt
+        on its decode server; "always" uses the client's own rule."""
+        policy = self.connection.options.disaggregate
+        if policy == "never" or self.shape.l_in < MIN_PROMPT:
+            return {}
+        if policy == "always":
+            return await self._plan_prefill(chain)
+        prefill_servers = self.connection.routable_among(self.connection.known_servers, "prefill")
+        index_of = {(hop.start, hop.end): index for index, hop in enumerate(chain)}
+        chosen: dict[int, str] = {}
+        for hop in planned:
+            info = prefill_servers.get(hop.peer_id)
+            index = index_of.get((hop.start, hop.end))
+            if index is None or info is None or not (info.start <= hop.start and hop.end <= info.end):
+                logger.info("session %s: ignoring the scheduler's prefill hop %s", self.session_id[:8], hop)
+                continue
+            chosen[index] = hop.peer_id
+        return await self._open_prefill(chain, chosen)
+
+    def _choose_prefill(self, chain: list[RouteHop]) -> dict[int, str]:
+        """The client's own rule: per hop, the prefill server whose prefill plus hand-off beats the
+        decode server's own prefill (`swarm.prefill_cost`), if any."""
         connection = self.connection
         policy = connection.options.disaggregate
         if policy == "never" or self.shape.l_in < MIN_PROMPT:
             return {}
         servers = connection.known_servers
         prefill_servers = connection.routable_among(servers, "prefill")
-        plan: dict[int, ServerStream] = {}
+        chosen: dict[int, str] = {}
         for index, hop in enumerate(chain):
             blocks = hop.end - hop.start
             covering = [
@@ -64,11 +94,19 @@ class DisaggregatedPrefill:
             }
             colocated = prefill_seconds(servers[hop.peer_id], self.shape.l_in) * blocks
             peer = choose_prefill_server(costs, colocated, policy)
-            if peer is None:
-                continue
+            if peer is not None:
+                chosen[index] = peer
+        return chosen
+
+    async def _open_prefill(self, chain: list[RouteHop], chosen: dict[int, str]) -> dict[int, ServerStream]:
+        """Sessions on the chosen prefill servers for those hops' prompts; a server that will not
+        take one leaves its hop to prefill on its decode server."""
+        plan: dict[int, ServerStream] = {}
+        for index, peer in chosen.items():
+            hop = chain[index]
             stream = ServerStream(RouteHop(peer, hop.start, hop.end), uuid.uuid4().hex, self.shape)
             try:
-                await stream.open(connection)
+                await stream.open(self.connection)
             except Exception as error:  # that server will not take it: its decode server will
                 stream.close()
                 logger.info("session %s: no prefill on %s (%s)", self.session_id[:8], peer[-8:], error)

@@ -213,16 +213,24 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
             link.distrust(f"routed through an impossible chain ({problem})")
             return None
         if not all(servers[hop.peer_id].role.serves("decode") for hop in hops):
-            # the scheduler does not place or route by role yet: a prefill-only server takes no session
+            # a current scheduler never routes through one (an older one might): it takes no session
             await link.end_session(admission.scheduler_session)
             logger.info("the scheduler's route includes a prefill-only server: routing locally")
             return None
         streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in hops]
+        plan: dict[int, ServerStream] = {}
+        if first:  # the prompt phase: the scheduler's plan, or the client's own rule without one
+            planned = [RouteHop.from_proto(hop) for hop in reply.prefill]
+            if reply.prefill_planned:
+                plan = await self._scheduled_prefill(hops, planned)
+            else:
+                plan = await self._plan_prefill(hops)
         try:
-            for stream in streams:
-                await stream.open(self.connection)
+            for index, stream in enumerate(streams):
+                source = plan[index].hop.peer_id if index in plan else None
+                stream.cache_token = await stream.open(self.connection, source)
         except Exception as error:
-            for stream in streams:
+            for stream in [*streams, *plan.values()]:
                 stream.close()
             await link.end_session(admission.scheduler_session)
             if isinstance(error, RemoteError) and error.code in FATAL_CODES:
@@ -233,6 +241,15 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
             else:
                 self.connection.blame(getattr(error, "peer", "") or _failed_peer(streams), error)
             return None
+        if first:
+            self._prefill = plan
+            if plan:
+                logger.info(
+                    "session %s: its prompt goes to prefill servers %s (scheduler's plan: %s)",
+                    self.session_id[:8],
+                    ", ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in plan.values()),
+                    "yes" if reply.prefill_planned else "no",
+                )
         self._keep_alive = asyncio.ensure_future(self._renew_lease(admission.scheduler_session, reply.lease))
         logger.info(
             "session %s routed by the scheduler through %s (waited %.2f s, predicted %.2f s)",

@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     contended.add_argument(
         "--disaggregate",
-        choices=("auto", "always", "never"),
+        choices=("auto", "always", "never", "scheduler"),
         default="auto",
-        help="when a session's prompt goes to a prefill server (the client's rule, swarm/prefill_cost.py)",
+        help="when a session's prompt goes to a prefill server (the client's rule, swarm/prefill_cost.py; "
+        "scheduler: the live scheduler's plan, which also counts the prompts each server was given)",
     )
     parser.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO (s): adds slo_attainment")
     parser.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO (s): adds slo_attainment")

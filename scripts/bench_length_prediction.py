@@ -1,4 +1,4 @@
-"""Output-length prediction (issue 38): how well `scheduler.length_prediction` predicts the Azure code
+"""Output-length prediction (issue 38): how well `swarm.length_prediction` predicts the Azure code
 trace's answer lengths, and what it does to simulated WS-RR waiting.
 
     .venv/bin/python scripts/bench_length_prediction.py [--requests 1000] [--seeds 12] [--write]
@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import numpy as np  # noqa: E402
 from _bench_common import parse_bench_args, publish_table  # noqa: E402
 
-from scheduler.length_prediction import OutputLengthPredictor, output_bucket  # noqa: E402
 from scheduler.sim import length_info, workload  # noqa: E402
 from scheduler.sim.engine import simulate  # noqa: E402
 from scheduler.sim.policies import NONE, build_dispatcher  # noqa: E402
 from scheduler.sim.runner import CellConfig, make_scenario  # noqa: E402
+from swarm.length_prediction import OutputLengthPredictor, output_bucket  # noqa: E402
 
 BASELINE = 128
 CAP = length_info.TRACE_MAX_NEW_TOKENS

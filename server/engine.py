@@ -79,6 +79,7 @@ class _Step:
     done: int = 0  # tokens of this step computed so far (chunked prefill)
     outputs: list = field(default_factory=list)  # the computed chunks' outputs
     started: bool = False  # its future is running (a chunked prefill's first chunk has run)
+    expected_ahead: int | None = None  # learned decode work left (`ahead`); None: the cache room
 
     def __post_init__(self) -> None:
         # batchable: one new token that is itself not padding (a masked-out query has no key to
@@ -94,8 +95,10 @@ class _Step:
 
     @property
     def ahead(self) -> int:
-        """Tokens this session may still decode, this one included: its cache's room (`N^d_i`)."""
-        return max(self.cache.max_length - self.position, 1)
+        """Tokens this session is expected to decode still, this one included (`N^d_i`): what the
+        server learned of its sessions' lengths, at most its cache's room."""
+        room = max(self.cache.max_length - self.position, 1)
+        return min(max(self.expected_ahead, 1), room) if self.expected_ahead is not None else room
 
     @property
     def tokens(self) -> int:
@@ -183,10 +186,14 @@ class BatchingEngine:
         position: int,
         padding_mask: torch.Tensor | None = None,
         adapter: str | None = None,
+        ahead: int | None = None,
     ) -> Future:
         """Queue `span(hidden, cache, position, padding_mask)` with LoRA `adapter` (None: none); the
-        future gets its output (in `hidden`'s dtype) or its exception."""
+        future gets its output (in `hidden`'s dtype) or its exception. `ahead`: the tokens this
+        session is expected to decode still, this one included (`server.session_lengths`; None: its
+        cache room)."""
         step = _Step(span, cache, hidden, position, padding_mask, arrived=self._clock(), adapter=adapter)
+        step.expected_ahead = ahead
         if not step.decode:
             step.chunk = self.prefill_chunk
         with self._condition:

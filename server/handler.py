@@ -31,6 +31,7 @@ from server.metrics import ServerMetrics
 from server.replay import MAX_TOKENS_PER_POSITION, parse_replay
 from server.request_checks import RequestChecks
 from server.session import Session, check_hypo_ids, check_step_inputs
+from server.session_lengths import SessionLengths
 from server.unary_rpcs import UnaryRpcs
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
@@ -111,6 +112,7 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
         # with batching on (batch_wait_ms > 0) the engine's thread runs concurrent sessions' decode
         # steps as one batched forward (server/engine.py), otherwise each step runs alone, as before
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.lengths = SessionLengths()  # learned answer lengths: the engine's decode work ahead
         self.engine = (
             BatchingEngine(
                 batch_wait=batch_wait_ms / 1e3,
@@ -276,6 +278,7 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
         self.metrics.sessions.set(len(self.sessions))
         self.budget.release(session.session_id)
         if session.cache is not None:
+            self.lengths.ended(session)
             self.span.forget_cache(session.cache)
             if self.engine is not None:
                 self.engine.forget(session.cache)
@@ -374,9 +377,11 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
         padding_mask: torch.Tensor | None,
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        self.lengths.saw_step(session, position, hidden.shape[1])
         if self.engine is not None and prompts is None:  # prompted steps (a prefix's prefill) run alone
+            ahead = self.lengths.ahead(session, position) if hidden.shape[1] == 1 else None
             output = await self.engine.run(
-                self.span, session.cache, hidden, position, padding_mask, session.adapter
+                self.span, session.cache, hidden, position, padding_mask, session.adapter, ahead=ahead
             )
         else:
             thread_delay = self.compute_delay - self.overlap_delay

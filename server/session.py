@@ -31,6 +31,7 @@ class Session:
     last_position: int = -1
     last_output: torch.Tensor | None = None
     last_active: float = field(default_factory=time.monotonic)
+    prompt_tokens: int | None = None  # its step at position 0 (`server.session_lengths`), if seen
 
     def replayed_output(self, step_id: str, position: int) -> torch.Tensor | None:
         """The answer to a step that was already computed (a retry of the same step id), if any."""

@@ -55,13 +55,16 @@ def server_argv(
 ) -> list[str]:
     """`swarm-server` for `blocks` ("0:3"), or managed by the scheduler of `scheduler_key` when None.
     One torch thread (many servers share few cores) and no per-peer cache share: one test client or
-    load generator often drives every session. `module`: what runs it (a wrapper of `server.cli`)."""
+    load generator often drives every session. `module`: what runs it (a wrapper of `server.cli`).
+    Float32 unless `extra` names a `--dtype`: on a GPU, `--dtype auto` would pick a 16-bit dtype, and
+    tests compare with float32 transformers (on a CPU auto is float32 anyway)."""
+    dtype = [] if "--dtype" in extra else ["--dtype", "float32"]
     return [
         PYTHON, "-m", *module, str(model_dir), "--initial-peers", *initial_peers,
         *(["--blocks", blocks] if blocks is not None else ["--scheduler-key", scheduler_key]),
         "--memory", str(memory), *(["--host", host] if host else []), "--public-name", public_name,
         "--announce-period", f"{announce_period:g}", "--torch-threads", "1",
-        "--max-peer-cache-fraction", "1",
+        "--max-peer-cache-fraction", "1", *dtype,
         *extra,
     ]  # fmt: skip
 

@@ -1,5 +1,5 @@
 """A task label a client may declare with its sessions (e.g. "code", "chat"): the scheduler learns
-output lengths per label (scheduler/length_prediction.py). Checked where it is set and where it is
+output lengths per label (swarm/length_prediction.py). Checked where it is set and where it is
 received, with the same rule."""
 
 from __future__ import annotations

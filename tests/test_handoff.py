@@ -271,6 +271,63 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
         model.shutdown()
 
 
+def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir, caplog):
+    """WS-RR routes both phases (issue 37): decode chains only through servers that decode, and each
+    session's prompt to the prefill server the scheduler chose (by queue, prefill and hand-off), whose
+    cache then goes to the decode server. Two prefill servers, two sessions at once: one each."""
+    prefix = default_prefix(str(llama_dir))
+    whole = f"0:{NUM_BLOCKS}"
+    swarm.start_scheduler("scheduler", llama_dir)
+    # emulated prefill: 2.4 s for the prompt on a prefill server, 12 s on a decode server, so the
+    # second session (routed well within 2.4 s of the first) finds the first prefill server busy
+    for name in ("prefill-1", "prefill-2"):
+        swarm.start_server(
+            name, llama_dir, whole, "1GB", "--role", "prefill", "--link-probe-period", "1",
+            "--compute-delay-per-token", "0.01",
+        )  # fmt: skip
+    for name in ("decode-1", "decode-2"):
+        swarm.start_server(
+            name, llama_dir, whole, "1GB", "--role", "decode", "--compute-delay-per-token", "0.05"
+        )
+    names = ["prefill-1", "prefill-2", "decode-1", "decode-2"]
+    swarm.wait_online(prefix, NUM_BLOCKS, names)
+    # both prefill servers measured their links to both decode servers (probes), so the plan has rates
+    decoders = {_peer(swarm, prefix, name) for name in names[2:]}
+    swarm.wait_for(
+        prefix, NUM_BLOCKS, lambda online: all(decoders <= set(online[n].links) for n in names[:2]), 60
+    )
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    prompt = torch.randint(4, 400, (1, 40), generator=torch.Generator().manual_seed(0))
+    expected = reference.generate(prompt, max_new_tokens=8, do_sample=False)
+    options = ClientOptions(request_timeout=20.0, scheduler_key=swarm.scheduler_key)
+    models = [
+        AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
+        for _ in range(2)
+    ]
+    outputs: list = [None, None]
+
+    def generate(index: int) -> None:
+        outputs[index] = models[index].generate(prompt, max_new_tokens=8, do_sample=False)
+
+    caplog.set_level("INFO", logger="client")
+    try:
+        threads = [threading.Thread(target=generate, args=(index,)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert all(torch.equal(output, expected) for output in outputs)
+    finally:
+        for model in models:
+            model.shutdown()
+    assert caplog.text.count("routed by the scheduler") >= 2
+    assert caplog.text.count("scheduler's plan: yes") == 2
+    for name in ("prefill-1", "prefill-2"):  # one prompt each: the scheduler spread them
+        _wait_for_log(swarm, name, "handed")
+    for name in ("decode-1", "decode-2"):
+        assert "handed" not in swarm.log(name)
+
+
 def _peer(swarm, prefix: str, name: str) -> str:
     (peer,) = [peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items() if info.public_name == name]
     return peer

@@ -13,16 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client.options import ClientOptions
-from scheduler.length_prediction import (
-    MAX_LENGTH,
-    MIN_OBSERVATIONS,
-    NUM_OUTPUT_BUCKETS,
-    NUM_PROMPT_BUCKETS,
-    OutputLengthPredictor,
-    SessionLengthLearner,
-    output_bucket,
-    prompt_bucket,
-)
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings
 from scheduler.service.view import ModelShape
@@ -32,6 +22,16 @@ from scheduler.sim.policies import NONE, build_dispatcher
 from scheduler.sim.runner import CellConfig, make_requests, make_scenario, run_seed
 from scheduler.sim_cli import main as sim_main
 from swarm.errors import SwarmUserError
+from swarm.length_prediction import (
+    MAX_LENGTH,
+    MIN_OBSERVATIONS,
+    NUM_OUTPUT_BUCKETS,
+    NUM_PROMPT_BUCKETS,
+    OutputLengthPredictor,
+    SessionLengthLearner,
+    output_bucket,
+    prompt_bucket,
+)
 from swarm.route_request import RouteRequest, SessionShape
 from swarm.server_info import ServerInfo, ServerState
 
@@ -337,3 +337,57 @@ def test_swarm_sim_takes_the_flag(capsys):
     assert json.loads(capsys.readouterr().out)["config"]["length_info"] == "predicted"
     assert sim_main([*argv, "--length-info", "nope"]) == 2
     assert "--length-info must be one of" in capsys.readouterr().err
+
+
+# -- the server's side: its engine's decode work ahead (server/session_lengths.py) -----------------------
+
+
+def test_the_residual_length_of_a_running_session_follows_the_tail():
+    predictor = OutputLengthPredictor()
+    for k in range(100):  # 90 answers of 10 tokens, 10 of 200: mean 29
+        predictor.observe(64, 200 if k % 10 == 0 else 10)
+    assert predictor.predict_remaining(64, 0, cap=1000) == pytest.approx(29, abs=1)
+    # past 10 tokens only the long answers remain: about 200 - 50 left at 50
+    assert predictor.predict_remaining(64, 50, cap=1000) == pytest.approx(150, abs=8)
+    assert predictor.predict_remaining(64, 50, cap=60) == 10  # never past the cap
+    assert predictor.predict_remaining(64, 500, cap=1000) == 500  # longer than anything seen: the cap
+    assert OutputLengthPredictor().predict_remaining(64, 3, cap=100) == 97  # nothing learned: the cap
+    for bad in (-1, 1.5, None):
+        with pytest.raises(ValueError):
+            predictor.predict_remaining(64, bad, cap=100)
+
+
+def test_a_server_learns_its_sessions_lengths_and_expects_less_decode_work():
+    import torch
+
+    from server.engine import _Step
+    from server.session import Session
+    from server.session_lengths import SessionLengths
+    from swarm.models.cache import SpanCache
+
+    lengths = SessionLengths()
+
+    def session(peer: str, prompt: int = 20, max_length: int = 2068) -> Session:
+        cache = SpanCache(1, 1, 1, 4, max_length, torch.float32)
+        return Session(uuid_like(peer), peer, 0, 1, 1, max_length, cache, 0)
+
+    def uuid_like(peer: str) -> str:
+        return f"{peer}-{len(lengths.learner._recent)}"
+
+    fresh = session("p0")
+    lengths.saw_step(fresh, 0, 20)
+    assert lengths.ahead(fresh, 25) == 2068 - 25  # nothing learned yet: the cache room
+    for k in range(40):  # 40 sessions of several peers, each answering 12 tokens of 2,048 allowed
+        done = session(f"peer{k % 8}")
+        lengths.saw_step(done, 0, 20)
+        done.cache.length = 20 + 12 - 1
+        assert lengths.ended(done)
+    assert lengths.ahead(fresh, 20) == 11  # its first decode step: 12 tokens in all, 1 from the prefill
+    assert lengths.ahead(fresh, 20 + 30) == 2068 - 50  # past every answer seen: the cache room again
+    replayed = session("p1")  # a session whose prompt this server never saw teaches and expects nothing
+    replayed.cache.length = 500
+    assert lengths.ahead(replayed, 500) is None and not lengths.ended(replayed)
+    step = _Step(None, fresh.cache, torch.zeros(1, 1, 4), 20, None, arrived=0.0)
+    assert step.ahead == 2068 - 20
+    step.expected_ahead = lengths.ahead(fresh, 20)
+    assert step.ahead == 11

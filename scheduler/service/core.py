@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from scheduler.algorithms.placing import Infeasible, PlanInputError
 from scheduler.algorithms.problem import Span
-from scheduler.length_prediction import OutputLengthPredictor, SessionLengthLearner
 from scheduler.service.planner import (
     ArrivalRate,
     Plan,
@@ -34,12 +33,14 @@ from scheduler.service.planner import (
     r_changed,
     role_assigner,
 )
+from scheduler.service.prefill_routing import PrefillPlanner
 from scheduler.service.request_stats import RequestStats
 from scheduler.service.sessions import RouteDecision, SessionBook, SessionRecord
 from scheduler.service.slo_admission import SloTargets, chain_latency, predict
 from scheduler.service.status import describe_servers
 from scheduler.service.view import ModelShape, SwarmView, prefill_time
 from swarm.errors import SwarmUserError
+from swarm.length_prediction import OutputLengthPredictor, SessionLengthLearner
 from swarm.route_request import RouteRequest
 from swarm.server_info import ServerInfo
 
@@ -112,6 +113,7 @@ class SchedulerCore:
         self._last_review = now
         self._first_roster = True
         self.roles = role_assigner(settings.plan, (settings.slo_ttft, settings.slo_tpot))
+        self.prefill = PrefillPlanner()  # where routed sessions' prompts run
 
     # --- the roster (from the DHT) -------------------------------------------------------------
     def update_roster(self, records: Mapping[str, ServerInfo], now: float) -> None:
@@ -127,7 +129,9 @@ class SchedulerCore:
 
     def _refresh_book(self) -> None:
         """Hand the servers that serve now (and their timings) to the session book."""
-        live = self.view.live()
+        # sessions route to servers that decode: a --role prefill server only takes prompts
+        # (`prefill_routing`), so no chain may pass through it
+        live = [peer for peer in self.view.live() if self.view.records[peer].role.serves("decode")]
         model = self.view.model_spec()
         announced = {peer: self.view.used_units(peer, model) for peer in live} if model else {}
         self.book.set_servers(
@@ -264,6 +268,12 @@ class SchedulerCore:
             raise RouteRefused(
                 f"no chain could ever hold a session of {batch_size} x {max_length} tokens: {problem}"
             )
+        session = decision.session
+        if session.hops:  # a `chains` session waiting for its chain prefills where JFFC puts it
+            session.prefill = self.prefill.plan(
+                session.hops, self.view.records, session.l_in, batch_size, now + decision.wait
+            )
+            session.prefill_planned = True
         self.tick(now)
         return self._with_slo(decision, rtts, max(shape.l_in, 1), now)
 

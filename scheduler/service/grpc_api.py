@@ -166,6 +166,8 @@ class SchedulerApi(pb_grpc.SchedulerServicer):
             slo_miss=bool(slo and slo.miss),
             slo_reason=slo.miss if slo else "",
             expected_ttft=slo.ttft if slo else 0.0,
+            prefill=[hop.to_proto() for hop in session.prefill],
+            prefill_planned=session.prefill_planned,
         )
 
     # --- operators ----------------------------------------------------------------------------------

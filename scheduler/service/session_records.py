@@ -24,8 +24,11 @@ class SessionRecord:
     chain: int | None = None  # `chains` policy: the index of the live chain it runs on
     service: float = 0.0  # WS-RR policies: eq. 1's predicted run time once admitted (unstretched)
     l_in: int = 0  # the prompt and answer lengths the client declared when routed (what its end
-    l_out: int = 0  # report is checked against and learned with: `scheduler.length_prediction`)
+    l_out: int = 0  # report is checked against and learned with: `swarm.length_prediction`)
     task: str = ""  # the task label it declared (lengths are learned per label)
+    # where its prompt runs (`prefill_routing`): prefill servers for some hops; planned with the chain
+    prefill: tuple[RouteHop, ...] = ()
+    prefill_planned: bool = False
 
     def slots(self) -> dict[str, int]:
         return {hop.peer_id: hop.num_blocks * self.units for hop in self.hops}

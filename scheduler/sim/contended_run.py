@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from scheduler.sim.contended import ContendedConfig, ContendedService
 from scheduler.sim.engine import Dispatcher, SimResult, simulate
 from scheduler.sim.iteration_rule import RulePolicy
-from scheduler.sim.roles import parse_roles, split, subset, uniform_links
+from scheduler.sim.roles import SCHEDULER_POLICY, parse_roles, split, subset, uniform_links
 from scheduler.sim.scenarios import Scenario
 from scheduler.sim.server_costs import ACCELERATOR_MODELS, from_scenario
 from scheduler.sim.workload import Request
@@ -31,8 +31,8 @@ class ContendedOptions:
 
     def __post_init__(self) -> None:
         check(self.contended, self.batch_wait_ms, self.prefill_chunk, self.link_mbps, self.link_rtt_ms)
-        if self.disaggregate not in DISAGGREGATE_POLICIES:
-            raise ValueError(f"--disaggregate must be one of {DISAGGREGATE_POLICIES}")
+        if self.disaggregate not in (*DISAGGREGATE_POLICIES, SCHEDULER_POLICY):
+            raise ValueError(f"--disaggregate must be one of {(*DISAGGREGATE_POLICIES, SCHEDULER_POLICY)}")
 
     def config(self) -> ContendedConfig:
         rule = RulePolicy(batch_wait=self.batch_wait_ms / 1e3)

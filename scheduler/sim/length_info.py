@@ -8,7 +8,7 @@ wait estimates (eq. 20) use, so the simulator can be given what a live client ha
 - `max-new-tokens`: what the client declares, its cap on the answer: `--max-l-out` when given,
   else `TRACE_MAX_NEW_TOKENS` for a trace replay; a Poisson request's `l_out` (it asks for exactly
   that many tokens);
-- `predicted`: `scheduler.length_prediction`'s mean for the request's prompt length, capped as
+- `predicted`: `swarm.length_prediction`'s mean for the request's prompt length, capped as
   `max-new-tokens`, learned online from the requests that finished so far (the constant `--l-out`
   until enough have); a caller may hand in a warm-started predictor.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from scheduler.length_prediction import OutputLengthPredictor
 from scheduler.sim.workload import Request
+from swarm.length_prediction import OutputLengthPredictor
 
 LENGTH_INFO = ("oracle", "constant:N", "max-new-tokens", "predicted")
 # What a client replaying the Azure code trace declares as max_new_tokens: its longest answer is

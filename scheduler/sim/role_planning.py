@@ -3,7 +3,8 @@ and its candidates scored by goodput in the contended simulator (issue 37).
 
 A candidate's score is its goodput: the highest Poisson rate at which >= 90% of requests meet both
 SLOs (`goodput_plan.search_goodput`), the servers running the live loop (`--contended serial`), the
-chosen prefill servers taking prompts by the client's per-session rule and handing caches over the
+chosen prefill servers taking prompts as the live scheduler plans them (`--disaggregate scheduler`;
+`RoleSearch.disaggregate` selects the client's own rule instead) and handing caches over the
 scenario's links (`scheduler.sim.roles`), the others placed and routed by the policy (cg-bp). A
 search stops as soon as it cannot beat the best score found so far, and runs that already miss the
 target stop early (`plan_runs._Guarded`), so a plan of a few candidates takes seconds.
@@ -48,6 +49,9 @@ class RoleSearch:
     policy: str = "cg-bp"
     contended: str = "serial"
     link_rtt_s: float = 0.010  # round trip of every server-to-server link
+    # how prompts are sent to prefill servers: "scheduler" (the live scheduler's queue-aware plan,
+    # `scheduler/service/prefill_routing.py`, what a swarm with a scheduler does) or a client rule
+    disaggregate: str = "scheduler"
 
     def __post_init__(self) -> None:
         if self.seeds < 1 or self.min_requests < 1 or not (self.horizon_s > 0 and self.start_rate > 0):
@@ -139,7 +143,7 @@ class GoodputOfRoles:
 
     def attainment(self, roles: Roles, rate: float) -> float:
         scenario = dataclasses.replace(self.scenario, roles=None if all(r == BOTH for r in roles) else roles)
-        options = ContendedOptions(self.search.contended)
+        options = ContendedOptions(self.search.contended, disaggregate=self.search.disaggregate)
         missable = 1 - Fraction(GOODPUT_ATTAINMENT).limit_denominator(10**6)
         values = []
         for seed in range(self.search.seeds):

@@ -9,7 +9,9 @@ one after another around the model), and take only prompts.
 When a session starts, for each hop of its chain the client's rule (`swarm.prefill_cost`, the same
 arithmetic as `client/prefill_roles.py`) picks a prefill server holding the hop's blocks with room
 for the prompt's cache, if its prefill of the prompt (its announced `tau_prefill`, scaled) plus the
-hand-off at the link's rate beats the decode server's own prefill. The prompt then runs on that
+hand-off at the link's rate beats the decode server's own prefill (`--disaggregate scheduler`: the
+live scheduler's plan, `scheduler/service/prefill_routing.py`, which adds to each side the queue of
+prompts it sent that server before). The prompt then runs on that
 prefill server's loop; after the prompt's pass, every such hop hands its cache over at once (as the
 client does, each over its own link), each costing a client round trip to the prefill server (its
 `HandOff` request and `HandedOff` answer), a round trip between the two servers (the push stream's
@@ -32,6 +34,8 @@ from scheduler.sim.scenarios import CLIENT, Link, Scenario
 from scheduler.sim.workload import Request
 from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, scaled_prefill_seconds
 from swarm.server_info import ServerRole
+
+SCHEDULER_POLICY = "scheduler"  # `--disaggregate scheduler`: the live scheduler's queue-aware plan
 
 
 def parse_roles(text: str, count: int) -> tuple[ServerRole, ...]:
@@ -108,8 +112,12 @@ class Disaggregation:
             raise ValueError("roles: announcements, links and client round trips must cover every server")
         if len(room_bytes) != len(prefill_spans):
             raise ValueError("roles: one cache room per prefill server")
+        # "scheduler": the client's "auto" rule with the queue of prompts planned before added
+        self.queue_aware = policy == SCHEDULER_POLICY
+        policy = "auto" if self.queue_aware else policy
         choose_prefill_server({}, 0.0, policy)  # checks the policy's name
         self.num_decode, self.policy = num_decode, policy
+        self.busy_until: dict[int, float] = {}  # "scheduler": server -> when its planned prompts end
         self.announced, self.links, self.client_rtt = list(announced), links, list(client_rtt)
         self.kv_token_bytes = kv_token_bytes
         self.prefill = [
@@ -134,17 +142,24 @@ class Disaggregation:
                 if server.span.start <= hop.start and hop.end <= server.span.end:
                     if server.room_bytes - sum(b for _, b in server.held) >= prompt_bytes:
                         link = self.links[server.index][hop.server].bandwidth_bps
-                        costs[server.index] = disaggregated_seconds(
+                        costs[server.index] = self._queue(server.index, now) + disaggregated_seconds(
                             self._per_block(server.index, tokens), blocks, prompt_bytes, link / 8
                         )
-            colocated = self._per_block(hop.server, tokens) * blocks
+            colocated = self._queue(hop.server, now) + self._per_block(hop.server, tokens) * blocks
             best = choose_prefill_server(costs, colocated, self.policy) if tokens >= 2 else None
+            if self.queue_aware:
+                runner = hop.server if best is None else best
+                start = max(self.busy_until.get(runner, now), now)
+                self.busy_until[runner] = start + self._per_block(runner, tokens) * blocks
             if best is None:
                 chosen.append(hop.server)
                 continue
             self.prefill[best - self.num_decode].held.append((math.inf, prompt_bytes))
             chosen.append(best)
         return tuple(chosen)
+
+    def _queue(self, server: int, now: float) -> float:
+        return max(self.busy_until.get(server, now) - now, 0.0) if self.queue_aware else 0.0
 
     def handoff_seconds(
         self, request: Request, hops: Sequence[ChainHop], prompt_servers: Sequence[int], now: float

@@ -69,7 +69,7 @@ class Hop(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("session_id", "chain", "admitted", "expected_wait", "expected_completion", "cost", "lease", "epoch", "error", "slo_miss", "slo_reason", "expected_ttft")
+    __slots__ = ("session_id", "chain", "admitted", "expected_wait", "expected_completion", "cost", "lease", "epoch", "error", "slo_miss", "slo_reason", "expected_ttft", "prefill", "prefill_planned")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class RouteReply(_message.Message):
     SLO_MISS_FIELD_NUMBER: _ClassVar[int]
     SLO_REASON_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TTFT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PLANNED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     chain: _containers.RepeatedCompositeFieldContainer[Hop]
     admitted: bool
@@ -94,7 +96,9 @@ class RouteReply(_message.Message):
     slo_miss: bool
     slo_reason: str
     expected_ttft: float
-    def __init__(self, session_id: _Optional[str] = ..., chain: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., admitted: _Optional[bool] = ..., expected_wait: _Optional[float] = ..., expected_completion: _Optional[float] = ..., cost: _Optional[float] = ..., lease: _Optional[float] = ..., epoch: _Optional[int] = ..., error: _Optional[str] = ..., slo_miss: _Optional[bool] = ..., slo_reason: _Optional[str] = ..., expected_ttft: _Optional[float] = ...) -> None: ...
+    prefill: _containers.RepeatedCompositeFieldContainer[Hop]
+    prefill_planned: bool
+    def __init__(self, session_id: _Optional[str] = ..., chain: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., admitted: _Optional[bool] = ..., expected_wait: _Optional[float] = ..., expected_completion: _Optional[float] = ..., cost: _Optional[float] = ..., lease: _Optional[float] = ..., epoch: _Optional[int] = ..., error: _Optional[str] = ..., slo_miss: _Optional[bool] = ..., slo_reason: _Optional[str] = ..., expected_ttft: _Optional[float] = ..., prefill: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., prefill_planned: _Optional[bool] = ...) -> None: ...
 
 class AwaitRequest(_message.Message):
     __slots__ = ("session_id", "timeout")

@@ -123,6 +123,23 @@ class _Histogram:
     def mean(self) -> float:
         return self.length_sum / self.total
 
+    def mean_beyond(self, generated: int) -> float | None:
+        """E[length | length > generated], each bin's count spread evenly over its lengths; None when
+        no observation is that long."""
+        mass = weighted = 0.0
+        for k in range(bisect.bisect_right(_EDGES, generated) - 1, NUM_BINS):
+            count = self.bins[k]
+            if count <= 0:
+                continue
+            low, high = _bin_range(k)
+            low = max(low, generated + 1)  # only the part of the bin above `generated`
+            if low >= high:
+                continue
+            share = count * (high - low) / (_bin_range(k)[1] - _bin_range(k)[0])
+            mass += share
+            weighted += share * (low + high - 1) / 2
+        return weighted / mass if mass > 0 else None
+
     def likeliest_bucket(self) -> int:
         return int(np.argmax(self.buckets))  # ties: the shorter bucket
 
@@ -229,6 +246,31 @@ class OutputLengthPredictor:
                 return LengthPrediction(length, bucket_now, source, cell.total)
         length = min(self.default, limit)
         return LengthPrediction(length, output_bucket(length), "constant", 0.0)
+
+
+    def predict_remaining(
+        self, l_in: int, generated: int, label: str | None = None, cap: int | None = None
+    ) -> int:
+        """Tokens a running session is still expected to generate, given it has generated `generated`
+        (>= 0) of at most `cap`: the mean residual length of the distribution `predict` would use,
+        E[length - generated | length > generated] (heavy tails: a session already long is expected
+        to run on, not to stop at the mean). Without a distribution, or past every observation: what
+        the cap leaves (as if nothing were known). At least 1, at most `cap - generated`."""
+        bucket = prompt_bucket(check_length("l_in", l_in))
+        label = check_label(label)
+        limit = MAX_LENGTH if cap is None else check_length("cap", cap)
+        if not (isinstance(generated, int) and 0 <= generated):
+            raise ValueError(f"generated must be a count of tokens >= 0, got {generated!r}")
+        room = max(limit - generated, 1)
+        keys = [(label, bucket), (label, None)] if label is not None else []
+        for key in [*keys, (None, bucket), (None, None)]:
+            cell = self._cells.get(key)
+            if cell is not None and cell.total >= self.min_observations:
+                beyond = cell.mean_beyond(generated)
+                if beyond is None:
+                    return room
+                return min(max(round(beyond - generated), 1), room)
+        return room
 
 
 # -- the scheduler's side: learning from end reports ---------------------------------------------------

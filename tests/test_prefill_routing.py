@@ -1,0 +1,86 @@
+"""The scheduler's plan for sessions' prompts (scheduler/service/prefill_routing.py): per hop of the
+routed chain, a `--role prefill` server when its queue, prefill and hand-off beat the decode server's
+own prefill; prompts spread over prefill servers by earliest finish."""
+
+from __future__ import annotations
+
+from scheduler.service.prefill_routing import PrefillPlanner
+from swarm.route_request import RouteHop
+from swarm.server_info import ServerInfo, ServerRole, ServerState
+
+L_IN = 1000
+
+
+def record(role: str, tau_prefill: float, start: int = 0, end: int = 8, links=None, room: int = 10**9):
+    return ServerInfo(
+        state=ServerState.ONLINE,
+        start=start,
+        end=end,
+        memory_bytes=1 << 34,
+        block_bytes=1 << 20,
+        cache_token_bytes=1000,
+        cache_bytes_left=room,
+        cache_slots_left=10,
+        slot_tokens=2048,
+        max_length=4096,
+        tau=0.001,
+        tau_prefill=tau_prefill,  # per block, for L_IN tokens
+        prefill_tokens=L_IN,
+        links=links or {},
+        role=ServerRole(role),
+    )
+
+
+FAST_LINK = {"decode": 1e9}  # bytes/s: a 1,000-token cache of 8 blocks (8 MB) moves in 8 ms
+CHAIN = (RouteHop("decode", 0, 8),)
+
+
+def test_a_prompt_goes_to_the_prefill_server_that_finishes_first():
+    records = {
+        "decode": record("decode", 0.1),  # 0.8 s for the prompt itself
+        "p1": record("prefill", 0.01, links=FAST_LINK),  # 0.08 s + 8 ms
+        "p2": record("prefill", 0.01, links=FAST_LINK),
+    }
+    planner = PrefillPlanner()
+    first = planner.plan(CHAIN, records, L_IN, 1, start_at=0.0)
+    second = planner.plan(CHAIN, records, L_IN, 1, start_at=0.0)
+    assert {first[0].peer_id, second[0].peer_id} == {"p1", "p2"}  # spread, not both on p1
+    assert first[0].start == 0 and first[0].end == 8
+    # ten prompts at once: the prefill servers' queues grow until the decode server's own prefill
+    # (0.8 s) is as early: from then on prompts stay on their decode server
+    plans = [planner.plan(CHAIN, records, L_IN, 1, start_at=0.0) for _ in range(20)]
+    assert any(plan == () for plan in plans)
+    assert max(planner.busy_until[p] for p in ("p1", "p2")) <= 0.8 + 0.08 + 1e-9
+    # later, once their queues are past, the prefill servers take prompts again
+    assert planner.plan(CHAIN, records, L_IN, 1, start_at=100.0)
+
+
+def test_a_slow_or_unknown_link_and_a_full_server_decide_as_the_client_would():
+    slow = {"decode": 1e6}  # 8 MB at 1 MB/s: 8 s, more than the decode server's 0.8 s
+    records = {"decode": record("decode", 0.1), "p": record("prefill", 0.01, links=slow)}
+    assert PrefillPlanner().plan(CHAIN, records, L_IN, 1, 0.0) == ()
+    records["p"] = record("prefill", 0.01)  # unmeasured: the hand-off's own limit bounds the loss
+    assert PrefillPlanner().plan(CHAIN, records, L_IN, 1, 0.0)[0].peer_id == "p"
+    records["p"] = record("prefill", 0.01, links=FAST_LINK, room=0)
+    assert PrefillPlanner().plan(CHAIN, records, L_IN, 1, 0.0) == ()
+    records["p"] = record("prefill", 0.01, start=0, end=4, links=FAST_LINK)  # does not hold the hop
+    assert PrefillPlanner().plan(CHAIN, records, L_IN, 1, 0.0) == ()
+    records["p"] = record("both", 0.01, links=FAST_LINK)  # not started for prompts only
+    assert PrefillPlanner().plan(CHAIN, records, L_IN, 1, 0.0) == ()
+    records["p"] = record("prefill", 0.01, links=FAST_LINK)
+    assert PrefillPlanner().plan(CHAIN, records, 1, 1, 0.0) == ()  # a one-token prompt: a decode step
+
+
+def test_each_hop_is_planned_on_its_own_and_memory_stays_bounded():
+    links = {"d1": 1e9, "d2": 1e9}
+    records = {
+        "d1": record("decode", 0.1, 0, 4),
+        "d2": record("both", 0.001, 4, 8),  # prefills fast itself
+        "p": record("prefill", 0.01, 0, 8, links=links),
+    }
+    chain = (RouteHop("d1", 0, 4), RouteHop("d2", 4, 8))
+    planner = PrefillPlanner()
+    assert planner.plan(chain, records, L_IN, 1, 0.0) == (RouteHop("p", 0, 4),)
+    del records["p"]
+    planner.plan(chain, records, L_IN, 1, 1000.0)
+    assert set(planner.busy_until) <= set(records)
