@@ -93,7 +93,7 @@ class DisaggregatedPrefill:
                 for peer in covering
             }
             colocated = prefill_seconds(servers[hop.peer_id], self.shape.l_in) * blocks
-            peer = choose_prefill_server(costs, colocated, policy)
+            peer = choose_prefill_server(costs, colocated, policy, spread=self.session_id)
             if peer is not None:
                 chosen[index] = peer
         return chosen

@@ -12,12 +12,14 @@ rate is unknown: the hand-off's own time limit then bounds the loss) against D's
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Hashable, Mapping
 from typing import TypeVar
 
 from swarm.server_info import ServerInfo
 
 DISAGGREGATE_POLICIES = ("auto", "always", "never")
+NEAR_TIE = 0.05  # prefill servers this much dearer than the cheapest count as alike (`spread`)
 
 _K = TypeVar("_K", bound=Hashable)
 
@@ -46,12 +48,18 @@ def disaggregated_seconds(
     return prefill_per_block * blocks + handoff
 
 
-def choose_prefill_server(costs: Mapping[_K, float], colocated: float, policy: str = "auto") -> _K | None:
+def choose_prefill_server(
+    costs: Mapping[_K, float], colocated: float, policy: str = "auto", spread: Hashable | None = None
+) -> _K | None:
     """The prefill server (key of `costs`, its `disaggregated_seconds`) a hop's prompt goes to, or
     None to prefill on the decode server (whose own prefill takes `colocated` seconds).
 
     "auto": the cheapest one if it beats `colocated`; "always": the cheapest one; "never": none.
-    Ties go to the first key, as `min` keeps it.
+    Without `spread`, ties go to the first key, as `min` keeps it. With one (a session id), the
+    choice among the servers within `NEAR_TIE` of the cheapest is by its stable hash: clients that
+    each see the same alike prefill servers (and not each other's prompts) then spread over them,
+    where every one of them would otherwise pick the same server (measured on netem: 92 of 115
+    prompts on one of two alike servers).
     """
     if policy not in DISAGGREGATE_POLICIES:
         raise ValueError(f"unknown disaggregation policy {policy!r}; choose from {DISAGGREGATE_POLICIES}")
@@ -60,4 +68,11 @@ def choose_prefill_server(costs: Mapping[_K, float], colocated: float, policy: s
     best = min(costs, key=costs.__getitem__)
     if policy == "auto" and costs[best] >= colocated:
         return None
+    if spread is not None:
+        near = sorted(
+            (key for key in costs if costs[key] <= costs[best] * (1 + NEAR_TIE)), key=lambda key: str(key)
+        )
+        if policy == "auto":
+            near = [key for key in near if costs[key] < colocated]
+        return near[zlib.crc32(str(spread).encode()) % len(near)]
     return best

@@ -212,8 +212,9 @@ def test_roles_on_the_hetero_swarm_hand_off_over_fast_links_only():
 
 def test_the_scheduler_s_queue_aware_prompt_plan_beats_each_client_s_own_rule_under_load():
     """Issue 37, WS-RR routing both phases: at 3 requests/s the two prefill servers of the hetero swarm
-    are oversubscribed; clients alone still send every prompt there, the scheduler's plan keeps some
-    on the decode servers (simulated, deterministic)."""
+    are oversubscribed; clients alone (spread over the two by their session ids) still send every
+    prompt there, the scheduler's plan keeps some on the decode servers (simulated, deterministic:
+    mean TTFT 5.4 s against 6.1 s)."""
     base = dict(
         scenario="hetero", rate=3.0, l_in=2048, l_out=128, requests=30, arrivals="azure-lengths",
         max_l_in=2048, max_l_out=16, setup="none", contended="serial", roles="prefill*2,decode*6",
@@ -226,7 +227,7 @@ def test_the_scheduler_s_queue_aware_prompt_plan_beats_each_client_s_own_rule_un
         return sum(r.first_token - r.arrival for r in result.records) / len(result.records)
 
     assert planned.service_stats["handoffs"] < alone.service_stats["handoffs"]
-    assert mean_ttft(planned) < 0.8 * mean_ttft(alone)
+    assert mean_ttft(planned) < 0.95 * mean_ttft(alone)
 
 
 def test_server_costs_from_a_scenario():
@@ -268,6 +269,16 @@ def test_shared_cpu_is_processor_sharing():
     cpu.run(0.0, 1.0, lambda t, name: done.__setitem__(name, t), "alone")
     drain()
     assert done["alone"] == pytest.approx(2.0)
+
+
+def test_clients_spread_over_alike_prefill_servers_by_session():
+    alike = {"a": 1.0, "b": 1.02, "c": 3.0}
+    chosen = {choose_prefill_server(alike, 5.0, spread=f"session-{k}") for k in range(50)}
+    assert chosen == {"a", "b"}  # c is not alike: never chosen
+    assert choose_prefill_server(alike, 5.0, spread="s1") == choose_prefill_server(alike, 5.0, spread="s1")
+    assert choose_prefill_server({"a": 1.0, "b": 1.02}, 1.01, spread="s") in (None, "a")
+    assert {choose_prefill_server({"a": 1.0, "b": 1.02}, 1.01, spread=k) for k in range(20)} == {"a"}
+    assert choose_prefill_server(alike, 0.5, spread="s") is None  # colocated is cheaper
 
 
 def test_the_prefill_rule_is_shared_with_the_client():

@@ -146,7 +146,10 @@ class Disaggregation:
                             self._per_block(server.index, tokens), blocks, prompt_bytes, link / 8
                         )
             colocated = self._queue(hop.server, now) + self._per_block(hop.server, tokens) * blocks
-            best = choose_prefill_server(costs, colocated, self.policy) if tokens >= 2 else None
+            # clients spread over alike prefill servers by their session id; the scheduler's plan
+            # spreads by its queues instead
+            spread = None if self.queue_aware else request.id
+            best = choose_prefill_server(costs, colocated, self.policy, spread) if tokens >= 2 else None
             if self.queue_aware:
                 runner = hop.server if best is None else best
                 start = max(self.busy_until.get(runner, now), now)
