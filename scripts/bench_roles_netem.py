@@ -3,8 +3,9 @@
 Four servers of a tiny LLaMA (6 blocks, hidden 512, 8 KV heads: a float32 cache of 24 KB per token over
 the span), each holding every block, in four sites joined by `--link-mbps` links (2 ms); the client
 (with the DHT; no scheduler: the client routes each session itself, by eq. 1 among the servers with
-cache room) in its own site, `--client-rtt-ms` and `--uplink` Mbit/s from each. Every server
-sleeps `--compute-delay` per block per step and `per-token x tokens` when longer
+cache room; `--scheduler`: a `swarm-scheduler`, cg-bp, in the client's site routes every session
+by WS-RR and plans where its prompt runs) in its own site, `--client-rtt-ms` and `--uplink` Mbit/s
+from each. Every server sleeps `--compute-delay` per block per step and `per-token x tokens` when longer
 (`--compute-delay-per-token`): two compute-rich servers (`--rich-per-token`) and two prefill-slow
 ones (`--slow-per-token`). `colocated`: all four `--role
 both`; `roles`: the compute-rich ones `--role prefill`, the others `--role decode`; the client
@@ -38,7 +39,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from _bench_common import measuring_parser  # noqa: E402
 
 LAYERS, HIDDEN = 6, 512
-HANDED = re.compile(r"session (\w+): prompt of blocks \d+:\d+ on prefill server \w+, cache to \w+ by (.*)")
+HANDED = re.compile(
+    r"session (\w+): prompt of blocks \d+:\d+ on prefill server (\w+), cache to (\w+) by (.*)"
+)
 CHECKS_PER_RATE = 2
 
 
@@ -79,10 +82,11 @@ def measure(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     handed = _Lines()
-    logger = logging.getLogger("client.prefill_roles")
+    logger = logging.getLogger("client")  # client.prefill_roles' hand-offs, client.remote's fallbacks
     logger.setLevel(logging.INFO)
     logger.addHandler(handed)
     plan = json.loads(Path(args.plan).read_text())
+    key = plan.get("scheduler_key")
     options = ClientOptions(
         request_timeout=120.0,
         uplink_mbps=float(plan["uplink"]),
@@ -90,9 +94,11 @@ def measure(args: argparse.Namespace) -> None:
         refresh_period=10.0,
         wait_for_servers=60.0,
         wait_for_room=3600.0,
-        # sessions a scheduler routes never disaggregate (client/remote.py `_open_scheduled_chain` plans
-        # no prefill servers): the client routes itself, by eq. 1 among servers with cache room
-        use_scheduler=False,
+        # --scheduler: the scheduler routes each session and plans where its prompt runs
+        # (scheduler/service/prefill_routing.py); else the client routes itself, by eq. 1 among the
+        # servers with cache room, and decides by its own rule
+        scheduler_key=key,
+        use_scheduler=key is not None,
         expected_l_in=plan["max_l_in"],
     )
     model = AutoDistributedModelForCausalLM.from_pretrained(
@@ -155,10 +161,15 @@ def measure(args: argparse.Namespace) -> None:
         for thread in threads:
             thread.join()
         moves = [HANDED.search(line) for line in handed.lines[before:]]
-        by_session = {m.group(1): m.group(2) for m in moves if m}
+        by_session = {m.group(1): m.groups()[1:] for m in moves if m}
         for row in rows:
-            row["prefill"] = by_session.get(row.get("session", "-"), "")
-        results["rates"].append({"rate": batch["rate"], "requests": rows})
+            prefill_server, decode_server, how = by_session.get(row.get("session", "-"), ("", "", ""))
+            row["prefill"], row["prefill_server"], row["decode_server"] = how, prefill_server, decode_server
+        local = sum("routing locally" in line for line in handed.lines[before:])
+        results["rates"].append({"rate": batch["rate"], "requests": rows, "routed_locally": local})
+        results.setdefault("scheduler_lines", []).extend(
+            line for line in handed.lines[before:] if "scheduler" in line
+        )
         print(f"rate {batch['rate']}: {sum('error' not in r for r in rows)} of {len(rows)} done", flush=True)
         time.sleep(2.0)  # the last sessions' caches freed before the next rate starts
     model.shutdown()
@@ -240,9 +251,20 @@ def cpu_costs(model_dir: Path):
 
 
 def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path, label: str) -> dict:
-    """One configuration: four servers with the mode's roles, the measuring client over every rate."""
+    """One configuration: four servers with the mode's roles (and with --scheduler a fresh scheduler in
+    the client's site), the measuring client over every rate."""
     roles = ["both"] * 4 if mode == "colocated" else ["prefill", "prefill", "decode", "decode"]
     names = []
+    if args.scheduler:
+        scheduler = f"scheduler-{label}"
+        lengths = [r for b in plan["batches"] for r in b["requests"]]
+        emulation.start_scheduler(
+            "client", model_dir, "--policy", "cg-bp", "--period", "3600", "--lease", "600",
+            "--l-in", str(round(sum(r["l_in"] for r in lengths) / len(lengths))),
+            "--l-out", str(round(sum(r["l_out"] for r in lengths) / len(lengths))),
+            "--roster-read-period", "0.5", "--full-pass", "2", name=scheduler,
+        )  # fmt: skip
+        names.append(scheduler)
     for j, role in enumerate(roles):
         per_token = args.rich_per_token if j < 2 else args.slow_per_token
         name = f"{label}-{'rich' if j < 2 else 'slow'}{j % 2}"
@@ -253,7 +275,8 @@ def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path
             "--session-timeout", "600", "--drain-timeout", "1",
         )  # fmt: skip
         names.append(name)
-    online = emulation.wait_online("client", model_dir, names, timeout=300)
+    servers = [n for n in names if not n.startswith("scheduler")]
+    online = emulation.wait_online("client", model_dir, servers, timeout=300)
     time.sleep(12)  # two probe periods: every server has measured its links
     plan_path, out = work / f"{label}.plan.json", work / f"{label}.out.json"
     plan_path.write_text(json.dumps(plan))
@@ -307,6 +330,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             "uplink": args.uplink,
             "max_l_in": args.max_l_in,
             "batches": batches,
+            "scheduler_key": emulation.scheduler_key if args.scheduler else None,
         }
         for mode in args.modes.split(","):
             print(f"[{mode}] starting", flush=True)
@@ -336,6 +360,11 @@ def main() -> None:
     parser.add_argument("--max-l-in", type=int, default=1024)
     parser.add_argument("--max-l-out", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scheduler", action="store_true",
+        help="a swarm-scheduler (cg-bp: WS-RR routing; it plans where each prompt runs) in the client's "
+        "site routes the sessions (default: none, the client routes itself)",
+    )  # fmt: skip
     parser.add_argument("--out", default="results/roles_netem.json", help="the raw results (JSON)")
     parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
     args = parser.parse_args()

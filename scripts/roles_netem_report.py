@@ -86,14 +86,29 @@ def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
     rows, goodputs = [], {}
     links = announced_link(raw["modes"].get("roles", {})) or announced_link(raw["modes"].get("colocated", {}))
     swarm = swarm_of(raw, links)
+    disaggregate = "scheduler" if raw["args"].get("scheduler") else "auto"
+    spread: dict[str, dict[str, tuple[int, int]]] = {}  # mode -> prefill server -> (measured, simulated)
     for mode, result in raw["modes"].items():
         roles = None if mode == "colocated" else OPERATOR_ROLES
         rtts = rtts_of(result)
+        online = result.get("online", {})
+        names = {info["peer_id"][-8:]: name.split("-", 1)[1] for name, info in online.items()}
         rates, measured_att, simulated_att = [], [], []
         for entry, batch in zip(result["rates"], raw["batches"], strict=True):
             requests = [Request(**r) for r in batch["requests"]]
             ttft, tpot, failed = measured_times(entry["requests"])
-            records, stats = simulate_swarm(swarm, roles, requests, result.get("setup_s", 0.0), rtts)
+            records, stats = simulate_swarm(
+                swarm, roles, requests, result.get("setup_s", 0.0), rtts, disaggregate
+            )
+            counts = spread.setdefault(mode, {})
+            for row in entry["requests"]:
+                if row.get("prefill_server") and row.get("prefill_server") != row.get("decode_server"):
+                    name = names.get(row["prefill_server"], row["prefill_server"])
+                    counts[name] = (counts.get(name, (0, 0))[0] + 1, counts.get(name, (0, 0))[1])
+            for key, value in stats.items():
+                if key.startswith("prompts_on:"):
+                    name = key.split(":", 1)[1]
+                    counts[name] = (counts.get(name, (0, 0))[0], counts.get(name, (0, 0))[1] + int(value))
             sim = simulated_summary(records, slo)
             handed = sum(r.get("prefill", "").startswith("hand-off") for r in entry["requests"])
             replayed = sum(r.get("prefill", "").startswith("replay") for r in entry["requests"])
@@ -115,7 +130,7 @@ def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
             measured_att.append(row["attainment"])
             simulated_att.append(sim["attainment"])
         goodputs[mode] = (rate_goodput(rates, measured_att), rate_goodput(rates, simulated_att))
-    return rows, {"goodputs": goodputs, "link_bytes_per_s": links, "swarm": swarm}
+    return rows, {"goodputs": goodputs, "link_bytes_per_s": links, "swarm": swarm, "spread": spread}
 
 
 def table(raw_files: list[dict], slo: Slo, plans: list[str]) -> list[str]:
@@ -126,20 +141,23 @@ def table(raw_files: list[dict], slo: Slo, plans: list[str]) -> list[str]:
         "|---|---|---:|---:|---:|---|---|---|",
     ]
     summary = []
-    colocated: dict[str, tuple[float, float]] = {}  # link -> colocated goodputs (measured, simulated)
+    # (link, scheduler) -> colocated goodputs (measured, simulated)
+    colocated: dict[tuple[str, bool], tuple[float, float]] = {}
     for raw, plan in zip(raw_files, plans, strict=True):
         rows, extra = rows_of(raw, slo)
         where = f"{raw['args']['link_mbps']:g} Mbit/s"
         a = raw["args"]
+        scheduled = bool(a.get("scheduler"))
         memory = (
             f", prefill servers {a['prefill_memory']}"
             if a.get("prefill_memory", a["memory"]) != a["memory"]
             else ""
         )
+        routed = ", scheduler" if scheduled else ""
         for row in rows:
             sim = row["sim"]
             handed = f"{row['handed']}" + (f" (+{row['replayed']} replayed)" if row["replayed"] else "")
-            label = row["mode"] + (memory if row["mode"] != "colocated" else "")
+            label = row["mode"] + (memory if row["mode"] != "colocated" else "") + routed
             lines.append(
                 f"| {where} | {label} | {row['rate']:g} | {row['done']}/{row['total']} "
                 f"| {handed} ({row['sim_handed']}) "
@@ -154,14 +172,24 @@ def table(raw_files: list[dict], slo: Slo, plans: list[str]) -> list[str]:
         cells = [f"{mode} {g[0]:g} ({g[1]:g}) req/s" for mode, g in goodputs.items()]
         ratio = ""
         if "colocated" in goodputs:
-            colocated[where] = goodputs["colocated"]
-        if where in colocated and "roles" in goodputs:
-            (cm, cs), (rm, rs) = colocated[where], goodputs["roles"]
+            colocated[where, scheduled] = goodputs["colocated"]
+        if (where, scheduled) in colocated and "roles" in goodputs:
+            (cm, cs), (rm, rs) = colocated[where, scheduled], goodputs["roles"]
             ratio = f"; roles{memory} / colocated: {_ratio(rm, cm)} measured ({_ratio(rs, cs)} simulated)"
         probed = f"{link * 8 / 1e6:.0f} Mbit/s" if link else "none"
+        # runs before the prefill server was recorded per request: measured counts unknown ("-")
+        rows_all = [r for m in raw["modes"].values() for e in m["rates"] for r in e["requests"]]
+        logged = any("prefill_server" in r for r in rows_all)
+        spread = "; ".join(
+            f"{mode}: "
+            + ", ".join(f"{name} {m if logged else '-'} ({sim})" for name, (m, sim) in sorted(counts.items()))
+            for mode, counts in extra["spread"].items()
+            if counts
+        )
         summary.append(
-            f"- {where}{memory}: goodput measured (simulated) {', '.join(cells)}{ratio}; "
+            f"- {where}{memory}{routed}: goodput measured (simulated) {', '.join(cells)}{ratio}; "
             f"link probes announced (median) {probed}; the role planner chooses {plan}"
+            + (f"; prompts per prefill server, all rates, measured (sim): {spread}" if spread else "")
         )
     return lines + [""] + summary
 

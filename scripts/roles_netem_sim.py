@@ -9,7 +9,10 @@ sleep: a decode iteration `compute_delay`, a prefill `per_token x tokens`; exact
 has at most `compute_delay / per_token` rows) and the *host* (the CPU forward, measured on this
 machine before the run, one iteration at a time). Routing is WS-RR (paper 000) on the servers that
 decode: the least eq. 1 time among servers with cache room, waiting when none has room, which is what
-the live client's own routing does (`client/routing.py`; the benchmark runs no scheduler).
+the live client's own routing does (`client/routing.py`) and the scheduler's (`--scheduler`; cg-bp
+routes by WS-RR). Where each prompt runs: the client's rule (`disaggregate="auto"`), or with the
+scheduler its plan (`"scheduler"`: the same cost rule plus each prefill server's queue of the prompts
+planned before, `scheduler/service/prefill_routing.py`).
 """
 
 from __future__ import annotations
@@ -121,10 +124,12 @@ def simulate_swarm(
     requests: Sequence[Request],
     setup_s: float = 0.0,
     rtts: Sequence[float] | None = None,
+    disaggregate: str = "auto",
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """The contended model (serial: the emulation's delay sleeps on the compute thread) on the swarm,
     every server holding every block, WS-RR on the servers that decode; returns the records and the
-    service's stats (`handoffs`: hops whose prompt ran on a prefill server)."""
+    service's stats (`handoffs`: hops whose prompt ran on a prefill server). `disaggregate`: "auto"
+    (the client's rule) or "scheduler" (the scheduler's queue-aware plan)."""
     # nominal lengths: the mean, so that WS-RR's cache slots (memory / one nominal session's cache)
     # hold about as many sessions as the live servers' byte budgets do
     l_in = round(float(np.mean([r.l_in for r in requests])))
@@ -140,9 +145,22 @@ def simulate_swarm(
             for s, role in zip(base.servers, parsed, strict=True)
         )
         base = dataclasses.replace(base, roles=parsed, servers=servers)
-    options = ContendedOptions("serial")
+    options = ContendedOptions("serial", disaggregate=disaggregate)
     decode, order, disaggregation = split(base, options.disaggregate)
     ordered = subset(base, order)
+    on_prefill: dict[str, float] = {}  # prompts per prefill server (by name)
+    if disaggregation is not None:
+        plan = disaggregation.plan
+
+        def counted(request, hops, now):
+            chosen = plan(request, hops, now)
+            for server, hop in zip(chosen, hops, strict=True):
+                if server != hop.server:
+                    name = f"prompts_on:{SERVER_NAMES[order[server]]}"
+                    on_prefill[name] = on_prefill.get(name, 0.0) + 1
+            return chosen
+
+        disaggregation.plan = counted
     service = ContendedService(
         ordered.servers,
         [server_costs(swarm, j) for j in order],
@@ -155,7 +173,7 @@ def simulate_swarm(
         RoutingState(list(decode.servers), decode.model, spans), spans, setup_s, decode.prefill
     )
     result = simulate(decode.servers, decode.model, dispatcher, list(requests), decode.prefill, service)
-    return list(result.records), dict(result.service_stats)
+    return list(result.records), {**result.service_stats, **on_prefill}
 
 
 def planner_choice(swarm: EmulatedSwarm, slo: Slo, l_in: int, l_out: int, requests_at) -> str:
