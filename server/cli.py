@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--compute-delay-per-token": "emulation: seconds per block per token of a step; a step costs "
             "max(--compute-delay, this x its tokens) per block, like a GPU (launch-bound decode, "
             "compute-bound prefill)",
+            "--prefill-tokens": "prompt length the announced prefill time is measured on (scaled linearly "
+            "for other lengths: measure at a typical prompt length where a step has a large fixed cost)",
             "--prefill-chunk": "run prefills longer than this many tokens in chunks (default 256, "
             "measured), other sessions' decode steps in between (0: whole prefills)",
             "--compute-delay-overlap": "emulation: concurrent sessions' delays overlap (an accelerator whose "

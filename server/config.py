@@ -51,6 +51,8 @@ class ServerConfig:
     # 1.43x, 512 lets decoders wait 1.61x
     prefill_chunk: int = 256
     drain_timeout: float = 10.0  # on SIGTERM or a move, let open sessions finish for up to this long
+    # the prompt length the announced `tau_prefill` is measured on; clients and the scheduler scale it
+    # linearly, so a server with a large fixed cost per step should measure at a typical prompt length
     prefill_tokens: int = 20
     scheduler_timeout: float = 10.0  # managed: choose blocks locally if no scheduler answers this long
     assignment_poll: float = 2.0  # managed: seconds between assignment requests while serving
@@ -84,7 +86,8 @@ class ServerConfig:
             self.start is not None and not 0 <= self.start < self.end
         ):
             raise SwarmUserError(f"blocks {self.start}:{self.end} are not a span (start < end, or both None)")
-        for name in ("max_length", "slot_tokens", "max_batch_size", "max_sessions_per_peer"):
+        counts = ("max_length", "slot_tokens", "max_batch_size", "max_sessions_per_peer", "prefill_tokens")
+        for name in counts:
             if getattr(self, name) < 1:
                 raise SwarmUserError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 < self.announce_period <= MAX_ANNOUNCE_PERIOD or not self.session_idle_timeout > 0:
