@@ -273,6 +273,7 @@ def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path
             name, f"site{j}", model_dir, f"0:{LAYERS}", memory, args.compute_delay,
             "--compute-delay-per-token", repr(per_token), "--role", role, "--link-probe-period", "5",
             "--session-timeout", "600", "--drain-timeout", "1",
+            *(["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []),
         )  # fmt: skip
         names.append(name)
     servers = [n for n in names if not n.startswith("scheduler")]
@@ -356,6 +357,11 @@ def main() -> None:
     parser.add_argument(
         "--prefill-memory", default=None, help="memory of --role prefill servers (default: --memory)"
     )
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=None,
+        help="every server's swarm-server --prefill-tokens: the prompt length its announced prefill time "
+        "is measured on (default: not passed, the server's default)",
+    )  # fmt: skip
     parser.add_argument("--length-scale", type=int, default=4, help="trace prompts divided by this")
     parser.add_argument("--max-l-in", type=int, default=1024)
     parser.add_argument("--max-l-out", type=int, default=32)

@@ -154,6 +154,9 @@ def table(raw_files: list[dict], slo: Slo, plans: list[str]) -> list[str]:
             else ""
         )
         routed = ", scheduler" if scheduled else ""
+        # every server's announced prefill time measured on this prompt length (default: 20 tokens)
+        if a.get("prefill_tokens"):
+            routed += f", prefill measured at {a['prefill_tokens']} tokens"
         for row in rows:
             sim = row["sim"]
             handed = f"{row['handed']}" + (f" (+{row['replayed']} replayed)" if row["replayed"] else "")
