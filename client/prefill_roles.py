@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 
 from client.stream import ServerStream, StepInput
-from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, prefill_seconds
+from swarm.prefill_cost import announced_rate, choose_prefill_server, hop_prefill_costs, prefill_seconds
 from swarm.route_request import RouteHop
 
 logger = logging.getLogger(__name__)
@@ -70,28 +70,16 @@ class DisaggregatedPrefill:
         servers = connection.known_servers
         prefill_servers = connection.routable_among(servers, "prefill")
         chosen: dict[int, str] = {}
+        measured = connection.link_rates
+
+        def link_rate(peer: str, info, decode_peer: str) -> float | None:
+            return measured.get((peer, decode_peer)) or announced_rate(info, decode_peer)
+
         for index, hop in enumerate(chain):
             blocks = hop.end - hop.start
-            covering = [
-                peer
-                for peer, info in prefill_servers.items()
-                if info.start <= hop.start and hop.end <= info.end and info.cache_bytes_left > 0
-            ]
-            if not covering or hop.peer_id not in servers:
+            costs = hop_prefill_costs(hop, prefill_servers, self.shape.l_in, self.shape.batch_size, link_rate)
+            if not costs or hop.peer_id not in servers:
                 continue
-            cache_bytes = {
-                peer: self.shape.l_in * self.shape.batch_size * servers[peer].cache_token_bytes * blocks
-                for peer in covering
-            }
-            costs = {
-                peer: disaggregated_seconds(
-                    prefill_seconds(servers[peer], self.shape.l_in),
-                    blocks,
-                    cache_bytes[peer],
-                    connection.link_rates.get((peer, hop.peer_id)) or servers[peer].links.get(hop.peer_id),
-                )
-                for peer in covering
-            }
             colocated = prefill_seconds(servers[hop.peer_id], self.shape.l_in) * blocks
             peer = choose_prefill_server(costs, colocated, policy, spread=self.session_id)
             if peer is not None:
@@ -113,6 +101,18 @@ class DisaggregatedPrefill:
                 continue
             plan[index] = stream
         return plan
+
+    def _adopt_prefill(self, plan: dict[int, ServerStream], how: str) -> None:
+        """The session's first chain is open: its prompt goes to `plan`'s prefill servers (`how` says
+        who chose them, for the log)."""
+        self._prefill = plan
+        if plan:
+            logger.info(
+                "session %s: its prompt goes to prefill servers %s (%s)",
+                self.session_id[:8],
+                ", ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in plan.values()),
+                how,
+            )
 
     async def _prefill_step(self, step: StepInput):
         """The session's prompt through the prefill servers planned for it (the other hops as usual),

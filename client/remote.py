@@ -133,14 +133,8 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
                     end,
                     " -> ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in streams),
                 )
-                if plan:
-                    logger.info(
-                        "session %s: its prompt goes to prefill servers %s",
-                        self.session_id[:8],
-                        ", ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in plan.values()),
-                    )
                 if plan_prefill:
-                    self._prefill = plan
+                    self._adopt_prefill(plan, "client's rule")
                 return streams
             except RemoteError as error:
                 for stream in [*streams, *plan.values()]:
@@ -242,14 +236,7 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
                 self.connection.blame(getattr(error, "peer", "") or _failed_peer(streams), error)
             return None
         if first:
-            self._prefill = plan
-            if plan:
-                logger.info(
-                    "session %s: its prompt goes to prefill servers %s (scheduler's plan: %s)",
-                    self.session_id[:8],
-                    ", ".join(f"{s.hop.peer_id[-6:]}[{s.hop.start}:{s.hop.end}]" for s in plan.values()),
-                    "yes" if reply.prefill_planned else "no",
-                )
+            self._adopt_prefill(plan, f"scheduler's plan: {'yes' if reply.prefill_planned else 'no'}")
         self._keep_alive = asyncio.ensure_future(self._renew_lease(admission.scheduler_session, reply.lease))
         logger.info(
             "session %s routed by the scheduler through %s (waited %.2f s, predicted %.2f s)",

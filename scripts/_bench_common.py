@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -116,3 +117,15 @@ def serving_swarm(
         raise
     finally:
         swarm.close()
+
+
+class LogLines(logging.Handler):
+    """Keeps the messages of the records it handles: how a benchmark's measuring client reads what
+    the client code logged (moves, hand-offs) without parsing a log file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

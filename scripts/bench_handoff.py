@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench_common import measuring_parser, publish_table  # noqa: E402
+from _bench_common import LogLines, measuring_parser, publish_table  # noqa: E402
 
 LAYERS = 6
 PROMPT = [5, 17, 99, 200, 33, 41, 7]
@@ -44,17 +44,6 @@ MOVED = re.compile(r"by (hand-off|replay) in (\d+) ms")
 
 
 # --- the measuring client (runs in the client's site) ---------------------------------------------------
-class _Moves(logging.Handler):
-    """Keeps how the client moved sessions (client/session_moves.py logs one line per move)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _wait_file(path: Path, timeout: float = 600.0) -> dict:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -84,7 +73,7 @@ def measure(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    moves = _Moves()
+    moves = LogLines()
     logging.getLogger("client.session_moves").addHandler(moves)
     work, history = Path(args.work), int(args.history)
     reference = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench_common import measuring_parser  # noqa: E402
+from _bench_common import LogLines, measuring_parser  # noqa: E402
 
 LAYERS, HIDDEN = 6, 512
 HANDED = re.compile(
@@ -46,15 +46,6 @@ CHECKS_PER_RATE = 2
 
 
 # --- the measuring client (runs in the client's site) ---------------------------------------------------
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _wait_links(connection, seconds: float) -> dict:
     """Until every prefill server announces a rate to every decode server (or `seconds` pass):
     the client's rule then decides with measured links from the first request."""
@@ -81,7 +72,7 @@ def measure(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    handed = _Lines()
+    handed = LogLines()
     logger = logging.getLogger("client")  # client.prefill_roles' hand-offs, client.remote's fallbacks
     logger.setLevel(logging.INFO)
     logger.addHandler(handed)

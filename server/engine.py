@@ -192,8 +192,9 @@ class BatchingEngine:
         future gets its output (in `hidden`'s dtype) or its exception. `ahead`: the tokens this
         session is expected to decode still, this one included (`server.session_lengths`; None: its
         cache room)."""
-        step = _Step(span, cache, hidden, position, padding_mask, arrived=self._clock(), adapter=adapter)
-        step.expected_ahead = ahead
+        step = _Step(
+            span, cache, hidden, position, padding_mask, self._clock(), adapter, expected_ahead=ahead
+        )
         if not step.decode:
             step.chunk = self.prefill_chunk
         with self._condition:

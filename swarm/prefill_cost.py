@@ -13,9 +13,10 @@ rate is unknown: the hand-off's own time limit then bounds the loss) against D's
 from __future__ import annotations
 
 import zlib
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TypeVar
 
+from swarm.route_request import RouteHop
 from swarm.server_info import ServerInfo
 
 DISAGGREGATE_POLICIES = ("auto", "always", "never")
@@ -46,6 +47,32 @@ def disaggregated_seconds(
     `cache_bytes` at the link's rate (0 when the rate is unknown)."""
     handoff = cache_bytes / link_bytes_per_s if link_bytes_per_s else 0.0
     return prefill_per_block * blocks + handoff
+
+
+def announced_rate(sender: ServerInfo, receiver: str) -> float | None:
+    """The link rate (bytes/s) `sender` announces to peer `receiver`, if it measured one."""
+    return sender.links.get(receiver)
+
+
+def hop_prefill_costs(
+    hop: RouteHop,
+    prefill_servers: Mapping[str, ServerInfo],
+    l_in: int,
+    batch_size: int,
+    link_rate: Callable[[str, ServerInfo, str], float | None] | None = None,
+) -> dict[str, float]:
+    """`disaggregated_seconds` of a prompt of `l_in` tokens (`batch_size` sequences) for `hop` on each
+    of `prefill_servers` that holds the hop's blocks and has cache room. `link_rate(peer, info,
+    decode_peer)`: bytes/s from a prefill server to the hop's server (default: what it announces)."""
+    blocks = hop.end - hop.start
+    costs = {}
+    for peer, info in prefill_servers.items():
+        if not (info.start <= hop.start and hop.end <= info.end and info.cache_bytes_left > 0):
+            continue
+        rate = link_rate(peer, info, hop.peer_id) if link_rate else announced_rate(info, hop.peer_id)
+        cache_bytes = l_in * batch_size * info.cache_token_bytes * blocks
+        costs[peer] = disaggregated_seconds(prefill_seconds(info, l_in), blocks, cache_bytes, rate)
+    return costs
 
 
 def choose_prefill_server(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, prefill_seconds
+from swarm.prefill_cost import choose_prefill_server, hop_prefill_costs, prefill_seconds
 from swarm.route_request import RouteHop
 from swarm.server_info import ServerInfo
 
@@ -47,7 +47,7 @@ class PrefillPlanner:
         prefill_servers = {
             peer: info
             for peer, info in records.items()
-            if info.routable and info.has_blocks and info.role.serves("prefill") and info.cache_bytes_left > 0
+            if info.routable and info.has_blocks and info.role.serves("prefill")
         }
         chosen_hops = []
         for hop in hops:
@@ -56,15 +56,8 @@ class PrefillPlanner:
                 continue
             blocks = hop.num_blocks
             costs = {
-                peer: self._queue(peer, start_at)
-                + disaggregated_seconds(
-                    prefill_seconds(info, l_in),
-                    blocks,
-                    l_in * batch_size * info.cache_token_bytes * blocks,
-                    info.links.get(hop.peer_id),
-                )
-                for peer, info in prefill_servers.items()
-                if info.start <= hop.start and hop.end <= info.end
+                peer: self._queue(peer, start_at) + seconds
+                for peer, seconds in hop_prefill_costs(hop, prefill_servers, l_in, batch_size).items()
             }
             colocated = self._queue(hop.peer_id, start_at) + prefill_seconds(decode, l_in) * blocks
             chosen = choose_prefill_server(costs, colocated)
