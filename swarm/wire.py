@@ -201,7 +201,8 @@ class RemoteError(Exception):
 
 
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
-    serialized = [serialize_torch_tensor(t) for t in tensors]
+    # hivemind serializes host memory only: a server on a GPU sends its caches' chunks (hand-offs)
+    serialized = [serialize_torch_tensor(t.cpu()) for t in tensors]
     # optional fields left empty are left out, so servers that predate them accept the message
     unused = {
         name

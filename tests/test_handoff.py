@@ -22,11 +22,21 @@ from server.handoff_rpcs import PUSH_HANDLE
 from swarm.dht_keys import default_prefix
 from swarm.handoff_wire import CacheChunk, PushCache
 from swarm.route_request import RouteHop, SessionShape
-from swarm.wire import encode
+from swarm.wire import decode_tensors, encode
 from tests.conftest import NUM_BLOCKS
 from tests.raw_streams import exchange
 
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a server's cache on a GPU")
+def test_a_cache_chunk_on_a_gpu_is_sent_from_host_memory():
+    """A server on a GPU pushes chunks of its CUDA cache; hivemind serializes host tensors only
+    (every hand-off from a GPU server failed before the wire copied them; found on an H200)."""
+    keys = torch.randn(1, 2, 3, 4, device="cuda")
+    values = torch.randn(1, 2, 3, 4, device="cuda", dtype=torch.float16)
+    sent = decode_tensors(encode(CacheChunk(block=0, position=0), [keys, values]))
+    assert torch.equal(sent[0], keys.cpu()) and torch.equal(sent[1], values.cpu())
 
 
 def _wait_for_log(swarm, name: str, text: str, timeout: float = 30.0) -> None:

@@ -88,8 +88,13 @@ def test_a_server_killed_after_many_tokens_is_rebuilt_in_one_round_trip(swarm, l
             assert not _replayed_steps(log)  # prefill mode: one ordinary step, no replay message
     difference = (logits - twin_logits).abs().max().item()
     print(f"{mode}: largest logit difference from the unfailed twin after {BEFORE} tokens: {difference:.3g}")
-    if mode == "exact":
+    if mode == "exact" and not torch.cuda.is_available():
         assert difference == 0.0  # bit for bit: the rebuilt cache is the lost one
+    elif mode == "exact":
+        # servers on a GPU (`--device auto`): the twin's first hop ran on the replacement, the failed
+        # session's on the dead server, and two CUDA processes need not agree bit for bit (the library
+        # picks matrix-product kernels by shape and alignment); measured 1.4e-6 on an H200
+        assert difference < 1e-5
     else:
         assert difference < 1e-4
 

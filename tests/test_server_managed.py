@@ -236,7 +236,8 @@ def start_managed(swarm: LocalSwarm, name: str, model_dir, memory: int, *extra: 
     """A server started without --blocks (`LocalSwarm.start_server` always pins a span)."""
     argv = [PYTHON, "-m", "server.cli", str(model_dir), "--initial-peers", *swarm.initial_peers]
     argv += ["--memory", str(memory), "--announce-period", "2", "--torch-threads", "1"]
-    argv += ["--scheduler-key", swarm.scheduler_key]
+    # float32 as `petals_memory` counts (on a GPU, `--dtype auto` halves the bytes per block)
+    argv += ["--scheduler-key", swarm.scheduler_key, "--dtype", "float32"]
     return swarm.start(name, [*argv, "--public-name", name, *extra])
 
 
