@@ -51,13 +51,22 @@ class DisaggregatedPrefill:
         prefill_servers = self.connection.routable_among(self.connection.known_servers, "prefill")
         index_of = {(hop.start, hop.end): index for index, hop in enumerate(chain)}
         chosen: dict[int, str] = {}
+        ignored = []
         for hop in planned:
             info = prefill_servers.get(hop.peer_id)
             index = index_of.get((hop.start, hop.end))
             if index is None or info is None or not (info.start <= hop.start and hop.end <= info.end):
-                logger.info("session %s: ignoring the scheduler's prefill hop %s", self.session_id[:8], hop)
+                ignored.append(hop)
                 continue
             chosen[index] = hop.peer_id
+        if ignored:  # one line, however many entries a faulty scheduler sends
+            logger.info(
+                "session %s: ignoring %d of the scheduler's %d prefill hops (e.g. %s)",
+                self.session_id[:8],
+                len(ignored),
+                len(planned),
+                ignored[0],
+            )
         return await self._open_prefill(chain, chosen)
 
     def _choose_prefill(self, chain: list[RouteHop]) -> dict[int, str]:

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import urllib.request
-from concurrent import futures
 
 import grpc
 import pytest
@@ -32,6 +31,7 @@ from swarm.local_swarm import LocalSwarm
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
+from tests.rogue_scheduler import published_as_trusted, serve_rogue
 
 PROMPT = torch.tensor([[5, 17, 99, 200]])
 NEW_TOKENS = 10
@@ -62,48 +62,10 @@ def record(**overrides) -> dict:
     return value
 
 
-class RogueScheduler(pb_grpc.SchedulerServicer):
-    """A scheduler that lies: its answers are set by the test; it counts the calls it gets."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-        self.chain: list[pb.Hop] = []
-        self.wait, self.lease = 0.0, 60.0
-        self.assignment = pb.Assignment(assigned=True, start=0, end=100, epoch=7, policy="rogue")
-
-    def Route(self, request, context):
-        self.calls.append("Route")
-        return pb.RouteReply(
-            session_id="rogue-session",
-            chain=self.chain,
-            admitted=True,
-            expected_wait=self.wait,
-            lease=self.lease,
-        )
-
-    def EndSession(self, request, context):
-        self.calls.append("EndSession")
-        return pb.EndReply(known=True)
-
-    def KeepAlive(self, request, context):
-        return pb.LeaseReply(known=True, lease=60.0)
-
-    def GetAssignment(self, request, context):
-        self.calls.append("GetAssignment")
-        return self.assignment
-
-
 @pytest.fixture
 def rogue_scheduler():
-    servicer = RogueScheduler()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+    with serve_rogue() as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -356,54 +318,43 @@ def test_a_rogue_scheduler_with_the_trusted_key_is_checked(llama_dir, tmp_path, 
     swarm = LocalSwarm(tmp_path)
     try:
         swarm.start_dht()
-        publisher = swarm.scheduler_dht()
-        owner = owner_subkey(swarm.scheduler_key)
-        stop = threading.Event()
+        with published_as_trusted(swarm, prefix, rogue_address):
+            swarm.start_server("front", llama_dir, "0:3")
+            # managed, trusting the key: the rogue assigns blocks 0:100 of a 6-block model
+            argv = [sys.executable, "-m", "server.cli", str(llama_dir)]
+            argv += ["--initial-peers", *swarm.initial_peers]
+            argv += ["--memory", str(10**9), "--announce-period", "2", "--torch-threads", "1"]
+            argv += [
+                "--scheduler-key",
+                swarm.scheduler_key,
+                "--public-name",
+                "managed",
+                "--scheduler-timeout",
+                "2",
+            ]
+            swarm.start("managed", argv)
+            swarm.wait_online(prefix, NUM_BLOCKS, ["front", "managed"])
+            assert "GetAssignment" in rogue.calls
+            assert "assigned blocks 0:100" in swarm.log("managed") and "PETALS-style" in swarm.log("managed")
+            servers = swarm.servers(prefix, NUM_BLOCKS)
+            peers = {info.public_name: peer for peer, info in servers.items()}
 
-        def keep_published() -> None:  # the record lives 60 s: keep it there for the whole test
-            while not stop.is_set():
-                publish_scheduler(publisher, prefix, owner, {"address": rogue_address, "epoch": 7}, ttl=60)
-                stop.wait(20)
-
-        keeper = threading.Thread(target=keep_published, daemon=True)
-        keeper.start()
-        swarm.start_server("front", llama_dir, "0:3")
-        # managed, trusting the key: the rogue assigns blocks 0:100 of a 6-block model
-        argv = [sys.executable, "-m", "server.cli", str(llama_dir), "--initial-peers", *swarm.initial_peers]
-        argv += ["--memory", str(10**9), "--announce-period", "2", "--torch-threads", "1"]
-        argv += [
-            "--scheduler-key",
-            swarm.scheduler_key,
-            "--public-name",
-            "managed",
-            "--scheduler-timeout",
-            "2",
-        ]
-        swarm.start("managed", argv)
-        swarm.wait_online(prefix, NUM_BLOCKS, ["front", "managed"])
-        assert "GetAssignment" in rogue.calls
-        assert "assigned blocks 0:100" in swarm.log("managed") and "PETALS-style" in swarm.log("managed")
-        servers = swarm.servers(prefix, NUM_BLOCKS)
-        peers = {info.public_name: peer for peer, info in servers.items()}
-
-        lies = {
-            "empty chain": ([], 0.0, 60.0),
-            "partial chain": ([pb.Hop(peer_id=peers["front"], start=0, end=3)], 0.0, 60.0),
-            "a server's blocks it does not hold": (
-                [pb.Hop(peer_id=peers["front"], start=0, end=6)],
-                0.0,
-                60.0,
-            ),
-            "a peer that is no server": ([pb.Hop(peer_id="QmNobody", start=0, end=6)], 0.0, 60.0),
-            "NaN wait": ([pb.Hop(peer_id=peers["front"], start=0, end=6)], float("nan"), 60.0),
-        }
-        for name, (chain, wait, lease) in lies.items():
-            rogue.chain, rogue.wait, rogue.lease = chain, wait, lease
-            before = rogue.calls.count("Route")
-            generate_within_bound(llama_dir, swarm, reference, scheduler_key=swarm.scheduler_key)
-            assert rogue.calls.count("Route") == before + 1, name  # asked once, then distrusted
-        stop.set()
-        keeper.join(timeout=30)
+            lies = {
+                "empty chain": ([], 0.0, 60.0),
+                "partial chain": ([pb.Hop(peer_id=peers["front"], start=0, end=3)], 0.0, 60.0),
+                "a server's blocks it does not hold": (
+                    [pb.Hop(peer_id=peers["front"], start=0, end=6)],
+                    0.0,
+                    60.0,
+                ),
+                "a peer that is no server": ([pb.Hop(peer_id="QmNobody", start=0, end=6)], 0.0, 60.0),
+                "NaN wait": ([pb.Hop(peer_id=peers["front"], start=0, end=6)], float("nan"), 60.0),
+            }
+            for name, (chain, wait, lease) in lies.items():
+                rogue.chain, rogue.wait, rogue.lease = chain, wait, lease
+                before = rogue.calls.count("Route")
+                generate_within_bound(llama_dir, swarm, reference, scheduler_key=swarm.scheduler_key)
+                assert rogue.calls.count("Route") == before + 1, name  # asked once, then distrusted
     finally:
         assert not swarm.close()
 
