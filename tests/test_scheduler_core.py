@@ -237,11 +237,34 @@ def test_ended_sessions_teach_the_scheduler_how_long_sessions_really_run():
     assert record.ends_at == pytest.approx(admitted_at + 3 * service)  # re-anchored at its admission
 
 
-def test_sessions_longer_than_a_slot_take_several():
+def test_sessions_hold_the_slots_their_tokens_need():
+    """A session holds `batch x max_length / (l_in + l_out)` slots per block, a fraction: exactly the
+    bytes its servers reserve. Rounded up to whole slots (before), a server with room for 2 slots
+    admitted 2 sessions of half a slot, where 4 fit."""
     core = core_with()
     assert core.book.units_for(batch_size=1, max_length=10) == 1
     assert core.book.units_for(batch_size=2, max_length=10) == 2
-    assert core.book.units_for(batch_size=1, max_length=11) == 2
+    assert core.book.units_for(batch_size=1, max_length=11) == pytest.approx(1.1)
+    assert core.book.units_for(batch_size=1, max_length=5) == pytest.approx(0.5)
+
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    servers = {"peer-a": info(L * BLOCK + 2 * SLOT * L, 0.001)}  # 2 slots per block
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    core.update_roster(serving(core.assignment, servers), 0.2)
+    halves = [core.route(_request(f"c{k}", {"peer-a": 0.01}, 2, 3, 1, 5), now=1.0) for k in range(5)]
+    assert [d.session.admitted for d in halves] == [True, True, True, True, False]
+    assert core.book.granted("peer-a") == pytest.approx(2 * L)
+    core.end_session(halves[0].session.session_id)
+    assert core.tick(2.0) == [halves[4].session.session_id]
+    # what a server announces in use counts in the same fractions: 3 tokens on 8 blocks, 2.4 slots
+    record = serving(core.assignment, servers)["peer-a"]
+    record = record.model_copy(update={"cache_bytes_left": record.cache_bytes_left - 3 * TOKEN * L})
+    core.update_roster({"peer-a": record}, 2.5)
+    assert core.view.used_units("peer-a", core.view.model_spec()) == pytest.approx(2.4)
+    # a session longer than a slot needs more than one
+    assert core.book.units_for(batch_size=1, max_length=25) == pytest.approx(2.5)
 
 
 def test_r_hysteresis():

@@ -46,15 +46,15 @@ def compose_live_chains(
 
 def fastest_free_chain(
     chains: Sequence[LiveChain],
-    busy: Sequence[int],
-    units: int,
+    busy: Sequence[float],
+    units: float,
     has_room: Callable[[LiveChain], bool],
 ) -> int | None:
     """JFFC's pick: the chain with the shortest `T_k` (ties: the lowest index, the tie rule of
     docs/reference.md 3) with `units` of its capacity free whose servers also have that room (they may
     hold sessions routed without the scheduler); None: every chain is full."""
     for k in sorted(range(len(chains)), key=lambda k: chains[k].service_time):
-        if busy[k] + units <= chains[k].capacity and has_room(chains[k]):
+        if busy[k] + units <= chains[k].capacity + 1e-9 and has_room(chains[k]):
             return k
     return None
 

@@ -312,14 +312,14 @@ class SchedulerCore:
             longest = max(info.max_length for info in live)
             raise RouteRefused(f"max_length {max_length} exceeds every server's limit (at most {longest})")
 
-    def _chain_cannot_hold(self, hops, units: int, max_length: int) -> str | None:
+    def _chain_cannot_hold(self, hops, units: float, max_length: int) -> str | None:
         """Why a routed chain can never admit the session (None: it can, once its servers have room)."""
         for hop in hops:
             capacity = self.book.capacity(hop.peer_id)
-            if capacity < hop.num_blocks * units:
+            if capacity < hop.num_blocks * units - 1e-9:
                 return (
                     f"server {hop.peer_id[-8:]} has {capacity} cache slots in all, the session needs "
-                    f"{hop.num_blocks * units}"
+                    f"{hop.num_blocks * units:.2f}"
                 )
             info = self.view.records.get(hop.peer_id)
             if info is not None and info.max_length < max_length:

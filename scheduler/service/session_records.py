@@ -13,7 +13,7 @@ class SessionRecord:
     session_id: str
     client_id: str
     hops: tuple[RouteHop, ...]  # empty while a `chains` session waits: JFFC picks its chain on admission
-    units: int  # cache slots per block
+    units: float  # cache slots per block (a fraction: `SessionBook.units_for`)
     expected_start: float  # absolute: routed_at + the predicted wait
     ends_at: float  # absolute expected end
     lease_expires_at: float
@@ -30,7 +30,7 @@ class SessionRecord:
     prefill: tuple[RouteHop, ...] = ()
     prefill_planned: bool = False
 
-    def slots(self) -> dict[str, int]:
+    def slots(self) -> dict[str, float]:
         return {hop.peer_id: hop.num_blocks * self.units for hop in self.hops}
 
 

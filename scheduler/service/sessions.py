@@ -10,7 +10,12 @@ overtakes an earlier one on a server they share, so the prediction is also the o
 Room is counted in cache slots (units of `s_c`, docs/reference.md 3.2): what this scheduler granted, or what
 the server announces in use when that is more (sessions routed without the scheduler, or a
 client's local failover). A session of `batch x max_length` tokens takes
-`ceil(batch * max_length / (l_in + l_out))` slots per block, the same bytes the server reserves.
+`batch * max_length / (l_in + l_out)` slots per block, a fraction: exactly the bytes the server
+reserves for it. (Rounded up to whole slots, sessions shorter than `l_in + l_out` held a whole one:
+on the Azure code trace's lengths 1.6 slots per session on average where the bytes need 1, so a
+server admitted 3 sessions where 5 fit, and sessions waited for room the servers had; BENCHMARKS.md,
+"Prefill/decode roles on the emulated swarm".) WS-RR's own state (eq. 20's expected waits) counts
+whole slots: each session there holds its fraction rounded to the nearest, at least 1.
 
 Sessions hold a lease: a client that vanishes without ending its session frees it when the lease
 runs out (clients renew it while they run).
@@ -54,8 +59,8 @@ class SessionBook:
         self._spans: list[Span | None] = []
         self._state: RoutingState | None = None
         self._capacity: dict[str, int] = {}  # n_j under the live spans
-        self._announced_use: dict[str, int] = {}
-        self._granted: dict[str, int] = {}  # slots held by admitted sessions, by server
+        self._announced_use: dict[str, float] = {}
+        self._granted: dict[str, float] = {}  # slots held by admitted sessions, by server
         self._chains: tuple[LiveChain, ...] = ()  # `chains` policy: GCA's job servers on the live spans
         self.durations = DurationCalibration()  # measured / predicted run times of ended sessions
 
@@ -66,7 +71,7 @@ class SessionBook:
         specs: Sequence[ServerSpec],
         model: ModelSpec | None,
         spans: Sequence[Span | None],
-        announced_use: Mapping[str, int],
+        announced_use: Mapping[str, float],
     ) -> None:
         """New live servers (or new spans): rebuild the routing state and replay the sessions into it."""
         self._announced_use = dict(announced_use)
@@ -88,7 +93,7 @@ class SessionBook:
             return
         index = {peer: j for j, peer in enumerate(self._peers)}
         for session in sorted(self.sessions.values(), key=lambda s: s.order):
-            slots = {index[peer]: count for peer, count in session.slots().items() if peer in index}
+            slots = {index[peer]: _whole(count) for peer, count in session.slots().items() if peer in index}
             if slots:
                 self._state.add_session(session.session_id, slots, session.ends_at)
 
@@ -105,9 +110,9 @@ class SessionBook:
             if session.admitted:
                 session.chain = index.get(session.hops)
 
-    def _chain_load(self) -> list[int]:
+    def _chain_load(self) -> list[float]:
         """Slots of each chain that admitted sessions hold."""
-        load = [0] * len(self._chains)
+        load = [0.0] * len(self._chains)
         for session in self.sessions.values():
             if session.admitted and session.chain is not None:
                 load[session.chain] += session.units
@@ -125,8 +130,9 @@ class SessionBook:
         return self._capacity.get(peer, 0)
 
     # --- routing ----------------------------------------------------------------------------------
-    def units_for(self, batch_size: int, max_length: int) -> int:
-        return max(math.ceil(batch_size * max_length / self.slot_tokens), 1)
+    def units_for(self, batch_size: int, max_length: int) -> float:
+        """Cache slots per block a session of `batch_size x max_length` tokens holds (a fraction)."""
+        return batch_size * max_length / self.slot_tokens
 
     def route(
         self,
@@ -134,7 +140,7 @@ class SessionBook:
         client_id: str,
         rtts: Mapping[str, float],
         l_out: int,
-        units: int,
+        units: float,
         now: float,
         prefill_scale: float = 1.0,
     ) -> RouteDecision | None:
@@ -171,11 +177,13 @@ class SessionBook:
         )
         self.sessions[session_id] = session
         index = {peer: j for j, peer in enumerate(self._peers)}
-        by_index = {index[peer]: count for peer, count in session.slots().items()}
+        by_index = {index[peer]: _whole(count) for peer, count in session.slots().items()}
         self._state.add_session(session_id, by_index, session.ends_at)
         return RouteDecision(session, wait, session.ends_at - now, cost)
 
-    def _route_chains(self, session_id: str, client_id: str, units: int, now: float) -> RouteDecision | None:
+    def _route_chains(
+        self, session_id: str, client_id: str, units: float, now: float
+    ) -> RouteDecision | None:
         """Queue the session for JFFC (admission picks its chain); None: no chain covers the model, or
         none could ever hold the session (it would block the queue's head forever)."""
         if not any(chain.capacity >= units for chain in self._chains):
@@ -183,7 +191,10 @@ class SessionBook:
         fastest = min(chain.service_time for chain in self._chains)
         ahead = self.num_waiting
         running = [s.ends_at for s in self.sessions.values() if s.admitted]
-        free = sum(max(c.capacity - b, 0) for c, b in zip(self._chains, self._chain_load(), strict=True))
+        # whole slots free over the chains (loads are fractions): how many queued sessions start now
+        free = int(
+            sum(max(c.capacity - b, 0) for c, b in zip(self._chains, self._chain_load(), strict=True)) + 1e-9
+        )
         start = now if free > ahead else queue_start_times(now, running, fastest, ahead - free + 1)[-1]
         session = SessionRecord(
             session_id=session_id,
@@ -221,8 +232,8 @@ class SessionBook:
         return chain, 0.0, completion, chain.cost
 
     # --- admission --------------------------------------------------------------------------------
-    def _in_use(self, peer: str) -> int:
-        return max(self._granted.get(peer, 0), self._announced_use.get(peer, 0))
+    def _in_use(self, peer: str) -> float:
+        return max(self._granted.get(peer, 0.0), self._announced_use.get(peer, 0.0))
 
     def _grant(self, session: SessionRecord, sign: int) -> None:
         for peer, slots in session.slots().items():
@@ -245,7 +256,9 @@ class SessionBook:
         admitted = []
         for session in waiting:
             peers = [hop.peer_id for hop in session.hops]
-            fits = all(free.get(hop.peer_id, -1) >= hop.num_blocks * session.units for hop in session.hops)
+            fits = all(
+                _fits(free.get(hop.peer_id, -1), hop.num_blocks * session.units) for hop in session.hops
+            )
             if self.policy == "petals" or (fits and not blocked.intersection(peers)):
                 session.admitted, session.admitted_at = True, now
                 self._grant(session, +1)
@@ -260,13 +273,13 @@ class SessionBook:
                 blocked.update(peers)  # later sessions must not overtake it on these servers
         return admitted
 
-    def _admit_chains(self, waiting: list[SessionRecord], free: dict[str, int], now: float) -> list[str]:
+    def _admit_chains(self, waiting: list[SessionRecord], free: dict[str, float], now: float) -> list[str]:
         """JFFC: the queue's head takes the fastest chain with room, strictly first come first served."""
         admitted, load = [], self._chain_load()
         for session in waiting:
 
-            def has_room(chain: LiveChain, units: int = session.units) -> bool:
-                return all(free.get(hop.peer_id, -1) >= hop.num_blocks * units for hop in chain.hops)
+            def has_room(chain: LiveChain, units: float = session.units) -> bool:
+                return all(_fits(free.get(hop.peer_id, -1), hop.num_blocks * units) for hop in chain.hops)
 
             k = fastest_free_chain(self._chains, load, session.units, has_room)
             if k is None:
@@ -326,7 +339,7 @@ class SessionBook:
         return expired
 
     # --- what operators see --------------------------------------------------------------------------
-    def granted(self, peer: str) -> int:
+    def granted(self, peer: str) -> float:
         return self._in_use(peer)
 
     @property
@@ -336,3 +349,13 @@ class SessionBook:
     @property
     def num_waiting(self) -> int:
         return sum(1 for s in self.sessions.values() if not s.admitted)
+
+
+def _fits(free: float, needed: float) -> bool:
+    """Room for `needed` slots in `free` (sums of fractions: a rounding error is not a shortfall)."""
+    return free >= needed - 1e-9
+
+
+def _whole(slots: float) -> int:
+    """A session's slots at one server as WS-RR's state counts them: the nearest whole number, >= 1."""
+    return max(round(slots), 1)

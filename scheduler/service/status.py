@@ -14,7 +14,7 @@ def describe_servers(
     view: SwarmView,
     assignment: Mapping[str, Span | None],
     capacity_of: Callable[[str], int],
-    in_use_of: Callable[[str], int],
+    in_use_of: Callable[[str], float],
 ) -> dict:
     """`servers` (one entry per known server), `coverage` (live servers per block), `uncovered_blocks`."""
     num_blocks = view.shape.num_blocks
@@ -43,7 +43,8 @@ def describe_servers(
                 "tau": info.tau or 0.0,
                 "tau_prefill": info.tau_prefill or 0.0,
                 "cache_slots": capacity_of(peer),
-                "slots_in_use": in_use_of(peer),
+                # sessions hold fractions of slots; the status counts the whole slots they touch
+                "slots_in_use": math.ceil(round(in_use_of(peer), 6)),
                 "active_sessions": info.active_sessions,
                 "reachability": str(info.reachability),
             }
@@ -67,7 +68,7 @@ def announced_capacity(view: SwarmView) -> tuple[Callable[[str], int], Callable[
             math.floor((info.memory_bytes - model.block_bytes * info.num_blocks) / model.cache_bytes), 0
         )
 
-    def in_use(peer: str) -> int:
-        return view.used_units(peer, model) if model is not None else 0
+    def in_use(peer: str) -> float:
+        return view.used_units(peer, model) if model is not None else 0.0
 
     return capacity, in_use

@@ -170,14 +170,14 @@ class SwarmView:
             capacity=capacity,
         )
 
-    def used_units(self, peer: str, model: ModelSpec) -> int:
-        """Cache slots (units of `s_c`) the server says are in use, from its free cache bytes."""
+    def used_units(self, peer: str, model: ModelSpec) -> float:
+        """Cache slots (units of `s_c`, a fraction) the server says are in use, from its free cache
+        bytes."""
         info = self.records.get(peer)
         if info is None or not info.has_blocks:
-            return 0
+            return 0.0
         total = info.memory_bytes - model.block_bytes * info.num_blocks
-        slots = math.floor(total / model.cache_bytes)
-        return max(slots - math.floor(info.cache_bytes_left / model.cache_bytes), 0)
+        return max((total - info.cache_bytes_left) / model.cache_bytes, 0.0)
 
 
 def prefill_time(info: ServerInfo, l_in: int) -> float:
