@@ -169,10 +169,24 @@ def simulate_swarm(
         disaggregation,
     )
     spans = [Span(0, swarm.num_blocks)] * len(decode.servers)
+    # each session holds the cache of its own lengths, as the live servers reserve it, and is routed
+    # and admitted for that room, as the live scheduler does (one nominal slot each let sessions of
+    # long prompts fit where they do not)
+    nominal = l_in + l_out
+
+    def cache_units(request: Request) -> float:
+        return (request.l_in + request.l_out) / nominal
+
     dispatcher = WsRrRouting(
-        RoutingState(list(decode.servers), decode.model, spans), spans, setup_s, decode.prefill
+        RoutingState(list(decode.servers), decode.model, spans),
+        spans,
+        setup_s,
+        decode.prefill,
+        cache_units=cache_units,
     )
-    result = simulate(decode.servers, decode.model, dispatcher, list(requests), decode.prefill, service)
+    result = simulate(
+        decode.servers, decode.model, dispatcher, list(requests), decode.prefill, service, cache_units
+    )
     return list(result.records), {**result.service_stats, **on_prefill}
 
 

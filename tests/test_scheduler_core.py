@@ -194,7 +194,7 @@ def test_a_requests_own_lengths_set_its_predicted_completion():
     answer, not its configured l_in/l_out (4 and 6 here)."""
     settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
     core = SchedulerCore(SHAPE, settings, 0.0)
-    servers = {"peer-a": info(L * BLOCK + 8 * SLOT * L, 0.001)}
+    servers = {"peer-a": info(L * BLOCK + 20 * SLOT * L, 0.001)}  # room for all three at once
     core.update_roster(servers, 0.0)
     core.review(0.1)
     core.update_roster(serving(core.assignment, servers), 0.2)

@@ -40,6 +40,26 @@ def test_link_time_is_eq1_of_the_cost_model():
         assert vectorized[0] == expected
 
 
+def test_a_long_session_is_routed_where_its_cache_fits():
+    """A request of `units` slots per block waits for that much room (eq. 20 with q = blocks x units),
+    so a faster server too full for a long session is passed over for one with room; a nominal
+    request still takes the faster one."""
+    fast, slow = server("fast", 52.0, tau=0.01), server("slow", 52.0, tau=0.02)  # 12 slots each
+    state = RoutingState([fast, slow], MODEL, [Span(0, 4), Span(0, 4)])
+    state.add_session("long", {0: 6}, ends_at=9.0)  # 6 of the fast server's 12 slots
+    nominal = state.route("c1", l_out=4)
+    assert nominal.chain.hops[0].server == 0 and nominal.wait == 0.0
+    long = state.route("c1", l_out=4, units=2.0)  # 8 slots: only the slow server has them now
+    assert long.chain.hops[0].server == 1 and long.wait == 0.0
+    longer = state.route("c1", l_out=4, units=2.5)  # 10 slots
+    assert longer.chain.hops[0].server == 1
+    state.add_session("other", {1: 12}, ends_at=3.0)  # the slow server full until t = 3
+    waits = state.route("c1", l_out=4, units=2.0)
+    assert waits.chain.hops[0].server == 1 and waits.wait == 3.0  # before the fast one's t = 9
+    with pytest.raises(ValueError, match="units must be positive"):
+        state.route("c1", l_out=4, units=0.0)
+
+
 def test_eq20_waits_release_sessions_in_order_of_remaining_time():
     # One server holding all 4 blocks (40 bytes) with 6 bytes to spare: 6 cache slots.
     servers = [server("a", 46.0)]

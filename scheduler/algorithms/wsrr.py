@@ -116,25 +116,36 @@ class RoutingState:
         return len(self._sessions)
 
     def route(
-        self, client: str, l_out: int, now: float = 0.0, prefill_scale: float = 1.0
+        self,
+        client: str,
+        l_out: int,
+        now: float = 0.0,
+        prefill_scale: float = 1.0,
+        units: float = 1.0,
     ) -> WsRrRoute | None:
         """The WS-RR route for a new request of `client` arriving at `now` (None: no chain can ever serve it).
 
         Link cost `t^W_ij + l_out*t^c_ij`; the final hop to the client costs 0 (docs/reference.md 3.2).
         `prefill_scale` multiplies the servers' `tau_prefill` (measured for the problem's prompt
         length) for a request whose own prompt is that many times as long: prefill time is linear
-        in the prompt's tokens. Read-only: call `admit` (or `add_session`) to record the decision.
+        in the prompt's tokens. `units`: cache slots per block the request holds (a live session of
+        its own lengths: `ceil(blocks x units)` slots per link; 1 is paper 000's nominal request),
+        so that eq. 20 waits for the room this request needs and a server too full for a long
+        session is passed over for one with room. Read-only: call `admit` (or `add_session`) to
+        record the decision.
         """
         if l_out < 1:
             raise ValueError(f"l_out must be >= 1, got {l_out}")
         if not (math.isfinite(prefill_scale) and prefill_scale > 0):
             raise ValueError(f"prefill_scale must be positive, got {prefill_scale}")
+        if not (math.isfinite(units) and units > 0):
+            raise ValueError(f"units must be positive, got {units}")
         rtt_prefill, rtt = self._rtts_of(client)
         tau_prefill = self._link_tau_prefill * prefill_scale
         blocks = self.graph.link_blocks
         times = link_request_time(rtt_prefill, tau_prefill, rtt, self._link_tau, blocks, l_out)
         times[~np.isfinite(rtt_prefill) | ~np.isfinite(rtt)] = math.inf  # no RTT known: no link
-        waits = np.maximum(self._link_release - now, 0.0)
+        waits = np.maximum(self._releases(units) - now, 0.0)
         chain = self.graph.shortest_chain(waits + times)
         if chain is None:
             return None
@@ -234,13 +245,29 @@ class RoutingState:
         return self._client_rtts[client]
 
     def _refresh_server(self, server: int) -> None:
-        """Eq. 20 for every link into `server`, as the absolute time its sessions free enough slots.
+        """Eq. 20 for every link into `server` (a nominal request), kept up to date."""
+        links = self.graph.server_links(server)
+        self._link_release[links] = self._release_times(server, self.graph.link_blocks[links])
 
-        Release the sessions in increasing remaining time until `q` slots are free: the link's
+    def _releases(self, units: float) -> np.ndarray:
+        """Each link's eq. 20 release time for a request of `units` slots per block (computed per
+        query unless nominal: a live scheduler's swarm is small)."""
+        if units == 1.0:
+            return self._link_release
+        needed = np.ceil(self.graph.link_blocks * units - 1e-9)
+        release = np.full(len(needed), math.inf)
+        for server in range(len(self.servers)):
+            links = self.graph.server_links(server)
+            release[links] = self._release_times(server, needed[links])
+        return release
+
+    def _release_times(self, server: int, needed: np.ndarray) -> np.ndarray:
+        """The absolute times at which `server`'s sessions free `needed` slots (one per link into it).
+
+        Release the sessions in increasing remaining time until enough slots are free: the link's
         release time is the end of the last one released (inf if even all of them are not enough).
         """
-        links = self.graph.server_links(server)
-        shortfall = self.graph.link_blocks[links] - (self._slots[server] - self._used[server])
+        shortfall = needed - (self._slots[server] - self._used[server])
         entries = self._by_server[server]
         release = np.full(len(shortfall), math.inf)
         if entries:
@@ -250,4 +277,4 @@ class RoutingState:
             enough = last_released < len(entries)
             release[enough] = ends[last_released[enough]]
         release[shortfall <= 0] = -math.inf
-        self._link_release[links] = release
+        return release

@@ -275,7 +275,27 @@ class SchedulerCore:
             )
             session.prefill_planned = True
         self.tick(now)
+        if not session.admitted and session.hops:
+            self._log_wait(session, decision.wait)
         return self._with_slo(decision, rtts, max(shape.l_in, 1), now)
+
+    def _log_wait(self, session, wait: float) -> None:
+        """Why a routed session waits: its chain's room, as admission counts it (one line)."""
+        rooms = []
+        for hop in session.hops:
+            capacity, granted, announced = self.book.room(hop.peer_id)
+            free, needs = capacity - max(granted, announced), hop.num_blocks * session.units
+            rooms.append(
+                f"{hop.peer_id[-6:]} {free:.2f} of {capacity} slots free "
+                f"(granted {granted:.2f}, announced {announced:.2f}), needs {needs:.2f}"
+            )
+        logger.info(
+            "session %s waits for cache room (predicted %.2f s, %d waiting): %s",
+            session.session_id[:8],
+            wait,
+            self.book.num_waiting,
+            "; ".join(rooms),
+        )
 
     def _with_slo(self, decision: RouteDecision, rtts: Mapping[str, float], l_in: int, now: float):
         """With SLO targets: the session's expected TTFT and TPOT, and whether it misses them. A

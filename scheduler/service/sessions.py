@@ -14,8 +14,10 @@ client's local failover). A session of `batch x max_length` tokens takes
 reserves for it. (Rounded up to whole slots, sessions shorter than `l_in + l_out` held a whole one:
 on the Azure code trace's lengths 1.6 slots per session on average where the bytes need 1, so a
 server admitted 3 sessions where 5 fit, and sessions waited for room the servers had; BENCHMARKS.md,
-"Prefill/decode roles on the emulated swarm".) WS-RR's own state (eq. 20's expected waits) counts
-whole slots: each session there holds its fraction rounded to the nearest, at least 1.
+"Prefill/decode roles on the emulated swarm".) WS-RR routes each session for the room it needs
+(`RoutingState.route(units=)`): routed as a nominal session, a long one was sent to a server without
+room for it, and waited there while another had room. WS-RR's own state (eq. 20's expected waits)
+counts whole slots: each session there holds its fraction rounded to the nearest, at least 1.
 
 Sessions hold a lease: a client that vanishes without ending its session frees it when the lease
 runs out (clients renew it while they run).
@@ -156,7 +158,7 @@ class SessionBook:
             decision = self._route_petals(client_id, per_server, l_out)
         else:
             self._state.set_client_rtts(client_id, per_server)
-            route = self._state.route(client_id, l_out, now, prefill_scale)
+            route = self._state.route(client_id, l_out, now, prefill_scale, units)
             decision = None if route is None else (route.chain, route.wait, route.completion, route.cost)
         if decision is None:
             return None
@@ -339,6 +341,10 @@ class SessionBook:
         return expired
 
     # --- what operators see --------------------------------------------------------------------------
+    def room(self, peer: str) -> tuple[int, float, float]:
+        """(cache slots in all, slots granted by this scheduler, slots the server announces in use)."""
+        return self.capacity(peer), self._granted.get(peer, 0.0), self._announced_use.get(peer, 0.0)
+
     def granted(self, peer: str) -> float:
         return self._in_use(peer)
 

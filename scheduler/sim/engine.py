@@ -27,18 +27,25 @@ start the policy asked for that finds no cache room (sessions run longer than eq
 waits, as the live scheduler's admission does, until completions free its chain, in the order the
 starts were due and none overtaking an earlier one on a shared server. Without a service nothing of
 this runs and results are those of paper 000's model.
+
+`cache_units` (with a service) sizes each session's cache by its own lengths, as live servers and
+the live scheduler do (`scheduler/service/sessions.py`): a request holds `cache_units(request)` slots
+per block (a fraction: its `l_in + l_out` over the nominal session's), not one. Paper 000's model
+gives every session one nominal slot, so sessions of long prompts fit where their bytes would not
+(BENCHMARKS.md, "Prefill/decode roles on the emulated swarm": 4x the measured goodput predicted
+for a swarm whose decode servers hold two of its longest sessions).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.algorithms.problem import ModelSpec, ServerSpec
-from scheduler.algorithms.routing_graph import ChainHop, chain_fits
+from scheduler.algorithms.routing_graph import ChainHop
 from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.workload import Request
 from swarm.cost import HopCost, request_time
@@ -108,7 +115,7 @@ class RequestRecord:
 @dataclass
 class SimResult:
     records: list[RequestRecord]
-    peak_slots: list[int]  # most slots in use at each server at any time
+    peak_slots: list[float]  # most slots in use at each server at any time (fractions with `cache_units`)
     slot_capacity: list[int]
     events: int = 0
     memory_bytes_peak: list[float] = field(default_factory=list)  # s_m*m_j + s_c*peak_j (eq. 2 left side)
@@ -167,12 +174,17 @@ def simulate(
     requests: Sequence[Request],
     prefill: PrefillModel | None = None,
     service: Service | None = None,
+    cache_units: Callable[[Request], float] | None = None,
 ) -> SimResult:
     """Run every request to completion; raises SimulationError if one can never be served.
 
     `prefill`: charge each request the prefill of its own `l_in` (see `scheduler.sim.prefill`).
     `service`: serve started requests through it (contended servers) instead of by eq. 1.
+    `cache_units`: slots per block each request holds (default 1; see the module docstring).
     """
+    if cache_units is not None and service is None:
+        raise ValueError("sessions sized by their lengths wait for room: that needs a service")
+    units_of = cache_units or (lambda request: 1)
     capacity = list(dispatcher.slot_capacity())
     blocks = list(dispatcher.blocks_held())
     for j, server in enumerate(servers):  # eq. 2 at full cache use
@@ -180,8 +192,8 @@ def simulate(
             1 + 1e-12
         ):
             raise SimulationError(f"policy allocates more than M_j at server {server.name}")
-    used = [0] * len(servers)
-    peak = [0] * len(servers)
+    used: list[float] = [0] * len(servers)
+    peak: list[float] = [0] * len(servers)
     events: list[tuple[float, int, int, object]] = []
     order = itertools.count()
     attempts: dict[int, int] = {}
@@ -203,10 +215,12 @@ def simulate(
         service.bind(lambda time, callback, argument: push(time, _SERVICE, (callback, argument)), served)
 
     def start(request: Request, hops: tuple[ChainHop, ...], now: float) -> bool:
-        if not chain_fits(hops, [c - u for c, u in zip(capacity, used, strict=True)]):
+        units = units_of(request)
+        free = [c - u for c, u in zip(capacity, used, strict=True)]
+        if not all(free[h.server] >= h.num_blocks * units - 1e-9 for h in hops):
             return False
         for h in hops:
-            used[h.server] += h.num_blocks
+            used[h.server] += h.num_blocks * units
             peak[h.server] = max(peak[h.server], used[h.server])
         chain = service_hops(servers, hops, prefill, request.l_in)
         prefill_s = request_time(chain, 1)  # eq. 1 with l_out = 1: the prefill pass alone
@@ -274,7 +288,7 @@ def simulate(
             request = payload
             begin, first_token, hops = started.pop(request.id)
             for h in hops:
-                used[h.server] -= h.num_blocks
+                used[h.server] -= h.num_blocks * units_of(request)
             records.append(
                 RequestRecord(
                     request.id,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +116,10 @@ class WsRrRouting:
     (`scheduler.service.sessions`): as soon as its chain has room, waiting ones in predicted order,
     none overtaking an earlier one on a shared server. Without `lengths` (the oracle) eq. 20's
     start is exact, so a request starts at it (as before issue 38).
+
+    `cache_units` (the engine's, `scheduler.sim.engine.simulate`): each request is routed for the
+    room its own lengths need and recorded with it, as the live scheduler does; only without
+    `lengths` (the engine then admits it).
     """
 
     def __init__(
@@ -125,7 +129,11 @@ class WsRrRouting:
         setup_s: float,
         prefill: PrefillModel | None = None,
         lengths: LengthSource | None = None,
+        cache_units: Callable[[Request], float] | None = None,
     ):
+        if cache_units is not None and lengths is not None:
+            raise ValueError("sessions sized by their lengths are admitted by the engine: no `lengths`")
+        self.cache_units = cache_units
         self.state, self.spans, self.setup_s = state, list(spans), setup_s
         self.prefill = prefill  # the engine's per-request prefill, so recorded ends match its own
         self.lengths = lengths
@@ -145,7 +153,8 @@ class WsRrRouting:
     def on_arrival(self, request: Request, now: float, attempt: int, free_slots: Sequence[int]) -> Decision:
         self.state.end_session(request.id)  # re-decision after a start that found no room
         l_out = request.l_out if self.lengths is None else max(self.lengths.estimate(request), 1)
-        route = self.state.route(CLIENT, l_out, now)
+        units = 1.0 if self.cache_units is None else self.cache_units(request)
+        route = self.state.route(CLIENT, l_out, now, units=units)
         if route is None or not math.isfinite(route.wait):
             raise SimulationError(f"request {request.id}: no chain can ever serve it")
         start = now + route.wait
@@ -154,7 +163,10 @@ class WsRrRouting:
         # later eq. 20 waits are exact (with the oracle's l_out).
         hops = service_hops(self.state.servers, route.chain.hops, self.prefill, request.l_in)
         duration = request_time(hops, l_out)
-        self.state.add_session(request.id, route.slots_by_server(), start + duration)
+        slots = route.slots_by_server()
+        if self.cache_units is not None:  # the live book's whole slots (`scheduler.service.sessions`)
+            slots = {server: max(round(count * units), 1) for server, count in slots.items()}
+        self.state.add_session(request.id, slots, start + duration)
         if self.lengths is None:
             return StartAt(route.chain.hops, start)
         entry = (request, route.chain.hops, start, duration, next(self._order))
