@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from scheduler.algorithms.problem import Span
+from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from scheduler.plan_commands import place
 from scheduler.plan_io import dumps, parse_problem, problem_json
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings, r_changed
 from scheduler.service.runner import SchedulerConfig
+from scheduler.service.sessions import SessionBook
 from scheduler.service.view import ModelShape
 from swarm.errors import SwarmUserError
 from swarm.route_request import RouteRequest, SessionShape
@@ -265,6 +266,26 @@ def test_sessions_hold_the_slots_their_tokens_need():
     assert core.view.used_units("peer-a", core.view.model_spec()) == pytest.approx(2.4)
     # a session longer than a slot needs more than one
     assert core.book.units_for(batch_size=1, max_length=25) == pytest.approx(2.5)
+
+
+def test_a_session_past_its_expected_end_still_holds_its_room():
+    """A session running past its predicted end is still there: a new session goes to the server
+    with room (before, eq. 20 counted the overdue session's room as free, predicted no wait, and
+    sent the new one to the full server to wait there)."""
+    model = ModelSpec(num_blocks=2, block_bytes=10.0, cache_bytes=1.0)
+    specs = [
+        ServerSpec(name, 22.0, tau=tau, tau_prefill=tau, rtt={"c": 0.01}, rtt_prefill={"c": 0.01})
+        for name, tau in (("fast", 0.001), ("slow", 0.002))
+    ]  # 2 slots each: one session of both blocks
+    book = SessionBook(lease_s=60.0, slot_tokens=10)
+    book.set_servers(["fast", "slow"], specs, model, [Span(0, 2), Span(0, 2)], {})
+    first = book.route("s1", "c", {"fast": 0.01, "slow": 0.01}, 4, 1.0, now=0.0)
+    assert [hop.peer_id for hop in first.session.hops] == ["fast"]
+    assert book.admit_ready(0.0) == ["s1"]
+    late = first.session.ends_at + 5.0  # s1 has not ended: its client still generates
+    second = book.route("s2", "c", {"fast": 0.01, "slow": 0.01}, 4, 1.0, now=late)
+    assert [hop.peer_id for hop in second.session.hops] == ["slow"]
+    assert book.admit_ready(late) == ["s2"]
 
 
 def test_r_hysteresis():
