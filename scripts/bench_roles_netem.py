@@ -364,6 +364,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", default="results/roles_netem.json", help="the raw results (JSON)")
     parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
+    parser.add_argument("--label", default="", help="added to the report's row names (what this run changed)")
     args = parser.parse_args()
     if args.command == "measure":
         measure(args)

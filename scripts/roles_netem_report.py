@@ -157,6 +157,8 @@ def table(raw_files: list[dict], slo: Slo, plans: list[str]) -> list[str]:
         # every server's announced prefill time measured on this prompt length (default: 20 tokens)
         if a.get("prefill_tokens"):
             routed += f", prefill measured at {a['prefill_tokens']} tokens"
+        if a.get("label"):
+            routed += f", {a['label']}"
         for row in rows:
             sim = row["sim"]
             handed = f"{row['handed']}" + (f" (+{row['replayed']} replayed)" if row["replayed"] else "")
