@@ -165,6 +165,9 @@ class SessionBook:
         else:
             self._state.set_client_rtts(client_id, per_server)
             route = self._state.route(client_id, l_out, now, prefill_scale, units)
+            if route is None:  # no chain ever has its room: route it as nominal, and let the caller
+                # refuse it naming the server too small (`SchedulerCore._chain_cannot_hold`)
+                route = self._state.route(client_id, l_out, now, prefill_scale)
             decision = None if route is None else (route.chain, route.wait, route.completion, route.cost)
         if decision is None:
             return None
