@@ -57,6 +57,19 @@ class _Session:
     lease_expires_at: float | None
 
 
+# A session still running past its expected end holds its room this share of its predicted run time
+# more (at least OVERDUE_MIN_S), re-estimated whenever it is overdue again: counted as gone, its room
+# looks free, eq. 20 predicts no wait, and a new session goes to a full server while another has
+# room (netem, BENCHMARKS.md "Prefill/decode roles on the emulated swarm").
+OVERDUE_SHARE = 0.25
+OVERDUE_MIN_S = 0.05
+
+
+def overdue_end(now: float, run_time: float) -> float:
+    """The re-estimated end of a session that is still running at `now`, past its expected end."""
+    return now + max(OVERDUE_SHARE * run_time, OVERDUE_MIN_S)
+
+
 def link_request_time(
     rtt_prefill: np.ndarray,
     tau_prefill: np.ndarray,

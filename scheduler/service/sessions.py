@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 from scheduler.algorithms import petals
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, placement_cache_slots
-from scheduler.algorithms.wsrr import RoutingState
+from scheduler.algorithms.wsrr import RoutingState, overdue_end
 from scheduler.service.chain_routing import (
     LiveChain,
     compose_live_chains,
@@ -46,11 +46,6 @@ from scheduler.service.chain_routing import (
 from scheduler.service.durations import DurationCalibration
 from scheduler.service.session_records import RouteDecision, SessionRecord
 from swarm.route_request import RouteHop
-
-# a session past its expected end is expected to run this share of its predicted run time more
-# (at least OVERDUE_MIN_S), re-estimated whenever it is overdue again
-OVERDUE_SHARE = 0.25
-OVERDUE_MIN_S = 0.05
 
 
 class SessionBook:
@@ -230,9 +225,7 @@ class SessionBook:
             return
         for session in self.sessions.values():
             if session.admitted and session.ends_at <= now:
-                session.ends_at = now + max(
-                    OVERDUE_SHARE * session.service * self.durations.scale, OVERDUE_MIN_S
-                )
+                session.ends_at = overdue_end(now, session.service * self.durations.scale)
                 self._state.reschedule(session.session_id, session.ends_at)
 
     def _route_petals(self, client_id: str, per_server_rtt: list[float], l_out: int):

@@ -34,7 +34,7 @@ from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slot
 from scheduler.algorithms.routing_graph import ChainHop, chain_fits
 from scheduler.algorithms.tuning import compose, tune_capacity
 from scheduler.algorithms.windows import lexicographic_min_window
-from scheduler.algorithms.wsrr import RoutingState
+from scheduler.algorithms.wsrr import RoutingState, overdue_end
 from scheduler.sim.engine import CLIENT, Decision, Queued, RetryAt, SimulationError, StartAt, service_hops
 from scheduler.sim.length_info import LengthSource
 from scheduler.sim.prefill import PrefillModel
@@ -118,7 +118,8 @@ class WsRrRouting:
     start is exact, so a request starts at it (as before issue 38).
 
     `cache_units` (the engine's, `scheduler.sim.engine.simulate`): each request is routed for the
-    room its own lengths need and recorded with it, as the live scheduler does; only without
+    room its own lengths need and recorded with it, and a request running past its expected end
+    holds its room a while longer (`wsrr.overdue_end`), as the live scheduler does; only without
     `lengths` (the engine then admits it).
     """
 
@@ -141,6 +142,7 @@ class WsRrRouting:
         self._waiting: dict[int, tuple[Request, tuple[ChainHop, ...], float, float, int]] = {}
         self._services: dict[int, float] = {}  # predicted run time of each request admitted, not started
         self._running: dict[int, tuple[ChainHop, ...]] = {}
+        self._expected: dict[int, tuple[float, float]] = {}  # with cache_units: (end, run time) by id
         self._free = [self.state.cache_slots(j) for j in range(len(self.spans))]
         self._order = itertools.count()
 
@@ -152,6 +154,7 @@ class WsRrRouting:
 
     def on_arrival(self, request: Request, now: float, attempt: int, free_slots: Sequence[int]) -> Decision:
         self.state.end_session(request.id)  # re-decision after a start that found no room
+        self._hold_overdue(now)
         l_out = request.l_out if self.lengths is None else max(self.lengths.estimate(request), 1)
         units = 1.0 if self.cache_units is None else self.cache_units(request)
         route = self.state.route(CLIENT, l_out, now, units=units)
@@ -167,6 +170,8 @@ class WsRrRouting:
         if self.cache_units is not None:  # the live book's whole slots (`scheduler.service.sessions`)
             slots = {server: max(round(count * units), 1) for server, count in slots.items()}
         self.state.add_session(request.id, slots, start + duration)
+        if self.cache_units is not None:
+            self._expected[request.id] = (start + duration, duration)
         if self.lengths is None:
             return StartAt(route.chain.hops, start)
         entry = (request, route.chain.hops, start, duration, next(self._order))
@@ -177,6 +182,12 @@ class WsRrRouting:
             return StartAt(entry[1], now)
         self._waiting[request.id] = entry
         return Queued()
+
+    def _hold_overdue(self, now: float) -> None:
+        for request_id, (end, run_time) in list(self._expected.items()):
+            if end <= now:
+                self._expected[request_id] = (overdue_end(now, run_time), run_time)
+                self.state.reschedule(request_id, self._expected[request_id][0])
 
     def on_start(self, request: Request, hops: tuple[ChainHop, ...], now: float, finish: float) -> None:
         if self.lengths is None:
@@ -189,6 +200,7 @@ class WsRrRouting:
 
     def on_finish(self, request: Request, now: float) -> list[tuple[Request, tuple[ChainHop, ...]]]:
         self.state.end_session(request.id)
+        self._expected.pop(request.id, None)
         if self.lengths is None:
             return []
         self.lengths.observe(request)
