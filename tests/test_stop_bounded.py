@@ -110,6 +110,9 @@ def test_sigterm_stops_every_command_and_what_it_started_in_bounded_time(llama_d
         for command in commands.values():
             dht_process, p2pd = _dht_process(command)
             (dht_process if frozen == "dht-process" else p2pd).send_signal(signal.SIGSTOP)
+        # let each command's loop call its frozen DHT first (the scheduler reads its roster every 2 s):
+        # a stop asked during a DHT call that never returns must be bounded too (it once was not)
+        time.sleep(2.5)
         asked = time.monotonic()
         for command in commands.values():
             command.send_signal(signal.SIGTERM)

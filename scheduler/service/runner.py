@@ -30,8 +30,12 @@ from swarm.dht_records import RosterReader, publish_scheduler
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from swarm.until_stop import Stopped, until_stop
 
 logger = logging.getLogger(__name__)
+
+
+ROSTER_READ_TIMEOUT = 10.0  # seconds a roster read may take before the next round retries
 
 
 @dataclass
@@ -152,13 +156,17 @@ class SchedulerService:
                 if now - last_read >= config.roster_read_period:
                     last_read = now
                     started = time.perf_counter()
-                    roster = await self.roster.read()
+                    # bounded, and given up at a stop: a DHT that stopped answering must hold
+                    # neither routing (`api.pump` runs in this loop) nor the scheduler's stop
+                    roster = await until_stop(self.roster.read(), self._stop, ROSTER_READ_TIMEOUT)
                     read = time.perf_counter()
                     self.core.update_roster(roster, now)
                     self.metrics.refresh.labels(part="read").set(read - started)
                 started = time.perf_counter()
                 self.core.review(now)
                 self.metrics.refresh.labels(part="review").set(time.perf_counter() - started)
+            except Stopped:
+                break
             except Exception as error:  # a flaky DHT read must not stop routing; next round retries
                 logger.warning("roster update failed: %s", error or type(error).__name__)
             self.api.pump()
