@@ -32,11 +32,9 @@ from swarm.dht_records import fetch_roster_async
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
-from swarm.until_stop import Stopped, until_stop
+from swarm.until_stop import DHT_READ_TIMEOUT, Stopped, until_stop
 
 logger = logging.getLogger(__name__)
-
-READ_TIMEOUT = 10.0  # seconds a roster read may take before the next refresh retries
 
 EXAMPLES = """examples:
   swarm-health --initial-peers $(head -1 dht.maddrs) --model-dir models/tiny-llama --port 8080
@@ -109,7 +107,7 @@ async def serve(args: argparse.Namespace, prefix: str, shape: ModelShape, limits
         try:
             while not stop.is_set():
                 try:  # bounded, and given up at a stop (a DHT that stopped answering must not hold it)
-                    await until_stop(monitor.refresh(), stop, READ_TIMEOUT)
+                    await until_stop(monitor.refresh(), stop, DHT_READ_TIMEOUT)
                 except Stopped:
                     break
                 except Exception as error:  # keep serving the last view; the next read may work

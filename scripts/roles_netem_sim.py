@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from table2.plans import measured_times  # noqa: F401  (the measured side, shared with Table 2)
 
 from scheduler.algorithms.problem import Span
 from scheduler.algorithms.wsrr import RoutingState
@@ -201,20 +202,6 @@ def planner_choice(swarm: EmulatedSwarm, slo: Slo, l_in: int, l_out: int, reques
 
 
 # --- measured runs ------------------------------------------------------------------------------------------
-def measured_times(rows: Sequence[dict]) -> tuple[list[float], list[float], int]:
-    """Per finished request its TTFT and TPOT (docs/reference.md 6: the mean gap after the first token),
-    and how many failed (a failed request misses its SLOs)."""
-    ttft, tpot, failed = [], [], 0
-    for row in rows:
-        if "error" in row or "first_token" not in row:
-            failed += 1
-            continue
-        ttft.append(row["first_token"] - row["arrival"])
-        decode = max(row["l_out"] - 1, 1)
-        tpot.append((row["finish"] - row["first_token"]) / decode if row["l_out"] > 1 else 0.0)
-    return ttft, tpot, failed
-
-
 def attainment(ttft: Sequence[float], tpot: Sequence[float], failed: int, slo: Slo) -> float:
     """Share of all requests (failed ones count as misses) within both targets."""
     total = len(ttft) + failed

@@ -13,6 +13,8 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+DHT_READ_TIMEOUT = 10.0  # seconds a periodic roster read may take before the next round retries
+
 
 class Stopped(Exception):
     """A stop was asked before the awaited call answered (the call was cancelled)."""

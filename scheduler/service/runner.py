@@ -30,12 +30,9 @@ from swarm.dht_records import RosterReader, publish_scheduler
 from swarm.errors import SwarmUserError
 from swarm.model_limits import ModelLimits
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
-from swarm.until_stop import Stopped, until_stop
+from swarm.until_stop import DHT_READ_TIMEOUT, Stopped, until_stop
 
 logger = logging.getLogger(__name__)
-
-
-ROSTER_READ_TIMEOUT = 10.0  # seconds a roster read may take before the next round retries
 
 
 @dataclass
@@ -158,7 +155,7 @@ class SchedulerService:
                     started = time.perf_counter()
                     # bounded, and given up at a stop: a DHT that stopped answering must hold
                     # neither routing (`api.pump` runs in this loop) nor the scheduler's stop
-                    roster = await until_stop(self.roster.read(), self._stop, ROSTER_READ_TIMEOUT)
+                    roster = await until_stop(self.roster.read(), self._stop, DHT_READ_TIMEOUT)
                     read = time.perf_counter()
                     self.core.update_roster(roster, now)
                     self.metrics.refresh.labels(part="read").set(read - started)

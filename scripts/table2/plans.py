@@ -100,10 +100,10 @@ def check_slo(value: float | None, flag: str) -> None:
 
 def measured_times(per_request: Sequence[dict]) -> tuple[list[float], list[float], int]:
     """TTFT and TPOT of the load generator's answered requests (docs/reference.md 6: TPOT over the
-    tokens after the first), and how many failed."""
+    tokens after the first), and how many failed (an error, or no first token)."""
     ttft, tpot, failed = [], [], 0
     for request in per_request:
-        if "error" in request:
+        if "error" in request or "first_token" not in request:
             failed += 1
             continue
         ttft.append(request["first_token"] - request["arrival"])
