@@ -71,12 +71,20 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
 
         with closing(writer):
             processing = asyncio.create_task(process())
+            client_ended = False  # the client sent its end-of-stream marker: nothing more will come
             try:
                 while True:
                     receiving = asyncio.create_task(_receive(reader, limit, waiting))
                     await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                     if processing.done():
                         receiving.cancel()
+                        await asyncio.gather(receiving, return_exceptions=True)
+                        if not client_ended:
+                            # the handler ended first (an error, a refused push): the client may still
+                            # be sending, and closing on unread data resets the stream, which can
+                            # overtake the reply just written; let the client read it, as below
+                            with suppress(Exception):
+                                await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
                         return
                     try:
                         request = await receiving
@@ -92,6 +100,7 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
                             await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
                         return
                     waiting.clear()  # set again only once the handler asks for what follows this one
+                    client_ended = request is None
                     await requests.put(request)  # None: the client ended its side of the stream
             except Exception:
                 logger.warning("inference stream failed while receiving", exc_info=True)

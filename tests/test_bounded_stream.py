@@ -62,3 +62,43 @@ def test_a_chunk_the_handler_does_not_allow_is_still_refused_unread():
     error = decode_metadata(refusal)
     assert error["type"] == "error" and error["code"] == "bad_request"
     assert "exceeds this session's limit of 65,536" in error["message"]
+
+
+async def refusing_handler(requests, context, limit):
+    """Refuses at the first message, as a cache receiver refuses a header, and ends the stream."""
+    await anext(requests)
+    yield runtime_pb2.ExpertResponse(metadata=b"refused")
+
+
+async def reply_while_client_still_sends(rounds: int) -> list[bytes]:
+    """A header, then messages the handler never reads: each round's one reply must reach the client."""
+    server = await P2P.create()
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    replies = []
+    try:
+        await add_bounded_stream_handler(server, HANDLE, refusing_handler)
+        for _ in range(rounds):
+            _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLE)
+            try:
+                await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=b"header"), writer)
+                for _ in range(8):
+                    await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=b"x" * 60_000), writer)
+            except ConnectionError:
+                pass
+            try:
+                receiving = P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+                reply, _ = await asyncio.wait_for(receiving, 30)
+                replies.append(reply.metadata)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                replies.append(b"closed")
+            writer.close()
+        return replies
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+def test_a_handler_that_ends_first_still_gets_its_reply_to_a_client_that_is_still_sending():
+    """A refused cache push lost its error (CI, once): the server closed the stream while the sender's
+    chunk was unread, and the stream's reset overtook the reply. The server now lets the client read."""
+    assert asyncio.run(reply_while_client_still_sends(10)) == [b"refused"] * 10
