@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 
 from client.stream import ServerStream, StepInput
+from swarm.handoff_wire import HandOff
 from swarm.prefill_cost import announced_rate, choose_prefill_server, hop_prefill_costs, prefill_seconds
 from swarm.route_request import RouteHop
 
@@ -134,6 +135,18 @@ class DisaggregatedPrefill:
         decode = {index: self.streams[index] for index in plan}
         for index, stream in plan.items():
             self.streams[index] = stream
+        # each prefill server pushes its cache while the prompt runs (Splitwise's streaming): asked
+        # before the step, it sends every chunk of the prompt's cache as soon as it is computed
+        orders = {}
+        for index, stream in plan.items():
+            target = decode[index]
+            try:
+                allowed = self._handoff_allowed(stream, target, step.end)
+                orders[index] = await stream.follow(
+                    target, target.cache_token, allowed, step.end, self._timeout
+                )
+            except Exception as error:  # the step after it fails over this hop as any failed step does
+                logger.info("session %s: no streamed hand-off (%s)", self.session_id[:8], error)
         try:
             output = await self._chain_step(step)
         except BaseException:
@@ -147,7 +160,7 @@ class DisaggregatedPrefill:
             index for index, stream in enumerate(self.streams) if index in plan and stream is plan[index]
         ]
         results = await asyncio.gather(
-            *(self._hand_prefill(self.streams[index], decode[index]) for index in handed),
+            *(self._hand_prefill(self.streams[index], decode[index], orders.get(index)) for index in handed),
             return_exceptions=True,
         )
         by_hop = dict(zip(handed, results, strict=True))
@@ -168,16 +181,31 @@ class DisaggregatedPrefill:
         self.streams = chain
         return output
 
-    async def _hand_prefill(self, prefill: ServerStream, target: ServerStream) -> list[ServerStream]:
-        """`target` holding `prefill`'s cache: handed off, else rebuilt by replay, else a failover."""
-        timeout = self.connection.options.request_timeout
-        servers = self.connection.known_servers
-        blocks = target.hop.end - target.hop.start
-        info = servers.get(target.hop.peer_id)
-        allowed = prefill_seconds(info, prefill.length) * blocks if info is not None else timeout
-        how = "hand-off"
+    @property
+    def _timeout(self) -> float:
+        return self.connection.options.request_timeout
+
+    def _handoff_allowed(self, prefill: ServerStream, target: ServerStream, length: int) -> float:
+        """How long a hand-off of `length` positions may take: the decode server's own prefill of them
+        (what a replay costs instead), at least 0.5 s; the request timeout if it is unknown."""
+        info = self.connection.known_servers.get(target.hop.peer_id)
+        if info is None:
+            return self._timeout
+        return max(prefill_seconds(info, length) * (target.hop.end - target.hop.start), 0.5)
+
+    async def _hand_prefill(
+        self, prefill: ServerStream, target: ServerStream, order: HandOff | None
+    ) -> list[ServerStream]:
+        """`target` holding `prefill`'s cache: handed off (streamed during the prompt under `order`,
+        else pushed now), else rebuilt by replay, else a failover."""
+        timeout = self._timeout
+        how = "hand-off" if order is None else "hand-off streamed during the prompt"
         try:
-            reply = await prefill.hand_off(target, target.cache_token, max(allowed, 0.5), timeout)
+            if order is not None:
+                reply = await prefill.handed_off(order, target, timeout)
+            else:
+                allowed = self._handoff_allowed(prefill, target, prefill.length)
+                reply = await prefill.hand_off(target, target.cache_token, allowed, timeout)
             rate = reply.bytes / max(reply.seconds, 1e-6)
             self.connection.link_rates[(prefill.hop.peer_id, target.hop.peer_id)] = rate
         except Exception as error:

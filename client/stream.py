@@ -130,21 +130,44 @@ class ServerStream:
         """Ask this server to push the accepted part of its cache to `target` (opened with this
         server as `cache_from` and `token`); once done, `target` continues the session with this
         stream's history (what a later failover of `target` replays)."""
+        order = self._hand_off_order(target, token, max_seconds, self.length, follow=False)
+        await self._send(encode(order), timeout)
+        return await self.handed_off(order, target, timeout)
+
+    async def follow(
+        self, target: ServerStream, token: str, max_seconds: float, length: int, timeout: float
+    ) -> HandOff:
+        """Ask this server to push to `target` the cache of positions `[0, length)` as the next step
+        computes them (`HandOff.follow`); send that step next, then await `handed_off`."""
+        order = self._hand_off_order(target, token, max_seconds, length, follow=True)
+        await self._send(encode(order), timeout)
+        return order
+
+    async def handed_off(self, order: HandOff, target: ServerStream, timeout: float) -> HandedOff:
+        """The server's answer to `order` (after the step's, for a following one)."""
+        reply = await self._receive(timeout + order.max_seconds, HandedOff)
+        if (
+            reply.handoff_id != order.handoff_id
+            or reply.length != order.length
+            or order.length != self.length
+        ):
+            raise StreamFailure(self.hop.peer_id, f"the server answered hand-off {reply.handoff_id}")
+        target.history, target.length = list(self.history), self.length
+        return reply
+
+    def _hand_off_order(
+        self, target: ServerStream, token: str, max_seconds: float, length: int, follow: bool
+    ) -> HandOff:
         self.steps_sent += 1
-        order = HandOff(
+        return HandOff(
             handoff_id=f"handoff#{self.steps_sent}",
             target_peer=target.hop.peer_id,
             target_session=target.session_id,
             token=token,
-            length=self.length,
+            length=length,
             max_seconds=max_seconds,
+            follow=follow,
         )
-        await self._send(encode(order), timeout)
-        reply = await self._receive(timeout + max_seconds, HandedOff)
-        if reply.handoff_id != order.handoff_id or reply.length != self.length:
-            raise StreamFailure(self.hop.peer_id, f"the server answered hand-off {reply.handoff_id}")
-        target.history, target.length = list(self.history), self.length
-        return reply
 
     async def _send(self, request, timeout: float) -> None:
         if self._writer is None:

@@ -3,11 +3,12 @@
 A push is accepted only for a session its client opened to receive one (`Open.cache_token` and
 `Open.cache_from`), only from the peer the client named, only with the client's token, only before the
 session's first step, and only once at a time. Every chunk is checked before it is written: its place
-(block by block, positions in order, nothing past the pushed length or the session's max_length), its
-shapes (the session's batch, KV heads and head size), a float dtype and finite values. The stream is
-bounded in message size (`StreamLimit`), in idle time between messages and in total time. Whatever
-fails, the session is left as it was opened (empty, no extra memory held), so the client can replay
-into it; an accepted push leaves it at the pushed length, ready for the client's next step.
+(each block's positions in order without gaps, nothing past the pushed length or the session's
+max_length), its shapes (the session's batch, KV heads and head size), a float dtype and finite
+values. The stream is bounded in message size (`StreamLimit`), in idle time between messages and in
+total time. Whatever fails, the session is left as it was opened (empty, no extra memory held), so
+the client can replay into it; an accepted push leaves it at the pushed length, ready for the
+client's next step.
 """
 
 from __future__ import annotations
@@ -121,25 +122,28 @@ def _release(session: Session | None) -> None:
 
 
 class _CacheWriter:
-    """Writes checked chunks into the session's cache, block by block, positions in order."""
+    """Writes checked chunks into the session's cache: each block's positions in order, no gaps."""
 
     def __init__(self, session: Session, length: int):
         self.session, self.length = session, length
         cache = session.cache
         self.shape = (cache.batch_size, cache.keys[0].shape[1], cache.keys[0].shape[3])  # batch, heads, dim
-        self.block, self.position = 0, 0
+        self.held = [0] * cache.num_blocks  # positions each block holds so far
+        self.left = cache.num_blocks  # blocks not yet at the pushed length
 
     @property
     def done(self) -> bool:
-        return self.block == self.session.cache.num_blocks
+        return self.left == 0
 
     def write(self, chunk: CacheChunk, tensors: list[torch.Tensor]) -> int:
-        if chunk.block != self.block or chunk.position != self.position:
+        if chunk.block >= len(self.held) or chunk.position != self.held[chunk.block]:
+            expected = "a block of the session" if chunk.block >= len(self.held) else self.held[chunk.block]
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
-                f"expected block {self.block} at position {self.position}, got block {chunk.block} "
-                f"at {chunk.position}",
+                f"block {chunk.block} at position {chunk.position}: expected {expected} "
+                f"({len(self.held)} blocks, each in order)",
             )
+        self.block, self.position = chunk.block, chunk.position
         if len(tensors) != 2:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"a chunk carries keys and values, got {len(tensors)}")
         keys, values = tensors
@@ -170,7 +174,7 @@ class _CacheWriter:
         end = self.position + count
         cache.keys[self.block][:, :, self.position : end] = keys.to(cache.keys[self.block])
         cache.values[self.block][:, :, self.position : end] = values.to(cache.values[self.block])
-        self.position = end
+        self.held[self.block] = end
         if end == self.length:
-            self.block, self.position = self.block + 1, 0
+            self.left -= 1
         return end

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from server.cache_progress import CacheProgress
 from server.cache_receiver import ChunkAck
 from server.session import Session
 from swarm.handoff_wire import CHUNK_BYTES, CacheAccepted, CacheChunk, HandOff, PushCache
@@ -26,6 +27,7 @@ from swarm.wire import Error, ErrorCode, ProtocolError, decode_metadata, encode,
 WINDOW = 2  # chunks in flight: keeps the link busy while acknowledgements measure it
 REPLY_TIMEOUT = 30.0  # seconds to wait for any one answer of B
 PROBE_SECONDS = 0.2  # judge the link only after this long (and one acknowledgement)
+FOLLOW_TIMEOUT = 120.0  # seconds a push following a prompt waits for its next chunk to be computed
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,18 @@ class HandOffTooSlow(ProtocolError):
         )
 
 
-async def push_cache(p2p: P2P, handle_name: str, session: Session, order: HandOff) -> PushResult:
+async def push_cache(
+    p2p: P2P, handle_name: str, session: Session, order: HandOff, progress: CacheProgress | None = None
+) -> PushResult:
     """Push positions `[0, order.length)` of `session`'s cache to `order.target_session` on
-    `order.target_peer`; raises ProtocolError (B refused, or too slow) or a transport error."""
+    `order.target_peer`; raises ProtocolError (B refused, or too slow) or a transport error.
+
+    Without `progress` the positions are computed: they go block by block. With it (`HandOff.follow`)
+    they are being computed by the session's prompt: each range goes, every block of it, once the
+    prompt's chunk that computes it is done; the pace is judged only from the prompt's end (before,
+    the push waits for compute, not for the link)."""
     cache = session.cache
-    if order.length > cache.length:
+    if progress is None and order.length > cache.length:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"cannot hand off {order.length} positions: the cache holds {cache.length}"
         )
@@ -60,22 +69,38 @@ async def push_cache(p2p: P2P, handle_name: str, session: Session, order: HandOf
         p2p.call_binary_stream_handler(peer, handle_name), REPLY_TIMEOUT
     )
     started = time.monotonic()
+    pace = _Pace(total, order.max_seconds)
+    in_flight: deque[int] = deque()  # bytes of each chunk sent and not yet acknowledged
+
+    async def send(block: int, position: int, end: int) -> None:
+        keys = cache.keys[block][:, :, position:end].contiguous()
+        values = cache.values[block][:, :, position:end].contiguous()
+        chunk = CacheChunk(block=block, position=position)
+        await P2P.send_protobuf(encode(chunk, [keys, values]), writer)
+        in_flight.append(per_position * (end - position))
+        while len(in_flight) >= WINDOW:
+            await receive_reply(reader, ChunkAck)
+            pace.acked += in_flight.popleft()
+            pace.check()
+
     try:
         header = PushCache(session_id=order.target_session, token=order.token, length=order.length)
         await P2P.send_protobuf(encode(header), writer)
-        acked, in_flight = 0, deque()  # bytes of each chunk sent and not yet acknowledged
-        for block in range(cache.num_blocks):
-            for position in range(0, order.length, positions):
-                end = min(position + positions, order.length)
-                keys = cache.keys[block][:, :, position:end].contiguous()
-                values = cache.values[block][:, :, position:end].contiguous()
-                chunk = CacheChunk(block=block, position=position)
-                await P2P.send_protobuf(encode(chunk, [keys, values]), writer)
-                in_flight.append(per_position * (end - position))
-                while len(in_flight) >= WINDOW:
-                    await receive_reply(reader, ChunkAck)
-                    acked += in_flight.popleft()
-                    _check_pace(started, acked, total, order.max_seconds)
+        if progress is None:
+            pace.start()
+            for block in range(cache.num_blocks):
+                for position in range(0, order.length, positions):
+                    await send(block, position, min(position + positions, order.length))
+        else:
+            sent = 0
+            while sent < order.length:
+                ready = min(await progress.wait_beyond(sent, FOLLOW_TIMEOUT), order.length)
+                if ready == order.length:
+                    pace.start()  # the prompt is done: from here the link alone sets the pace
+                for position in range(sent, ready, positions):
+                    for block in range(cache.num_blocks):
+                        await send(block, position, min(position + positions, ready))
+                sent = ready
         for _ in range(len(in_flight)):
             await receive_reply(reader, ChunkAck)
         await receive_reply(reader, CacheAccepted)
@@ -86,14 +111,29 @@ async def push_cache(p2p: P2P, handle_name: str, session: Session, order: HandOf
         writer.close()
 
 
-def _check_pace(started: float, acked: int, total: int, allowed: float) -> None:
-    elapsed = time.monotonic() - started
-    if elapsed < PROBE_SECONDS or acked <= 0:
-        return
-    rate = acked / elapsed
-    projected = total / rate
-    if projected > allowed:
-        raise HandOffTooSlow(projected, rate, allowed)
+class _Pace:
+    """Bytes B acknowledged since the pace started, and whether the rest would fit in `allowed` s."""
+
+    def __init__(self, total: int, allowed: float):
+        self.total, self.allowed = total, allowed
+        self.acked = 0
+        self.started: float | None = None
+        self.base = 0  # bytes acknowledged when it started
+
+    def start(self) -> None:
+        if self.started is None:
+            self.started, self.base = time.monotonic(), self.acked
+
+    def check(self) -> None:
+        if self.started is None:
+            return
+        elapsed, acked = time.monotonic() - self.started, self.acked - self.base
+        if elapsed < PROBE_SECONDS or acked <= 0:
+            return
+        rate = acked / elapsed
+        projected = (self.total - self.base) / rate
+        if projected > self.allowed:
+            raise HandOffTooSlow(projected, rate, self.allowed)
 
 
 async def receive_reply(

@@ -80,6 +80,7 @@ class _Step:
     outputs: list = field(default_factory=list)  # the computed chunks' outputs
     started: bool = False  # its future is running (a chunked prefill's first chunk has run)
     expected_ahead: int | None = None  # learned decode work left (`ahead`); None: the cache room
+    progress: Callable[[int], None] | None = None  # told each chunk's end position (a following push)
 
     def __post_init__(self) -> None:
         # batchable: one new token that is itself not padding (a masked-out query has no key to
@@ -187,13 +188,23 @@ class BatchingEngine:
         padding_mask: torch.Tensor | None = None,
         adapter: str | None = None,
         ahead: int | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> Future:
         """Queue `span(hidden, cache, position, padding_mask)` with LoRA `adapter` (None: none); the
         future gets its output (in `hidden`'s dtype) or its exception. `ahead`: the tokens this
         session is expected to decode still, this one included (`server.session_lengths`; None: its
-        cache room)."""
+        cache room). `progress`: called on the compute thread with the end position of each finished
+        chunk of a prefill (`server.cache_progress`)."""
         step = _Step(
-            span, cache, hidden, position, padding_mask, self._clock(), adapter, expected_ahead=ahead
+            span,
+            cache,
+            hidden,
+            position,
+            padding_mask,
+            self._clock(),
+            adapter,
+            expected_ahead=ahead,
+            progress=progress,
         )
         if not step.decode:
             step.chunk = self.prefill_chunk
@@ -353,6 +364,8 @@ class BatchingEngine:
         step.outputs.append(output.to(step.hidden.device, step.hidden.dtype))
         step.done += hidden.shape[1]
         self.stats.prefill_chunks += 1
+        if step.progress is not None:
+            step.progress(position + hidden.shape[1])
         if step.done == step.hidden.shape[1]:
             step.future.set_result(torch.cat(step.outputs, dim=1))
             return
@@ -409,6 +422,8 @@ class BatchingEngine:
             with adapter_rows(step.span, [step.adapter] * step.rows):
                 output = step.span(step.hidden, step.cache, step.position, step.padding_mask)
             self._delay(step.cache, step.hidden.shape[0] * step.hidden.shape[1])
+            if step.progress is not None:
+                step.progress(step.position + step.hidden.shape[1])
             step.future.set_result(output.to(step.hidden.device, step.hidden.dtype))
         except Exception as error:
             step.future.set_exception(error)

@@ -150,6 +150,7 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         peer = str(context.remote_id)
         session: Session | None = None
+        following = None  # a push that follows the next step (`HandOff.follow`), until that step ran
         try:
             first = await self._next_request(requests)
             if first is None:
@@ -180,8 +181,22 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
                 if request is None:
                     return  # the client closed its side: the session is over
                 kind = _message_type(request)
+                if following is not None:  # a push follows this session's prompt: its step must come now
+                    stepped = kind not in ("hand_off", "replay")
+                    if stepped:
+                        yield await self._step(session, request)
+                    yield await self._end_follow(session, following, stepped)
+                    following = None
+                    if stepped:
+                        continue
                 if kind == "hand_off":
-                    yield await self._hand_off(session, request)
+                    try:
+                        following = self._begin_follow(session, request)
+                    except ProtocolError as error:
+                        yield self._error(error.code, str(error))
+                        continue
+                    if following is None:
+                        yield await self._hand_off(session, request)
                     continue
                 if kind != "replay":
                     yield await self._step(session, request)
@@ -206,6 +221,10 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
             with contextlib.suppress(Exception):
                 yield self._error(ErrorCode.SESSION_EXPIRED, "session idle for too long")
         finally:
+            if following is not None and following.task is not None:
+                if session is not None and session.progress is not None:
+                    session.progress.abandon()
+                following.task.cancel()
             if session is not None:
                 self._close(session)
 
@@ -380,8 +399,16 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
         self.lengths.saw_step(session, position, hidden.shape[1])
         if self.engine is not None and prompts is None:  # prompted steps (a prefix's prefill) run alone
             ahead = self.lengths.ahead(session, position) if hidden.shape[1] == 1 else None
+            progress = session.progress.advance if session.progress is not None else None
             output = await self.engine.run(
-                self.span, session.cache, hidden, position, padding_mask, session.adapter, ahead=ahead
+                self.span,
+                session.cache,
+                hidden,
+                position,
+                padding_mask,
+                session.adapter,
+                ahead=ahead,
+                progress=progress,
             )
         else:
             thread_delay = self.compute_delay - self.overlap_delay
@@ -396,6 +423,8 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
                 return output.to(hidden.device, hidden.dtype)  # back to the wire's CPU tensors
 
             output = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+            if session.progress is not None:
+                session.progress.advance(position + hidden.shape[1])
         if self.overlap_delay:
             await asyncio.sleep(self.overlap_delay * session.cache.num_blocks)
         return output

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from server.bounded_stream import add_bounded_stream_handler
+from server.cache_progress import CacheProgress
 from server.cache_receiver import receive_cache
-from server.cache_sender import push_cache
+from server.cache_sender import REPLY_TIMEOUT, PushResult, push_cache
 from server.link_probes import PROBE_HANDLE, receive_probe
 from server.session import Session
 from swarm.handoff_wire import HandedOff, HandOff
@@ -87,9 +90,71 @@ class HandOffRpcs:
         """The session's client asks us to push its cache to another server (see cache_sender)."""
         try:
             order = parse(request.metadata, HandOff)
+            if order.follow:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "a following hand-off must precede a step")
             if self._p2p is None:
                 raise ProtocolError(ErrorCode.INTERNAL, "this server cannot reach other servers yet")
-            result = await push_cache(self._p2p, self._push_handle(self._namespace), session, order)
+        except ProtocolError as error:
+            logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        push = push_cache(self._p2p, self._push_handle(self._namespace), session, order)
+        return await self._pushed(session, order, push)
+
+    def _begin_follow(self, session: Session, request: runtime_pb2.ExpertRequest) -> FollowingPush | None:
+        """A `HandOff` with `follow`: its push starts now and sends each part of the cache the next
+        step computes (`server.cache_progress`); None for one without `follow` (`_hand_off`'s).
+        Its answer, whatever happens, comes after the step's, so the client reads both in order: one
+        this server will not follow is answered with its refusal then (ProtocolError if the message
+        is not a hand-off at all)."""
+        order = parse(request.metadata, HandOff)
+        if not order.follow:
+            return None
+        refusal = None
+        if self._p2p is None:
+            refusal = ProtocolError(ErrorCode.INTERNAL, "this server cannot reach other servers yet")
+        elif session.receiving or session.progress is not None:
+            refusal = ProtocolError(
+                ErrorCode.BAD_REQUEST, "the session is receiving or pushing a cache already"
+            )
+        elif not session.cache.length < order.length <= session.max_length:
+            refusal = ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"a following hand-off pushes positions the next step computes: {order.length} is not in "
+                f"({session.cache.length}, {session.max_length}]",
+            )
+        if refusal is not None:
+            return FollowingPush(order, None, refusal)
+        progress = session.progress = CacheProgress(asyncio.get_running_loop())
+        progress.advance(session.cache.length)
+        push = push_cache(self._p2p, self._push_handle(self._namespace), session, order, progress)
+        return FollowingPush(order, asyncio.create_task(push))
+
+    async def _end_follow(self, session: Session, following: FollowingPush, stepped: bool):
+        """The reply to a following hand-off once its step ran (`stepped`; else the client sent
+        something else, and it is cancelled): `HandedOff` once B holds the cache, else an error."""
+        order, task = following.order, following.task
+        if task is None:
+            error = following.refusal or ProtocolError(ErrorCode.INTERNAL, "no push")
+            logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        progress, session.progress = session.progress, None
+        cache = session.cache
+        if not stepped or cache is None or cache.length < order.length:
+            _stop(task, progress)
+            text = "the step after it did not compute" if stepped else "no step came after it to compute"
+            error = ProtocolError(
+                ErrorCode.BAD_REQUEST, f"hand-off cancelled: {text} its {order.length} positions"
+            )
+            logger.info("session %s: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        if progress is not None:
+            progress.advance(cache.length)  # a retried step is answered from memory: nothing was reported
+        return await self._pushed(session, order, asyncio.wait_for(task, REPLY_TIMEOUT + order.max_seconds))
+
+    async def _pushed(self, session: Session, order: HandOff, push: Awaitable[PushResult]):
+        """`push` awaited, its outcome logged and answered to the client."""
+        try:
+            result = await push
         except ProtocolError as error:
             logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
             return self._error(error.code, str(error))
@@ -99,10 +164,11 @@ class HandOffRpcs:
             )
             return self._error(ErrorCode.NOT_SERVING, f"hand-off failed: {type(error).__name__}: {error}")
         logger.info(
-            "session %s: handed %d positions to %s: %d bytes in %.0f ms (%.1f MB/s)",
+            "session %s: handed %d positions to %s%s: %d bytes in %.0f ms (%.1f MB/s)",
             session.session_id[:8],
             order.length,
             order.target_peer[-8:],
+            " while computing them" if order.follow else "",
             result.bytes,
             result.seconds * 1e3,
             result.bytes / max(result.seconds, 1e-9) / 1e6,
@@ -113,3 +179,20 @@ class HandOffRpcs:
             handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
         )
         return self._reply(reply, [])
+
+
+def _stop(task: asyncio.Task, progress: CacheProgress | None) -> None:
+    """Stop a following push; it ends at once (it closes its stream to B, which keeps nothing)."""
+    if progress is not None:
+        progress.abandon()
+    task.cancel()
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())  # nothing left to report
+
+
+@dataclass(frozen=True)
+class FollowingPush:
+    """A push started by a following hand-off, waiting for the step that computes its positions."""
+
+    order: HandOff
+    task: asyncio.Task | None  # None: refused (`refusal`), answered after the step
+    refusal: ProtocolError | None = None

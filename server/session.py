@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server.cache_progress import CacheProgress
 from swarm.models.cache import SpanCache
 from swarm.wire import ErrorCode, ProtocolError
 
@@ -27,6 +28,7 @@ class Session:
     cache_token: str | None = None  # a hand-off may fill this session: the client's secret for it
     cache_from: str | None = None  # ... from this peer only
     receiving: bool = False  # a pushed cache is being written (steps wait for the client's go-ahead)
+    progress: CacheProgress | None = None  # a push follows its prompt (`HandOff.follow`)
     last_step_id: str | None = None
     last_position: int = -1
     last_output: torch.Tensor | None = None

@@ -22,7 +22,13 @@ class HandOff(Message):
     """Client -> A, on A's session stream: push positions `[0, length)` of this session's cache to
     `target_session` on `target_peer`. A answers `HandedOff` or an error; the session on A stays
     open either way (the client closes it once B holds the cache). `max_seconds`: give up (and answer
-    an error) once the push is measured to need longer than this (the client's estimate of a replay)."""
+    an error) once the push is measured to need longer than this (the client's estimate of a replay).
+
+    `follow` (Splitwise's streaming during the prompt): the positions are not computed yet; the
+    session's next request is the step that computes them (its prompt), and A pushes each part of the
+    cache as soon as the prompt's chunk that computes it is done, overlapping the transfer with the
+    rest of the prompt. A answers the step first, then `HandedOff` (or an error) once the push ends.
+    Anything but a step next, or a step that does not compute all `length` positions, cancels it."""
 
     type: str = "hand_off"
     handoff_id: str = Field(min_length=1, max_length=64)
@@ -31,6 +37,7 @@ class HandOff(Message):
     token: str = Field(pattern=TOKEN_PATTERN)
     length: int = Field(ge=1)
     max_seconds: float = Field(gt=0, le=3600, allow_inf_nan=False)
+    follow: bool = False
 
 
 class HandedOff(Message):
@@ -55,7 +62,9 @@ class PushCache(Message):
 class CacheChunk(Message):
     """A -> B: keys and values of one block (index inside the session's blocks) for positions
     `[position, position + n)`. Tensors: keys, values, each `[batch, kv_heads, n, head_dim]`.
-    Chunks come block by block, positions in order, each block's ending at the pushed length."""
+    Each block's positions come in order, without gaps, ending at the pushed length; blocks may
+    interleave (block by block for a computed cache; position range by range, every block each time,
+    for a cache pushed while its prompt runs)."""
 
     type: str = "cache_chunk"
     block: int = Field(ge=0)

@@ -184,7 +184,8 @@ def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir):
                     header(stream, token),
                     chunk(0, 0, torch.zeros(1, kv[0], 3, kv[1])),
                 ],
-                "out of order": [header(stream, token), chunk(1, 0, good)],
+                "out of order": [header(stream, token), chunk(0, 1, torch.zeros(1, kv[0], 1, kv[1]))],
+                "a block the session lacks": [header(stream, token), chunk(NUM_BLOCKS, 0, good)],
                 "a sender that never finishes": [header(stream, token), chunk(0, 0, good)],
             }
             return bad[what]
@@ -198,6 +199,7 @@ def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir):
             "NaN",
             "past the pushed length",
             "out of order",
+            "a block the session lacks",
             "a sender that never finishes",
         )
         for what in attacks:
@@ -234,12 +236,15 @@ def llama_kv_shape(model_dir) -> tuple[int, int]:
 def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swarm, llama_dir):
     """`--role prefill` and `--role decode`, two hops: the decode servers prefill slowly (emulated), so
     the client sends each prompt to the prefill servers, whose caches are handed to the decode servers
-    of their hops (both hops at once)."""
+    of their hops (both hops at once), each streamed while its prompt runs (in chunks of 2 tokens
+    here, so the push interleaves blocks and position ranges)."""
     prefix = default_prefix(str(llama_dir))
     half = NUM_BLOCKS // 2
     spans = {"a": f"0:{half}", "b": f"{half}:{NUM_BLOCKS}"}
     for hop, blocks in spans.items():
-        swarm.start_server(f"prefill-{hop}", llama_dir, blocks, "1GB", "--role", "prefill")
+        swarm.start_server(
+            f"prefill-{hop}", llama_dir, blocks, "1GB", "--role", "prefill", "--prefill-chunk", "2"
+        )
         swarm.start_server(
             f"decode-{hop}",
             llama_dir,
@@ -266,7 +271,7 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
             expected = reference.generate(**inputs, max_new_tokens=10, do_sample=False)
             assert torch.equal(model.generate(**inputs, max_new_tokens=10, do_sample=False), expected)
         for hop in spans:
-            _wait_for_log(swarm, f"prefill-{hop}", "handed")
+            _wait_for_log(swarm, f"prefill-{hop}", "while computing them")
             _wait_for_log(swarm, f"decode-{hop}", "received a cache")
             assert "handed" not in swarm.log(f"decode-{hop}")  # decoding stayed on the decode servers
             # each prefill server announces the link it measured to its hop's decode server
@@ -341,3 +346,68 @@ def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir
 def _peer(swarm, prefix: str, name: str) -> str:
     (peer,) = [peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items() if info.public_name == name]
     return peer
+
+
+def test_a_following_hand_off_its_step_does_not_complete_is_refused_and_the_target_stays_usable(
+    swarm, llama_dir
+):
+    """`HandOff.follow` asks a server to push the cache its next step computes. A follow order for more
+    positions than that step computes, or than the session holds, is answered with an error after the
+    step (whose own answer is unchanged); the target session stays empty and usable."""
+    prefix = default_prefix(str(llama_dir))
+    swarm.start_server("a", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--prefill-chunk", "2")
+    swarm.start_server("b", llama_dir, f"0:{NUM_BLOCKS}", "1GB")
+    swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b"])
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
+    )
+    connection = model.backend.connection
+    try:
+        a, b = _peer(swarm, prefix, "a"), _peer(swarm, prefix, "b")
+        shape = SessionShape(1, 16, l_in=4, l_out=12)
+        hidden = torch.randn(1, 5, 64)
+        for length, refusal in ((7, "did not compute"), (17, "is not in")):
+            source = ServerStream(RouteHop(a, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
+            target = ServerStream(RouteHop(b, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
+            run_sync(source.open(connection))
+            token = run_sync(target.open(connection, cache_from=a))
+            order = run_sync(source.follow(target, token, 5.0, length, 20.0))
+            output = run_sync(source.step(StepInput(hidden, 0, None, None, None, 0), 20.0))
+            assert output.shape == hidden.shape and torch.isfinite(output).all()
+            with pytest.raises(Exception, match=refusal):
+                run_sync(source.handed_off(order, target, 20.0))
+            # the target holds nothing: its own first step at position 0 runs (once B saw the push
+            # stream end: until then it answers "receiving", as it would a client's early replay)
+            assert torch.isfinite(_first_step_when_released(target, hidden)).all()
+            for stream in (source, target):
+                run_sync(stream.close_and_wait(5.0))
+        # an honest streamed hand-off of the same prompt: the target continues as the source would
+        source = ServerStream(RouteHop(a, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
+        target = ServerStream(RouteHop(b, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
+        twin = ServerStream(RouteHop(a, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
+        run_sync(source.open(connection))
+        run_sync(twin.open(connection))
+        token = run_sync(target.open(connection, cache_from=a))
+        order = run_sync(source.follow(target, token, 5.0, 5, 20.0))
+        run_sync(source.step(StepInput(hidden, 0, None, None, None, 0), 20.0))
+        run_sync(source.handed_off(order, target, 20.0))
+        run_sync(twin.step(StepInput(hidden, 0, None, None, None, 0), 20.0))
+        nxt = torch.randn(1, 1, 64)
+        continued = run_sync(target.step(StepInput(nxt, 5, None, None, None, 0), 20.0))
+        expected = run_sync(twin.step(StepInput(nxt, 5, None, None, None, 0), 20.0))
+        assert torch.allclose(continued, expected, atol=1e-5)
+        for stream in (source, target, twin):
+            run_sync(stream.close_and_wait(5.0))
+    finally:
+        model.shutdown()
+
+
+def _first_step_when_released(stream: ServerStream, hidden: torch.Tensor) -> torch.Tensor:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return run_sync(stream.step(StepInput(hidden, 0, None, None, None, 0), 20.0))
+        except Exception as error:
+            if "receiving" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
