@@ -233,21 +233,21 @@ def llama_kv_shape(model_dir) -> tuple[int, int]:
     return config.get("num_key_value_heads", heads), config["hidden_size"] // heads
 
 
-def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swarm, llama_dir):
-    """`--role prefill` and `--role decode`, two hops: the decode servers prefill slowly (emulated), so
-    the client sends each prompt to the prefill servers, whose caches are handed to the decode servers
-    of their hops (both hops at once), each streamed while its prompt runs (in chunks of 2 tokens
-    here, so the push interleaves blocks and position ranges)."""
-    prefix = default_prefix(str(llama_dir))
+def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swarm, model_dir):
+    """`--role prefill` and `--role decode`, two hops (BLOOM, LLaMA-GQA): the decode servers prefill
+    slowly (emulated), so the client sends each prompt to the prefill servers, whose caches are handed
+    to the decode servers of their hops (both hops at once), each streamed while its prompt runs (in
+    chunks of 2 tokens here, so the push interleaves blocks and position ranges)."""
+    prefix = default_prefix(str(model_dir))
     half = NUM_BLOCKS // 2
     spans = {"a": f"0:{half}", "b": f"{half}:{NUM_BLOCKS}"}
     for hop, blocks in spans.items():
         swarm.start_server(
-            f"prefill-{hop}", llama_dir, blocks, "1GB", "--role", "prefill", "--prefill-chunk", "2"
+            f"prefill-{hop}", model_dir, blocks, "1GB", "--role", "prefill", "--prefill-chunk", "2"
         )
         swarm.start_server(
             f"decode-{hop}",
-            llama_dir,
+            model_dir,
             blocks,
             "1GB",
             "--role",
@@ -258,13 +258,13 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
     names = [f"{role}-{hop}" for role in ("prefill", "decode") for hop in spans]
     online = swarm.wait_online(prefix, NUM_BLOCKS, names)
     assert [online[name].role for name in names] == ["prefill", "prefill", "decode", "decode"]
-    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = tokenizer(
         ["A cat sat on a mat", "one two"], return_tensors="pt", padding=True, padding_side="left"
     )
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
+        model_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
     )
     try:
         for inputs in ({"input_ids": PROMPT}, dict(batch)):
