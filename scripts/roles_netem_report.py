@@ -41,6 +41,7 @@ from roles_netem_sim import (  # noqa: E402
 
 from scheduler.sim.metrics import Slo  # noqa: E402
 from scheduler.sim.workload import Request, load_azure_trace  # noqa: E402
+from swarm.prefill_cost import STREAM_CHUNK_TOKENS  # noqa: E402
 from swarm.units import parse_bytes  # noqa: E402
 
 SECTION = "## Prefill/decode roles on the emulated swarm (issue 37)"
@@ -97,8 +98,17 @@ def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
         for entry, batch in zip(result["rates"], raw["batches"], strict=True):
             requests = [Request(**r) for r in batch["requests"]]
             ttft, tpot, failed = measured_times(entry["requests"])
+            # runs before 2026-11-26 handed each prompt's cache off after the prompt, later ones
+            # stream it while the prompt runs (the client's log says which)
+            streamed = any("streamed" in r.get("prefill", "") for r in entry["requests"])
             records, stats = simulate_swarm(
-                swarm, roles, requests, result.get("setup_s", 0.0), rtts, disaggregate
+                swarm,
+                roles,
+                requests,
+                result.get("setup_s", 0.0),
+                rtts,
+                disaggregate,
+                STREAM_CHUNK_TOKENS if streamed else 0,
             )
             counts = spread.setdefault(mode, {})
             for row in entry["requests"]:

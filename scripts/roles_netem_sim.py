@@ -37,6 +37,7 @@ from scheduler.sim.roles import split, subset, uniform_links
 from scheduler.sim.scenarios import CLIENT, Link, Scenario, build_scenario
 from scheduler.sim.server_costs import IterationCost, ServerCost
 from scheduler.sim.workload import Request, TraceRecord
+from swarm.prefill_cost import STREAM_CHUNK_TOKENS
 
 SERVER_NAMES = ("rich0", "rich1", "slow0", "slow1")  # 2 compute-rich, then 2 prefill-slow
 OPERATOR_ROLES = "prefill*2,decode*2"
@@ -126,11 +127,13 @@ def simulate_swarm(
     setup_s: float = 0.0,
     rtts: Sequence[float] | None = None,
     disaggregate: str = "auto",
+    stream_chunk: int = STREAM_CHUNK_TOKENS,
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """The contended model (serial: the emulation's delay sleeps on the compute thread) on the swarm,
     every server holding every block, WS-RR on the servers that decode; returns the records and the
     service's stats (`handoffs`: hops whose prompt ran on a prefill server). `disaggregate`: "auto"
-    (the client's rule) or "scheduler" (the scheduler's queue-aware plan)."""
+    (the client's rule) or "scheduler" (the scheduler's queue-aware plan). `stream_chunk`: tokens
+    per streamed part of a prompt's cache (0: handed off after the prompt, runs before streaming)."""
     # nominal lengths: the mean, so that WS-RR's cache slots (memory / one nominal session's cache)
     # hold about as many sessions as the live servers' byte budgets do
     l_in = round(float(np.mean([r.l_in for r in requests])))
@@ -147,7 +150,7 @@ def simulate_swarm(
         )
         base = dataclasses.replace(base, roles=parsed, servers=servers)
     options = ContendedOptions("serial", disaggregate=disaggregate)
-    decode, order, disaggregation = split(base, options.disaggregate)
+    decode, order, disaggregation = split(base, options.disaggregate, stream_chunk)
     ordered = subset(base, order)
     on_prefill: dict[str, float] = {}  # prompts per prefill server (by name)
     if disaggregation is not None:

@@ -6,8 +6,9 @@ Shared by the client (`client/handoff_cost.py`, `client/prefill_roles.py`) and t
 A server announces `tau_prefill`, its per-block time for a prompt of `prefill_tokens` tokens; a
 prompt of `tokens` tokens is charged that time scaled linearly. A session's hop may run its prompt
 on a prefill server P and hand the cache to its decode server D (docs/architecture.md, "Prefill and
-decode roles"): P's prefill plus the cache's transfer over the P-to-D link (free when the link's
-rate is unknown: the hand-off's own time limit then bounds the loss) against D's own prefill.
+decode roles"): P's prefill and the cache's transfer over the P-to-D link (free when the link's
+rate is unknown: the hand-off's own time limit then bounds the loss), overlapped as P streams the
+cache while the prompt runs, against D's own prefill.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from swarm.route_request import RouteHop
 from swarm.server_info import ServerInfo
 
 DISAGGREGATE_POLICIES = ("auto", "always", "never")
+# Servers compute long prompts in chunks of this many tokens (`swarm-server --prefill-chunk`'s
+# default) and stream each chunk's cache to the decode server as soon as it is done: what the
+# estimates assume of a prefill server, which does not announce its own chunk size
+STREAM_CHUNK_TOKENS = 256
 NEAR_TIE = 0.05  # prefill servers this much dearer than the cheapest count as alike (`spread`)
 
 _K = TypeVar("_K", bound=Hashable)
@@ -41,12 +46,33 @@ def prefill_seconds(info: ServerInfo, tokens: int) -> float:
 
 
 def disaggregated_seconds(
-    prefill_per_block: float, blocks: int, cache_bytes: float, link_bytes_per_s: float | None
+    prefill_per_block: float,
+    blocks: int,
+    cache_bytes: float,
+    link_bytes_per_s: float | None,
+    chunks: int = 1,
 ) -> float:
-    """A prefill server's estimate for one hop: its prefill of the hop's blocks plus the hand-off of
-    `cache_bytes` at the link's rate (0 when the rate is unknown)."""
+    """A prefill server's estimate for one hop: its prefill of the hop's blocks and the hand-off of
+    `cache_bytes` at the link's rate (0 when the rate is unknown), the cache streamed in `chunks`
+    parts as the prompt computes them (`streamed_seconds`; 1: the hand-off after the prompt)."""
     handoff = cache_bytes / link_bytes_per_s if link_bytes_per_s else 0.0
-    return prefill_per_block * blocks + handoff
+    return streamed_seconds(prefill_per_block * blocks, handoff, chunks)
+
+
+def prompt_chunks(tokens: int, chunk_tokens: int = STREAM_CHUNK_TOKENS) -> int:
+    """The parts a prompt of `tokens` tokens is computed, and its cache streamed, in."""
+    return max(1, -(-tokens // chunk_tokens)) if chunk_tokens > 0 else 1
+
+
+def streamed_seconds(prefill: float, transfer: float, chunks: int) -> float:
+    """A prompt's prefill and its cache's hand-off when each of `chunks` equal parts of the cache is
+    sent as soon as the prompt's chunk that computes it is done, while the next one computes
+    (`HandOff.follow`): a two-stage pipeline, `(P + T) / n + (n - 1) / n * max(P, T)`; `P + T` for
+    one part, `max(P, T)` in the limit. The link then costs only its last part after the prompt
+    when it is faster than the compute (`T / n`), else what the compute could not hide."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    return (prefill + transfer) / chunks + (chunks - 1) / chunks * max(prefill, transfer)
 
 
 def announced_rate(sender: ServerInfo, receiver: str) -> float | None:
@@ -71,7 +97,9 @@ def hop_prefill_costs(
             continue
         rate = link_rate(peer, info, hop.peer_id) if link_rate else announced_rate(info, hop.peer_id)
         cache_bytes = l_in * batch_size * info.cache_token_bytes * blocks
-        costs[peer] = disaggregated_seconds(prefill_seconds(info, l_in), blocks, cache_bytes, rate)
+        costs[peer] = disaggregated_seconds(
+            prefill_seconds(info, l_in), blocks, cache_bytes, rate, prompt_chunks(l_in)
+        )
     return costs
 
 

@@ -23,7 +23,13 @@ from scheduler.sim.server_costs import IterationCost, ServerCost, from_scenario,
 from scheduler.sim.workload import Request
 from server import step_scheduler
 from swarm.cost import request_time
-from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, scaled_prefill_seconds
+from swarm.prefill_cost import (
+    choose_prefill_server,
+    disaggregated_seconds,
+    prompt_chunks,
+    scaled_prefill_seconds,
+    streamed_seconds,
+)
 from swarm.server_info import ServerRole
 
 MODEL = ModelSpec(num_blocks=2, block_bytes=1.0, cache_bytes=1.0)  # one slot per block per session
@@ -95,10 +101,11 @@ def test_a_start_that_finds_no_room_waits_for_the_real_end():
 
 
 def _roles(
-    link_bps: float, policy: str = "auto"
+    link_bps: float, policy: str = "auto", stream_chunk: int = 0
 ) -> tuple[list[ServerSpec], list[ServerCost], Disaggregation]:
     """A decode server D (index 0; its prefill 1 s per block for 10 tokens) and a prefill server P
-    (0.1 s), 100 cache bytes per token per block, 50 ms between them."""
+    (0.1 s), 100 cache bytes per token per block, 50 ms between them; caches handed off after the
+    prompt unless `stream_chunk` (tokens per streamed part)."""
     decode, prefill = _server(1, "d", tau_prefill=1.0), _server(1, "p", tau_prefill=0.1)
     costs = [
         ServerCost(IterationCost(fixed=0.1, prefill_fixed=1.0)),
@@ -114,6 +121,7 @@ def _roles(
         client_rtt=[0.2, 0.2],
         kv_token_bytes=100,
         policy=policy,
+        stream_chunk=stream_chunk,
     )
     return [decode, prefill], costs, plan
 
@@ -126,6 +134,29 @@ def test_a_handoff_charges_the_cache_bytes_over_the_link():
     # then D decodes: there at 1.85, 1.85-2.05, back at 2.15
     assert timeline[0] == pytest.approx((0.0, 1.75, 2.15))
     assert result.service_stats["handoffs"] == 1
+
+
+def test_a_cache_streamed_during_the_prompt_leaves_only_what_the_prompt_could_not_hide():
+    servers, costs, plan = _roles(16000.0, stream_chunk=5)  # the 10-token prompt in 2 parts
+    timeline, result = _run(servers, costs, [Request(0, 0.0, 10, 2)], roles=plan, engine_servers=servers[:1])
+    # the rule: the pipeline of P's 2 x 0.1 s and the 1 s transfer in 2 parts, (0.2 + 1) / 2 +
+    # 1 / 2 x max(0.2, 1) = 1.1 s < D's 2 s. Back from the prompt at 0.5; what is left of the
+    # transfer, 1.1 - 0.2 = 0.9 s, plus the link's round trip (no client round trip: the order went
+    # before the prompt) -> 1.45; then D decodes as above, back at 1.85
+    assert timeline[0] == pytest.approx((0.0, 1.45, 1.85))
+    assert result.service_stats["handoffs"] == 1
+
+
+def test_streaming_a_cache_is_a_two_stage_pipeline():
+    assert streamed_seconds(0.2, 1.0, 1) == pytest.approx(1.2)  # one part: prompt, then transfer
+    assert streamed_seconds(0.2, 1.0, 2) == pytest.approx(1.1)
+    assert streamed_seconds(1.0, 0.2, 4) == pytest.approx(1.05)  # a fast link: its last part is left
+    assert streamed_seconds(1.0, 0.2, 10**6) == pytest.approx(1.0, abs=1e-5)  # the limit: max(P, T)
+    assert prompt_chunks(1) == 1 and prompt_chunks(256) == 1 and prompt_chunks(257) == 2
+    assert prompt_chunks(1024, 0) == 1  # no chunking: one part
+    assert disaggregated_seconds(0.1, 4, 1000.0, 500.0, chunks=4) == pytest.approx(2.1)
+    with pytest.raises(ValueError):
+        streamed_seconds(1.0, 1.0, 0)
 
 
 def test_a_slow_link_keeps_the_prompt_on_its_decode_server():

@@ -12,11 +12,14 @@ for the prompt's cache, if its prefill of the prompt (its announced `tau_prefill
 hand-off at the link's rate beats the decode server's own prefill (`--disaggregate scheduler`: the
 live scheduler's plan, `scheduler/service/prefill_routing.py`, which adds to each side the queue of
 prompts it sent that server before). The prompt then runs on that
-prefill server's loop; after the prompt's pass, every such hop hands its cache over at once (as the
-client does, each over its own link), each costing a client round trip to the prefill server (its
-`HandOff` request and `HandedOff` answer), a round trip between the two servers (the push stream's
-opening and last acknowledgement) and `tokens x kv bytes per token per block x blocks` over the
-link's bandwidth. A prefill server holds the prompt's cache from the session's start until its
+prefill server's loop; the cache (`tokens x kv bytes per token per block x blocks`) crosses the
+link at its bandwidth, streamed in `stream_chunk`-token parts while the prompt runs (the servers'
+`--prefill-chunk`, `HandOff.follow`), so after the prompt's pass only what its compute could not
+hide is left (`swarm.prefill_cost.streamed_seconds`, with the prefill server's announced prefill
+time), plus a round trip between the two servers (the push stream's last acknowledgement); every
+such hop at once, each over its own link. With `stream_chunk=0` (clients before streaming) the whole
+transfer comes after the prompt, plus a client round trip to the prefill server (its `HandOff`
+request and `HandedOff` answer). A prefill server holds the prompt's cache from the session's start until its
 hand-off is done. Links are not shared: concurrent hand-offs over one link each get its bandwidth.
 """
 
@@ -32,7 +35,14 @@ from scheduler.algorithms.routing_graph import ChainHop
 from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.scenarios import CLIENT, Link, Scenario
 from scheduler.sim.workload import Request
-from swarm.prefill_cost import choose_prefill_server, disaggregated_seconds, scaled_prefill_seconds
+from swarm.prefill_cost import (
+    STREAM_CHUNK_TOKENS,
+    choose_prefill_server,
+    disaggregated_seconds,
+    prompt_chunks,
+    scaled_prefill_seconds,
+    streamed_seconds,
+)
 from swarm.server_info import ServerRole
 
 SCHEDULER_POLICY = "scheduler"  # `--disaggregate scheduler`: the live scheduler's queue-aware plan
@@ -106,6 +116,7 @@ class Disaggregation:
         client_rtt: Sequence[float],
         kv_token_bytes: float,
         policy: str = "auto",
+        stream_chunk: int = STREAM_CHUNK_TOKENS,
     ):
         total = num_decode + len(prefill_spans)
         if len(announced) != total or len(links) != total or len(client_rtt) != total:
@@ -120,6 +131,7 @@ class Disaggregation:
         self.busy_until: dict[int, float] = {}  # "scheduler": server -> when its planned prompts end
         self.announced, self.links, self.client_rtt = list(announced), links, list(client_rtt)
         self.kv_token_bytes = kv_token_bytes
+        self.stream_chunk = stream_chunk  # tokens per streamed part of a prompt's cache (0: after it)
         self.prefill = [
             _PrefillServer(num_decode + k, span, room, [])
             for k, (span, room) in enumerate(zip(prefill_spans, room_bytes, strict=True))
@@ -143,7 +155,11 @@ class Disaggregation:
                     if server.room_bytes - sum(b for _, b in server.held) >= prompt_bytes:
                         link = self.links[server.index][hop.server].bandwidth_bps
                         costs[server.index] = self._queue(server.index, now) + disaggregated_seconds(
-                            self._per_block(server.index, tokens), blocks, prompt_bytes, link / 8
+                            self._per_block(server.index, tokens),
+                            blocks,
+                            prompt_bytes,
+                            link / 8,
+                            prompt_chunks(tokens, self.stream_chunk),
                         )
             colocated = self._queue(hop.server, now) + self._per_block(hop.server, tokens) * blocks
             # clients spread over alike prefill servers by their session id; the scheduler's plan
@@ -175,7 +191,14 @@ class Disaggregation:
                 continue
             link = self.links[source][hop.server]
             cache_bytes = request.l_in * self.kv_token_bytes * hop.num_blocks
-            seconds = self.client_rtt[source] + link.rtt + 8 * cache_bytes / link.bandwidth_bps
+            transfer = 8 * cache_bytes / link.bandwidth_bps
+            if self.stream_chunk:  # streamed during the prompt: what its pass could not hide is left
+                # (the prompt's compute as announced; its order went before the prompt, no round trip)
+                prefill = self._per_block(source, request.l_in) * hop.num_blocks
+                chunks = prompt_chunks(request.l_in, self.stream_chunk)
+                seconds = link.rtt + streamed_seconds(prefill, transfer, chunks) - prefill
+            else:
+                seconds = self.client_rtt[source] + link.rtt + transfer
             elapsed = max(elapsed, seconds)
             held = self.prefill[source - self.num_decode].held
             for k, (release, size) in enumerate(held):
@@ -218,9 +241,12 @@ def uniform_links(count: int, rtt: float, bandwidth_bps: float) -> tuple[tuple[L
     )
 
 
-def split(scenario: Scenario, policy: str = "auto") -> tuple[Scenario, list[int], Disaggregation | None]:
+def split(
+    scenario: Scenario, policy: str = "auto", stream_chunk: int = STREAM_CHUNK_TOKENS
+) -> tuple[Scenario, list[int], Disaggregation | None]:
     """(the scenario of the servers that decode, the contended model's order of the scenario's
-    servers, the prefill plan or None when no server has the prefill role)."""
+    servers, the prefill plan or None when no server has the prefill role). `stream_chunk`: see
+    `Disaggregation` (0: caches handed off after the prompt, as clients did before streaming)."""
     roles = scenario.roles or tuple(ServerRole.BOTH for _ in scenario.servers)
     if len(roles) != len(scenario.servers):
         raise ValueError("the scenario gives a role count different from its server count")
@@ -238,6 +264,14 @@ def split(scenario: Scenario, policy: str = "auto") -> tuple[Scenario, list[int]
     links = [[scenario.server_links[a][b] for b in order] for a in order]
     client_rtt = [scenario.servers[j].rtt[CLIENT] for j in order]
     plan = Disaggregation(
-        len(decode), spans, rooms, announced, links, client_rtt, 2 * width * model.dtype_bytes, policy
+        len(decode),
+        spans,
+        rooms,
+        announced,
+        links,
+        client_rtt,
+        2 * width * model.dtype_bytes,
+        policy,
+        stream_chunk,
     )
     return subset(scenario, decode), order, plan
