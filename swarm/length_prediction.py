@@ -167,8 +167,8 @@ class OutputLengthPredictor:
     expected sum is the sum of the means, whatever the distribution. Output lengths are heavy-tailed
     (code trace: median 13, mean 28, p99 251 tokens), so a median undercounts every sum: on the
     code trace's second half (`scripts/bench_length_prediction.py`, BENCHMARKS.md) the waits WS-RR
-    told were off by 8.5 s on average with the median and 4.2 s with the mean (measured waits
-    11-12 s; the constant 128: 121 s). A mean is easier to pull by lying reports than a median (one
+    told were off by 5.7 s on average with the median and 2.5 s with the mean (measured waits
+    7-8 s; the constant 128: 71 s). A mean is easier to pull by lying reports than a median (one
     report at the cap moves it by cap / n); `SessionLengthLearner` bounds that (clamped to the
     declared cap, a bounded share per client), and a wrong length only moves wait estimates and
     chain choices: admission counts cache slots.
