@@ -140,6 +140,9 @@ class DisaggregatedPrefill:
         orders = {}
         for index, stream in plan.items():
             target = decode[index]
+            info = self.connection.known_servers.get(stream.hop.peer_id)
+            if info is None or not info.prefill_chunk:  # it predates streaming: a hand-off after the prompt
+                continue
             try:
                 allowed = self._handoff_allowed(stream, target, step.end)
                 orders[index] = await stream.follow(

@@ -8,6 +8,7 @@ from server.joining import RELAY_MODES
 from swarm.closed_swarm import SwarmSecret
 from swarm.errors import SwarmUserError
 from swarm.models.adapters import MAX_ADAPTERS, AdapterSource
+from swarm.prefill_cost import STREAM_CHUNK_TOKENS
 from swarm.record_validator import MAX_RECORD_TTL
 from swarm.server_info import ServerRole
 
@@ -49,7 +50,7 @@ class ServerConfig:
     # best over emulated links (BENCHMARKS.md "Chunked prefill"): decoders' p99 gap 1.31x the quiet
     # one while 2,000-token prompts arrive (3.02x whole), prompts' first token 1.07x; 128 costs them
     # 1.43x, 512 lets decoders wait 1.61x
-    prefill_chunk: int = 256
+    prefill_chunk: int = STREAM_CHUNK_TOKENS
     drain_timeout: float = 10.0  # on SIGTERM or a move, let open sessions finish for up to this long
     # the prompt length the announced `tau_prefill` is measured on; clients and the scheduler scale it
     # linearly, so a server with a large fixed cost per step should measure at a typical prompt length

@@ -105,6 +105,8 @@ class SwarmServer:
             tau=timings.tau if timings else None,
             tau_prefill=timings.tau_prefill if timings else None,
             prefill_tokens=timings.prefill_tokens if timings else 0,
+            # a server that runs prompts whole streams each prompt's cache as one chunk
+            prefill_chunk=config.prefill_chunk or config.max_length,
             throughput=1.0 / (timings.tau * num_blocks)
             if timings and num_blocks and timings.tau > 0
             else None,

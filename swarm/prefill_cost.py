@@ -22,8 +22,8 @@ from swarm.server_info import ServerInfo
 
 DISAGGREGATE_POLICIES = ("auto", "always", "never")
 # Servers compute long prompts in chunks of this many tokens (`swarm-server --prefill-chunk`'s
-# default) and stream each chunk's cache to the decode server as soon as it is done: what the
-# estimates assume of a prefill server, which does not announce its own chunk size
+# default) and stream each chunk's cache to the decode server as soon as it is done; each server
+# announces its own (`ServerInfo.prefill_chunk`), the simulator assumes this one
 STREAM_CHUNK_TOKENS = 256
 NEAR_TIE = 0.05  # prefill servers this much dearer than the cheapest count as alike (`spread`)
 
@@ -98,7 +98,7 @@ def hop_prefill_costs(
         rate = link_rate(peer, info, hop.peer_id) if link_rate else announced_rate(info, hop.peer_id)
         cache_bytes = l_in * batch_size * info.cache_token_bytes * blocks
         costs[peer] = disaggregated_seconds(
-            prefill_seconds(info, l_in), blocks, cache_bytes, rate, prompt_chunks(l_in)
+            prefill_seconds(info, l_in), blocks, cache_bytes, rate, prompt_chunks(l_in, info.prefill_chunk)
         )
     return costs
 

@@ -89,6 +89,9 @@ class ServerInfo(VersionedRecord):
     # per-block prefill seconds for `prefill_tokens`
     tau_prefill: float | None = Field(default=None, ge=MIN_TAU, le=MAX_SECONDS)
     prefill_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    # tokens per chunk its prompts run in, each chunk's cache streamed as soon as computed when a
+    # hand-off follows the prompt (`HandOff.follow`); 0: a server that predates streaming
+    prefill_chunk: int = Field(default=0, ge=0, le=MAX_TOKENS)
     throughput: float | None = Field(default=None, ge=0, le=1 / MIN_TAU)  # tokens/s through the whole span
     active_sessions: int = Field(default=0, ge=0, le=1 << 24)
     # servers that predate the field were reachable as far as anyone knew: DIRECT

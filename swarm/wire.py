@@ -215,6 +215,7 @@ def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = T
             "cache_token",
             "cache_from",
             "leaving",
+            "follow",
         )
         if getattr(message, name, 1) in ("", None) or getattr(message, name, 1) is False
     }

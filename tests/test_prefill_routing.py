@@ -4,9 +4,14 @@ own prefill; prompts spread over prefill servers by earliest finish."""
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.service.prefill_routing import PrefillPlanner
+from swarm.handoff_wire import HandOff
+from swarm.prefill_cost import hop_prefill_costs, streamed_seconds
 from swarm.route_request import RouteHop
 from swarm.server_info import ServerInfo, ServerRole, ServerState
+from swarm.wire import decode_metadata, encode
 
 L_IN = 1000
 
@@ -84,3 +89,23 @@ def test_each_hop_is_planned_on_its_own_and_memory_stays_bounded():
     del records["p"]
     planner.plan(chain, records, L_IN, 1, 1000.0)
     assert set(planner.busy_until) <= set(records)
+
+
+def test_a_prefill_server_that_streams_counts_its_hand_off_as_overlapped_with_its_prompt():
+    """A server announcing the chunks its prompts run in (`ServerInfo.prefill_chunk`) streams each
+    chunk's cache while the next computes: its estimate is the pipeline's, not prompt + transfer; one
+    that predates streaming (0) is charged both in turn."""
+    slow_link = {"decode": 8e6}  # the 8 MB cache in 1 s
+    old = record("prefill", 0.5, links=slow_link)  # 4 s for the prompt's 8 blocks
+    new = old.model_copy(update={"prefill_chunk": 250})  # the 1,000-token prompt in 4 chunks
+    costs = hop_prefill_costs(CHAIN[0], {"old": old, "new": new}, L_IN, 1)
+    assert costs["old"] == pytest.approx(4.0 + 1.0)
+    assert costs["new"] == pytest.approx(streamed_seconds(4.0, 1.0, 4)) == pytest.approx(4.25)
+
+
+def test_a_plain_hand_off_leaves_the_follow_field_out_for_servers_that_predate_it():
+    order = dict(
+        handoff_id="h", target_peer="p", target_session="s" * 8, token="0" * 32, length=4, max_seconds=1.0
+    )
+    assert "follow" not in decode_metadata(encode(HandOff(**order)).metadata)
+    assert decode_metadata(encode(HandOff(**order, follow=True)).metadata)["follow"] is True
