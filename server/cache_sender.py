@@ -65,6 +65,10 @@ async def push_cache(
     positions = max(1, CHUNK_BYTES // per_position)
     total = per_position * order.length * cache.num_blocks
     peer = PeerID.from_base58(order.target_peer)
+    if progress is not None:
+        # B waits at most its idle timeout between messages: a prompt queued behind others here must
+        # not use that up before its first chunk exists, so the stream opens once one does
+        await progress.wait_beyond(0, FOLLOW_TIMEOUT)
     _, reader, writer = await asyncio.wait_for(
         p2p.call_binary_stream_handler(peer, handle_name), REPLY_TIMEOUT
     )
