@@ -221,10 +221,8 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
             with contextlib.suppress(Exception):
                 yield self._error(ErrorCode.SESSION_EXPIRED, "session idle for too long")
         finally:
-            if following is not None and following.task is not None:
-                if session is not None and session.progress is not None:
-                    session.progress.abandon()
-                following.task.cancel()
+            if following is not None:
+                self._drop_follow(session, following)
             if session is not None:
                 self._close(session)
 

@@ -151,6 +151,13 @@ class HandOffRpcs:
             progress.advance(cache.length)  # a retried step is answered from memory: nothing was reported
         return await self._pushed(session, order, asyncio.wait_for(task, REPLY_TIMEOUT + order.max_seconds))
 
+    def _drop_follow(self, session: Session | None, following: FollowingPush) -> None:
+        """The session ends while a push follows its prompt: the push stops at once."""
+        if following.task is not None:
+            _stop(following.task, session.progress if session is not None else None)
+        if session is not None:
+            session.progress = None
+
     async def _pushed(self, session: Session, order: HandOff, push: Awaitable[PushResult]):
         """`push` awaited, its outcome logged and answered to the client."""
         try:

@@ -381,6 +381,15 @@ def test_a_following_hand_off_its_step_does_not_complete_is_refused_and_the_targ
             assert torch.isfinite(_first_step_when_released(target, hidden)).all()
             for stream in (source, target):
                 run_sync(stream.close_and_wait(5.0))
+        # a client that leaves while a push follows its prompt: the push stops, the target is usable
+        source = ServerStream(RouteHop(a, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
+        target = ServerStream(RouteHop(b, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
+        run_sync(source.open(connection))
+        token = run_sync(target.open(connection, cache_from=a))
+        run_sync(source.follow(target, token, 5.0, 5, 20.0))
+        run_sync(source.close_and_wait(5.0))
+        assert torch.isfinite(_first_step_when_released(target, hidden)).all()
+        run_sync(target.close_and_wait(5.0))
         # an honest streamed hand-off of the same prompt: the target continues as the source would
         source = ServerStream(RouteHop(a, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
         target = ServerStream(RouteHop(b, 0, NUM_BLOCKS), uuid.uuid4().hex, shape)
@@ -398,6 +407,7 @@ def test_a_following_hand_off_its_step_does_not_complete_is_refused_and_the_targ
         assert torch.allclose(continued, expected, atol=1e-5)
         for stream in (source, target, twin):
             run_sync(stream.close_and_wait(5.0))
+        assert "never retrieved" not in swarm.log("a")  # every stopped push was collected
     finally:
         model.shutdown()
 
