@@ -137,26 +137,31 @@ class HandOffRpcs:
             error = following.refusal or ProtocolError(ErrorCode.INTERNAL, "no push")
             logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
             return self._error(error.code, str(error))
-        progress, session.progress = session.progress, None
         cache = session.cache
         if not stepped or cache is None or cache.length < order.length:
-            _stop(task, progress)
+            self._drop_follow(session, following)
             text = "the step after it did not compute" if stepped else "no step came after it to compute"
             error = ProtocolError(
                 ErrorCode.BAD_REQUEST, f"hand-off cancelled: {text} its {order.length} positions"
             )
             logger.info("session %s: %s", session.session_id[:8], error)
             return self._error(error.code, str(error))
+        progress, session.progress = session.progress, None
         if progress is not None:
             progress.advance(cache.length)  # a retried step is answered from memory: nothing was reported
         return await self._pushed(session, order, asyncio.wait_for(task, REPLY_TIMEOUT + order.max_seconds))
 
     def _drop_follow(self, session: Session | None, following: FollowingPush) -> None:
-        """The session ends while a push follows its prompt: the push stops at once."""
-        if following.task is not None:
-            _stop(following.task, session.progress if session is not None else None)
-        if session is not None:
+        """A push following the session's prompt stops at once (the session ended, or its step did not
+        compute the positions); its stream to B closes, and B keeps nothing."""
+        progress = session.progress if session is not None else None
+        if progress is not None:
+            progress.abandon()  # a flag as well: Python 3.11's `wait_for` may swallow the cancellation
             session.progress = None
+        if following.task is not None:
+            following.task.cancel()
+            # nothing is left to report: collect its outcome so that none is logged as unretrieved
+            following.task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def _pushed(self, session: Session, order: HandOff, push: Awaitable[PushResult]):
         """`push` awaited, its outcome logged and answered to the client."""
@@ -186,14 +191,6 @@ class HandOffRpcs:
             handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
         )
         return self._reply(reply, [])
-
-
-def _stop(task: asyncio.Task, progress: CacheProgress | None) -> None:
-    """Stop a following push; it ends at once (it closes its stream to B, which keeps nothing)."""
-    if progress is not None:
-        progress.abandon()
-    task.cancel()
-    task.add_done_callback(lambda done: done.cancelled() or done.exception())  # nothing left to report
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ checked then; one still over the limit is refused as before.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
@@ -33,11 +35,21 @@ async def slow_handler(requests, context, limit):
     yield runtime_pb2.ExpertResponse(metadata=f"chunk of {len(chunk.metadata)} bytes".encode())
 
 
-async def send_back_to_back(header: bytes) -> list[bytes]:
+@asynccontextmanager
+async def serving(handler) -> AsyncIterator[tuple[P2P, P2P]]:
+    """(server, client): two real p2p daemons, `handler` on the server's bounded stream HANDLE."""
     server = await P2P.create()
     client = await P2P.create(initial_peers=await server.get_visible_maddrs())
     try:
-        await add_bounded_stream_handler(server, HANDLE, slow_handler)
+        await add_bounded_stream_handler(server, HANDLE, handler)
+        yield server, client
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+async def send_back_to_back(header: bytes) -> list[bytes]:
+    async with serving(slow_handler) as (server, client):
         _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLE)
         await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=header), writer)
         await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=b"x" * CHUNK), writer)
@@ -47,9 +59,6 @@ async def send_back_to_back(header: bytes) -> list[bytes]:
             replies.append(reply.metadata)
         writer.close()
         return replies
-    finally:
-        await client.shutdown()
-        await server.shutdown()
 
 
 def test_a_chunk_sent_right_after_its_header_waits_for_the_handler_to_raise_the_limit():
@@ -72,11 +81,8 @@ async def refusing_handler(requests, context, limit):
 
 async def reply_while_client_still_sends(rounds: int) -> list[bytes]:
     """A header, then messages the handler never reads: each round's one reply must reach the client."""
-    server = await P2P.create()
-    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
     replies = []
-    try:
-        await add_bounded_stream_handler(server, HANDLE, refusing_handler)
+    async with serving(refusing_handler) as (server, client):
         for _ in range(rounds):
             _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLE)
             try:
@@ -92,10 +98,7 @@ async def reply_while_client_still_sends(rounds: int) -> list[bytes]:
             except (asyncio.IncompleteReadError, ConnectionError):
                 replies.append(b"closed")
             writer.close()
-        return replies
-    finally:
-        await client.shutdown()
-        await server.shutdown()
+    return replies
 
 
 def test_a_handler_that_ends_first_still_gets_its_reply_to_a_client_that_is_still_sending():
