@@ -124,6 +124,9 @@ def test_only_owned_entries_are_stored(validator, key, subkey):
         {"state": "hacked"},
         {"throughput": float("inf")},
         {"public_name": "x" * 1000},
+        {"prefill_chunk": -1},
+        {"prefill_chunk": 1 << 40},
+        {"prefill_chunk": float("nan")},
     ],
     ids=str,
 )
