@@ -88,7 +88,7 @@ def choose_chain(
     servers = graph.link_server
     blocks = graph.link_blocks
     rtt = np.array([usable[j].rtt for j in servers], dtype=float)
-    tau = np.array([usable[j].info.tau for j in servers], dtype=float)
+    tau = np.array([_loaded_tau(usable[j].info) for j in servers], dtype=float)
     tau_prefill = np.array([_prefill_time(usable[j].info, shape.l_in) for j in servers], dtype=float)
     cost = link_request_time(rtt, tau_prefill, rtt, tau, blocks.astype(float), shape.l_out)
     if need_cache_room:
@@ -103,6 +103,12 @@ def choose_chain(
     if chain is None:
         return None
     return [RouteHop(usable[hop.server].peer_id, hop.start + start, hop.end + start) for hop in chain.hops]
+
+
+def _loaded_tau(info: ServerInfo) -> float:
+    """Per-block decode time with the sessions the server announces open, each adding the
+    slowdown it measured (`server.decode_load`; the scheduler's WS-RR counts the same way)."""
+    return (info.tau or 0.0) + (info.tau_per_session or 0.0) * info.active_sessions
 
 
 def _prefill_time(info: ServerInfo, l_in: int) -> float:

@@ -23,7 +23,7 @@ from scheduler.algorithms.routing_graph import ChainHop
 MODEL_KEYS = {"num_blocks", "block_bytes", "cache_bytes", "hidden_size", "kv_dim", "dtype_bytes"}
 SERVER_KEYS = {
     "name", "memory_bytes", "tau", "tau_prefill", "rtt", "rtt_prefill", "tau_c", "tau_p",
-    "forward_rps", "network_rps", "inference_rps",
+    "forward_rps", "network_rps", "inference_rps", "tau_per_session",
 }  # fmt: skip
 PROBLEM_KEYS = {"model", "servers", "num_requests", "arrival_rate", "l_out", "c", "rho_bar"}
 ROUTING_KEYS = PROBLEM_KEYS | {"placement", "client", "l_in", "active"}
@@ -198,6 +198,7 @@ def _server_from(raw: Any, j: int) -> ServerSpec:
         forward_rps=_number(document, "forward_rps", where, positive=True),
         network_rps=_number(document, "network_rps", where, positive=True),
         inference_rps=_number(document, "inference_rps", where, positive=True),
+        tau_per_session=_number(document, "tau_per_session", where),
     )
 
 

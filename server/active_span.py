@@ -46,6 +46,13 @@ class ActiveSpan:
         return dict(getattr(self.servicer, "link_rates", {}))
 
     @property
+    def tau_per_session(self) -> float | None:
+        """What each other session decoding here adds to the per-block decode time (announced)."""
+        if self.servicer is None:
+            return None
+        return self.servicer.decode_load.tau_per_session(self.end - self.start)
+
+    @property
     def open_sessions(self) -> int:
         return len(self.servicer.sessions) if self.servicer is not None else 0
 

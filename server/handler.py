@@ -23,6 +23,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from server.bounded_stream import StreamLimit, add_bounded_stream_handler
+from server.decode_load import DecodeLoad
 from server.emulated_delay import emulated_seconds_per_block
 from server.engine import BatchingEngine
 from server.handoff_rpcs import HandOffRpcs
@@ -113,6 +114,7 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
         # steps as one batched forward (server/engine.py), otherwise each step runs alone, as before
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.lengths = SessionLengths()  # learned answer lengths: the engine's decode work ahead
+        self.decode_load = DecodeLoad()  # how steps slow down per decoding session (announced)
         self.engine = (
             BatchingEngine(
                 batch_wait=batch_wait_ms / 1e3,
@@ -292,6 +294,7 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
 
     def _close(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
+        self.decode_load.forget(session.session_id)
         self.metrics.sessions.set(len(self.sessions))
         self.budget.release(session.session_id)
         if session.cache is not None:
@@ -326,12 +329,18 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
             hypo_ids = check_hypo_ids(session, message.hypo_ids)
             if hypo_ids is not None:
                 session.cache.reorder(hypo_ids)
+            kind = "decode" if hidden.shape[1] == 1 else "prefill"
+            decoding = 0  # sessions decoding here now, this one included (`server.decode_load`)
+            if kind == "decode":
+                decoding = self.decode_load.decoding(session.session_id, time.monotonic())
             started = time.perf_counter()
             output = await self._compute(session, hidden, message.position, padding_mask, prompts)
             if message.last_only:
                 output = output[:, -1:]
-            kind = "decode" if hidden.shape[1] == 1 else "prefill"
-            self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.steps.labels(kind=kind).observe(elapsed)
+            if decoding:
+                self.decode_load.observe(decoding, elapsed)
             session.record(message.step_id, message.position, output)
             done = StepDone(step_id=message.step_id, position=message.position, leaving=not self.accepting)
             return self._reply(done, [output])

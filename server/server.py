@@ -104,6 +104,7 @@ class SwarmServer:
             max_length=self.session_limit(self.model_span()),
             tau=timings.tau if timings else None,
             tau_prefill=timings.tau_prefill if timings else None,
+            tau_per_session=served.tau_per_session if served is not None else None,
             prefill_tokens=timings.prefill_tokens if timings else 0,
             # a server that runs prompts whole streams each prompt's cache as one chunk
             prefill_chunk=config.prefill_chunk or config.max_length,

@@ -88,6 +88,8 @@ class ServerInfo(VersionedRecord):
     tau: float | None = Field(default=None, ge=MIN_TAU, le=MAX_SECONDS)  # per-block per-token decode s
     # per-block prefill seconds for `prefill_tokens`
     tau_prefill: float | None = Field(default=None, ge=MIN_TAU, le=MAX_SECONDS)
+    # what each other session decoding here at once adds to `tau` (measured: `server.decode_load`)
+    tau_per_session: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
     prefill_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     # tokens per chunk its prompts run in, each chunk's cache streamed as soon as computed when a
     # hand-off follows the prompt (`HandOff.follow`); 0: a server that predates streaming

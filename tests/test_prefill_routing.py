@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.service.prefill_routing import PrefillPlanner
+from scheduler.service.view import ModelShape, SwarmView
 from swarm.handoff_wire import HandOff
 from swarm.prefill_cost import hop_prefill_costs, streamed_seconds
 from swarm.route_request import RouteHop
@@ -109,3 +110,26 @@ def test_a_plain_hand_off_leaves_the_follow_field_out_for_servers_that_predate_i
     )
     assert "follow" not in decode_metadata(encode(HandOff(**order)).metadata)
     assert decode_metadata(encode(HandOff(**order, follow=True)).metadata)["follow"] is True
+
+
+def test_ws_rr_sees_a_decode_servers_prefill_where_its_prompts_run():
+    """A decode server whose whole span a faster prefill server holds is routed with that server's
+    prefill time, not its own (which its sessions' prompts never use): alike decode servers then
+    compete on decoding alone. A server the prefill server does not cover keeps its own."""
+    records = {
+        "decode_a": record("decode", 0.50),
+        "decode_b": record("decode", 0.49),  # its own prefill 2% faster: irrelevant with "rich" there
+        "other_span": record("both", 0.50, start=4, end=12),
+        "rich": record("prefill", 0.10),
+    }
+    view = SwarmView(
+        ModelShape(num_blocks=12, hidden_size=64, kv_dim=64), l_in=L_IN, l_out=16, records=records
+    )
+    peers = ["decode_a", "decode_b", "other_span"]
+    own = {spec.name: spec for spec in view.server_specs(peers)}
+    routed = {spec.name: spec for spec in view.routing_specs(peers)}
+    assert routed["decode_a"].tau_prefill == routed["decode_b"].tau_prefill == pytest.approx(0.10)
+    assert routed["decode_a"].tau_p == pytest.approx(0.10 + 15 * 0.001)
+    assert routed["other_span"] == own["other_span"]
+    del records["rich"]
+    assert view.routing_specs(peers) == view.server_specs(peers)

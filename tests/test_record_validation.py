@@ -127,6 +127,9 @@ def test_only_owned_entries_are_stored(validator, key, subkey):
         {"prefill_chunk": -1},
         {"prefill_chunk": 1 << 40},
         {"prefill_chunk": float("nan")},
+        {"tau_per_session": -0.001},
+        {"tau_per_session": float("nan")},
+        {"tau_per_session": 1e9},
     ],
     ids=str,
 )

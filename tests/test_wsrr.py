@@ -3,6 +3,7 @@ agreement."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -130,6 +131,41 @@ def test_ties_go_to_the_lowest_server_index():
     placement = [Span(0, 2), Span(0, 2), Span(2, 4), Span(2, 4)]
     route = RoutingState(servers, MODEL, placement).route("c1", l_out=5)
     assert [(hop.server, hop.start, hop.end) for hop in route.chain.hops] == [(0, 0, 2), (2, 2, 4)]
+
+
+def test_sessions_spread_over_alike_servers_by_what_each_session_adds():
+    """With the measured slowdown per decoding session (`tau_per_session`), a server's per-token time
+    is `tau + tau_per_session x sessions it holds`: the second session goes to the alike server
+    whose idle `tau` was measured 5% higher, where paper 000's model (no slowdown) sends both to the
+    first; a server twice as fast keeps taking sessions until the load evens them out."""
+    low, high = server("low", 100.0, tau=0.0100), server("high", 100.0, tau=0.0105)
+    both = [Span(0, 4), Span(0, 4)]
+    idle = RoutingState([low, high], MODEL, both)
+    idle.admit("s1", idle.route("c1", l_out=8), now=0.0)
+    assert idle.route("c1", l_out=8).chain.hops[0].server == 0  # unloaded model: the lower tau again
+    loaded = [dataclasses.replace(spec, tau_per_session=0.002) for spec in (low, high)]
+    state = RoutingState(loaded, MODEL, both)
+    first = state.route("c1", l_out=8)
+    state.admit("s1", first, now=0.0)
+    second = state.route("c1", l_out=8)
+    assert first.chain.hops[0].server == 0 and second.chain.hops[0].server == 1
+    # hop time = rtt_prefill + 4 x tau_prefill + 7 x (rtt + 4 x (tau + 0.002 x 1 session))
+    assert second.hop_times == (pytest.approx(0.15 + 4 * 0.021 + 7 * (0.05 + 4 * 0.0105)),)
+    state.admit("s2", second, now=0.0)
+    assert state.route("c1", l_out=8).chain.hops[0].server == 0  # one session each: the lower tau
+    fast = [dataclasses.replace(low, tau=0.005, tau_per_session=0.002), loaded[1]]
+    state = RoutingState(fast, MODEL, both)
+    for k in range(3):  # 0.005 + 0.002 k < 0.0105 for k = 0, 1, 2
+        route = state.route("c1", l_out=8)
+        assert route.chain.hops[0].server == 0
+        state.admit(f"s{k}", route, now=0.0)
+    assert state.route("c1", l_out=8).chain.hops[0].server == 1  # 0.011 > 0.0105
+    state.set_load_costs([None, None])  # measured no more: the idle model again
+    assert state.route("c1", l_out=8).chain.hops[0].server == 0
+    with pytest.raises(ValueError, match="finite"):
+        state.set_load_costs([math.nan, 0.0])
+    with pytest.raises(ValueError, match="one tau_per_session per server"):
+        state.set_load_costs([0.0])
 
 
 def test_unreachable_or_uncovered_gives_no_route():

@@ -57,6 +57,10 @@ class ServerSpec:
     forward_rps: float | None = None
     network_rps: float | None = None
     inference_rps: float | None = None
+    # What each other session decoding on the server at the same time adds to `tau` (seconds per
+    # block per token, measured by the server: `server.decode_load`); None: nothing (paper 000's
+    # model, where a server's per-token time does not depend on its load)
+    tau_per_session: float | None = None
 
     def worst_rtt(self) -> float:
         """`t*_j = max_c t_cj` (eq. 14): the farthest client's per-token round trip (0 if none known)."""

@@ -107,6 +107,8 @@ class RoutingState:
         links = self.graph.link_server
         self._link_tau = np.array([s.tau for s in servers], dtype=float)[links]
         self._link_tau_prefill = np.array([s.tau_prefill for s in servers], dtype=float)[links]
+        self._link_load: np.ndarray | None = None
+        self.set_load_costs([s.tau_per_session for s in servers])
         self._client_rtts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         # Absolute time at which each link has room for one more request (eq. 20); -inf = now.
         self._link_release = np.where(self.graph.link_blocks <= self._slots[links], -math.inf, math.inf)
@@ -156,7 +158,7 @@ class RoutingState:
         rtt_prefill, rtt = self._rtts_of(client)
         tau_prefill = self._link_tau_prefill * prefill_scale
         blocks = self.graph.link_blocks
-        times = link_request_time(rtt_prefill, tau_prefill, rtt, self._link_tau, blocks, l_out)
+        times = link_request_time(rtt_prefill, tau_prefill, rtt, self._loaded_tau(), blocks, l_out)
         times[~np.isfinite(rtt_prefill) | ~np.isfinite(rtt)] = math.inf  # no RTT known: no link
         waits = np.maximum(self._releases(units) - now, 0.0)
         chain = self.graph.shortest_chain(waits + times)
@@ -167,6 +169,27 @@ class RoutingState:
         hop_times = tuple(float(times[k]) for k in used)
         wait = max(hop_waits)
         return WsRrRoute(chain, wait, wait + sum(hop_times), hop_waits, hop_times)
+
+    def set_load_costs(self, tau_per_session: Sequence[float | None]) -> None:
+        """Per server, what each session it holds adds to its `tau` (None or 0: nothing, paper 000's
+        model). A session's per-token time on server j is then `tau_j + tau_per_session_j * n_j`, n_j
+        the sessions this state holds there: the contended per-iteration cost (linear in the batch,
+        as Aladdin and Vidur fit it) instead of the idle one, so that among alike servers a session
+        goes where fewer decode (eq. 1 alone sends every session to the one whose idle `tau` was
+        measured lowest until its cache is full)."""
+        if len(tau_per_session) != len(self.servers):
+            raise ValueError("one tau_per_session per server is needed")
+        load = np.array([value or 0.0 for value in tau_per_session], dtype=float)
+        if not np.all(np.isfinite(load)) or np.any(load < 0):
+            raise ValueError("tau_per_session must be finite and >= 0")
+        self._link_load = load[self.graph.link_server] if np.any(load > 0) else None
+
+    def _loaded_tau(self) -> np.ndarray:
+        """Each link's per-block per-token time with the sessions its server holds now."""
+        if self._link_load is None:
+            return self._link_tau
+        held = np.array([len(sessions) for sessions in self._by_server], dtype=float)
+        return self._link_tau + self._link_load * held[self.graph.link_server]
 
     def set_client_rtts(
         self, client: str, rtt: Sequence[float], rtt_prefill: Sequence[float] | None = None

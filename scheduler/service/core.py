@@ -135,7 +135,7 @@ class SchedulerCore:
         model = self.view.model_spec()
         announced = {peer: self.view.used_units(peer, model) for peer in live} if model else {}
         self.book.set_servers(
-            live, self.view.server_specs(live), model, self.view.live_spans(live), announced
+            live, self.view.routing_specs(live), model, self.view.live_spans(live), announced
         )
 
     def _adopt_live(self, members: frozenset[str]) -> None:

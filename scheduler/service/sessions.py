@@ -78,10 +78,16 @@ class SessionBook:
         """New live servers (or new spans): rebuild the routing state and replay the sessions into it."""
         self._announced_use = dict(announced_use)
         if list(peers) == self._peers and list(spans) == self._spans and model == self._model:
-            if self.policy == "chains" and self._model is not None and timings_moved(self._specs, specs):
+            if self._model is None or not timings_moved(self._specs, specs):
+                if self._state is not None:  # measured under the load of the moment: follow it
+                    self._state.set_load_costs([spec.tau_per_session for spec in specs])
+                return
+            if self.policy == "chains":
                 self._specs = list(specs)  # e.g. a client's round trips arrived: chain times changed
                 self._compose_chains()
-            return
+                return
+            # WS-RR: a server's timings moved (e.g. a prefill server now takes its prompts,
+            # `SwarmView.routing_specs`): rebuild the routing state with them below
         self._peers, self._specs, self._model, self._spans = list(peers), list(specs), model, list(spans)
         self._state = None
         self._capacity = {}

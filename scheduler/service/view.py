@@ -18,6 +18,7 @@ Choices made here (the cost model does not fix them):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from scheduler.algorithms.placing import PlanProblem
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from swarm.models.family import family_for
-from swarm.server_info import ServerInfo, ServerState
+from swarm.server_info import ServerInfo, ServerRole, ServerState
 
 VIRTUAL_CLIENT = "any"
 
@@ -141,6 +142,7 @@ class SwarmView:
                     memory_bytes=float(info.memory_bytes),
                     tau=info.tau,
                     tau_prefill=tau_prefill,
+                    tau_per_session=info.tau_per_session,
                     rtt=rtt,
                     rtt_prefill=dict(rtt),
                     tau_c=worst * self.l_out,
@@ -148,6 +150,38 @@ class SwarmView:
                 )
             )
         return specs
+
+    def routing_specs(self, peers: Sequence[str]) -> list[ServerSpec]:
+        """`server_specs` as WS-RR should see them: a server's prefill is where its sessions' prompts
+        run. Where a `--role prefill` server holds a server's whole span and prefills faster, the
+        prompt goes there (`prefill_routing`), so the server's own prefill time says nothing about
+        the session: routed by it, every long prompt went to the decode server that measured its own
+        (unused) prefill 2% faster, 23 of 30 sessions to one of two alike decode servers (netem,
+        BENCHMARKS.md "Prefill/decode roles on the emulated swarm"). The hand-off's transfer is left
+        to the per-session plan: it depends on the prompt and on links that change at every probe."""
+        specs = self.server_specs(peers)
+        prefill = [
+            info
+            for info in self.records.values()
+            if info.routable and info.has_blocks and info.role == ServerRole.PREFILL and _measured(info)
+        ]
+        if not prefill:
+            return specs
+        routed = []
+        for spec in specs:
+            info = self.records[spec.name]
+            faster = [
+                prefill_time(other, self.l_in)
+                for other in prefill
+                if other.start <= info.start and info.end <= other.end
+            ]
+            if spec.tau_prefill is not None and faster and min(faster) < spec.tau_prefill:
+                tau_prefill = min(faster)
+                spec = dataclasses.replace(
+                    spec, tau_prefill=tau_prefill, tau_p=tau_prefill + (self.l_out - 1) * (info.tau or 0.0)
+                )
+            routed.append(spec)
+        return routed
 
     def plan_problem(
         self,
