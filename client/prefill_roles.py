@@ -32,6 +32,8 @@ MIN_PROMPT = 2  # a one-token prompt is a decode step: nothing to disaggregate
 
 class DisaggregatedPrefill:
     _prefill: dict[int, ServerStream]  # decode chain index -> the prefill stream that takes its prompt
+    # the prompt's hand-offs, still crossing after its output was returned (`_prefill_step`)
+    _handing: asyncio.Future | None = None
 
     async def _plan_prefill(self, chain: list[RouteHop]) -> dict[int, ServerStream]:
         """Prefill servers for the hops of `chain` where disaggregating pays, their sessions opened."""
@@ -124,9 +126,23 @@ class DisaggregatedPrefill:
                 how,
             )
 
+    async def _handed_off(self) -> None:
+        """Wait until the last prompt's hand-offs are done (the chain is then the decode servers);
+        raises what a hand-off raised that no fallback could handle. Every later step, and the
+        session's end, waits here first."""
+        handing, self._handing = self._handing, None
+        if handing is not None:
+            await handing
+
     async def _prefill_step(self, step: StepInput):
         """The session's prompt through the prefill servers planned for it (the other hops as usual),
-        then each prefill server's cache handed to its hop's decode server."""
+        then each prefill server's cache handed to its hop's decode server.
+
+        The prompt's output (the first token's hidden states) returns as soon as the prefill servers
+        computed it; the hand-offs finish in the background (`_handing`) while the client samples
+        the first token, and the next step waits for them (`_handed_off`). So the first token does
+        not wait for the last part of the cache to cross (Splitwise and DistServe answer the first
+        token from the prefill instance too); the second one does, if it is not there yet."""
         plan, self._prefill = self._prefill, {}
         if step.position != 0 or step.hidden.shape[1] < MIN_PROMPT:  # not a prompt: nothing to do
             for stream in plan.values():
@@ -158,6 +174,14 @@ class DisaggregatedPrefill:
                     self.streams[index] = decode[index]
                 stream.close()
             raise
+        self._handing = asyncio.ensure_future(self._finish_handoffs(plan, decode, orders))
+        return output
+
+    async def _finish_handoffs(
+        self, plan: dict[int, ServerStream], decode: dict[int, ServerStream], orders: dict[int, object]
+    ) -> None:
+        """Each prefill server's cache to its hop's decode server (or the fallbacks); then the chain
+        is the decode servers."""
         # every hop's cache crosses its own link at once: one hop's hand-off never waits for another's
         handed = [
             index for index, stream in enumerate(self.streams) if index in plan and stream is plan[index]
@@ -182,7 +206,6 @@ class DisaggregatedPrefill:
                     decode[index].close()
                 chain.append(stream)
         self.streams = chain
-        return output
 
     @property
     def _timeout(self) -> float:

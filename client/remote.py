@@ -273,6 +273,7 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
         return output
 
     async def _step(self, step: StepInput) -> torch.Tensor:
+        await self._handed_off()  # the prompt's hand-offs, if any, are done before the next step
         if self._prefill:  # the prompt goes to prefill servers first (client/prefill_roles.py)
             return await self._prefill_step(step)
         return await self._chain_step(step)
@@ -311,6 +312,8 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
         """Continue from `position`: every server of the chain (and every replica) will overwrite
         positions `>= position` with the next step, and the kept histories forget the rejected steps,
         so a failover replay rebuilds exactly the accepted cache."""
+        if self._handing is not None:  # the chain is the decode servers once the hand-offs are done
+            run_sync(self._handed_off())
         for stream in [*self.streams, *self.verifiers.values()]:
             stream.rewind(position)
 
@@ -386,6 +389,9 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
         return outputs
 
     def close(self) -> None:
+        if self._handing is not None:  # a session that ends at its first token: its hand-offs first
+            with contextlib.suppress(Exception):
+                run_sync(self._handed_off())
         streams, self.streams = (
             self.streams + list(self.verifiers.values()) + list(self._prefill.values()),
             [],

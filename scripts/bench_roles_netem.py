@@ -379,6 +379,9 @@ def main() -> None:
             if args.keep_logs:
                 shutil.copytree(Path(work) / "netem", args.keep_logs, dirs_exist_ok=True)
     report["args"] = {k: v for k, v in vars(args).items() if k != "command"}
+    # servers announce their slowdown per decoding session and WS-RR routes by it (runs from
+    # 2026-11-26 on; the report simulates earlier runs without it)
+    report["args"]["load_routing"] = True
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"raw results in {args.out}; tables: .venv/bin/python scripts/roles_netem_report.py {args.out}")
 

@@ -109,6 +109,7 @@ def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
                 rtts,
                 disaggregate,
                 STREAM_CHUNK_TOKENS if streamed else 0,
+                bool(raw["args"].get("load_routing")),
             )
             counts = spread.setdefault(mode, {})
             for row in entry["requests"]:

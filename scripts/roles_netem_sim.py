@@ -128,12 +128,15 @@ def simulate_swarm(
     rtts: Sequence[float] | None = None,
     disaggregate: str = "auto",
     stream_chunk: int = STREAM_CHUNK_TOKENS,
+    load_routing: bool = True,
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """The contended model (serial: the emulation's delay sleeps on the compute thread) on the swarm,
     every server holding every block, WS-RR on the servers that decode; returns the records and the
     service's stats (`handoffs`: hops whose prompt ran on a prefill server). `disaggregate`: "auto"
     (the client's rule) or "scheduler" (the scheduler's queue-aware plan). `stream_chunk`: tokens
-    per streamed part of a prompt's cache (0: handed off after the prompt, runs before streaming)."""
+    per streamed part of a prompt's cache (0: handed off after the prompt, runs before streaming).
+    `load_routing`: WS-RR counts each decoding session's cost on its server (`tau_per_session`;
+    False: runs made before servers announced it)."""
     # nominal lengths: the mean, so that WS-RR's cache slots (memory / one nominal session's cache)
     # hold about as many sessions as the live servers' byte budgets do
     l_in = round(float(np.mean([r.l_in for r in requests])))
@@ -181,8 +184,12 @@ def simulate_swarm(
     def cache_units(request: Request) -> float:
         return (request.l_in + request.l_out) / nominal
 
+    # routed as the live scheduler routes: each decoding session adds its row's host cost per block
+    # (`tau_per_session`, what a live server measures of itself without other processes' load)
+    per_session = swarm.cpu.decode_per_row if load_routing else None
+    loaded = [dataclasses.replace(s, tau_per_session=per_session) for s in decode.servers]
     dispatcher = WsRrRouting(
-        RoutingState(list(decode.servers), decode.model, spans),
+        RoutingState(loaded, decode.model, spans),
         spans,
         setup_s,
         decode.prefill,

@@ -270,6 +270,13 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
         for inputs in ({"input_ids": PROMPT}, dict(batch)):
             expected = reference.generate(**inputs, max_new_tokens=10, do_sample=False)
             assert torch.equal(model.generate(**inputs, max_new_tokens=10, do_sample=False), expected)
+        # the first token returns before the hand-offs end; a session that ends there waits for them
+        # at its close, then frees every server
+        expected = reference.generate(PROMPT, max_new_tokens=1, do_sample=False)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=1, do_sample=False), expected)
+        swarm.wait_for(
+            prefix, NUM_BLOCKS, lambda online: all(online[name].active_sessions == 0 for name in names), 30
+        )
         for hop in spans:
             _wait_for_log(swarm, f"prefill-{hop}", "while computing them")
             _wait_for_log(swarm, f"decode-{hop}", "received a cache")

@@ -130,9 +130,10 @@ def test_a_handoff_charges_the_cache_bytes_over_the_link():
     servers, costs, plan = _roles(16000.0)  # 2,000 bytes of cache at 2,000 bytes/s: 1 s
     timeline, result = _run(servers, costs, [Request(0, 0.0, 10, 2)], roles=plan, engine_servers=servers[:1])
     # the rule: P's 2 x 0.1 s + 1 s hand-off < D's 2 x 1 s. The prompt runs on P 0.15-0.35, back
-    # at 0.5; the hand-off: a client round trip to P (0.2) + the link's (0.05) + 1 s -> 1.75;
-    # then D decodes: there at 1.85, 1.85-2.05, back at 2.15
-    assert timeline[0] == pytest.approx((0.0, 1.75, 2.15))
+    # at 0.5: the first token (it does not wait for the hand-off); the hand-off: a client round
+    # trip to P (0.2) + the link's (0.05) + 1 s -> 1.75; then D decodes: there at 1.85, 1.85-2.05,
+    # back at 2.15
+    assert timeline[0] == pytest.approx((0.0, 0.5, 2.15))
     assert result.service_stats["handoffs"] == 1
 
 
@@ -142,8 +143,8 @@ def test_a_cache_streamed_during_the_prompt_leaves_only_what_the_prompt_could_no
     # the rule: the pipeline of P's 2 x 0.1 s and the 1 s transfer in 2 parts, (0.2 + 1) / 2 +
     # 1 / 2 x max(0.2, 1) = 1.1 s < D's 2 s. Back from the prompt at 0.5; what is left of the
     # transfer, 1.1 - 0.2 = 0.9 s, plus the link's round trip (no client round trip: the order went
-    # before the prompt) -> 1.45; then D decodes as above, back at 1.85
-    assert timeline[0] == pytest.approx((0.0, 1.45, 1.85))
+    # before the prompt) -> 1.45; then D decodes as above, back at 1.85. The first token: 0.5
+    assert timeline[0] == pytest.approx((0.0, 0.5, 1.85))
     assert result.service_stats["handoffs"] == 1
 
 
@@ -166,7 +167,8 @@ def test_a_slow_link_keeps_the_prompt_on_its_decode_server():
     assert result.service_stats["handoffs"] == 0
     servers, costs, plan = _roles(4000.0, policy="always")
     timeline, _ = _run(servers, costs, [Request(0, 0.0, 10, 2)], roles=plan, engine_servers=servers[:1])
-    assert timeline[0][1] == pytest.approx(0.5 + 0.2 + 0.05 + 4.0)
+    # the first token at 0.5; the second after the hand-off (0.2 + 0.05 + 4 s) and D's step (0.4)
+    assert timeline[0] == pytest.approx((0.0, 0.5, 0.5 + 0.2 + 0.05 + 4.0 + 0.4))
 
 
 def test_the_rule_is_the_live_servers_rule():

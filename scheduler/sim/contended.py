@@ -225,9 +225,10 @@ class ContendedService:
             return
         session.hop = 0
         if session.token == 0:
-            if self.roles is not None:  # the prompt's caches move to the decode servers first
-                now += self.roles.handoff_seconds(session.request, session.hops, session.prompt_servers, now)
             session.first_token = now
+            if self.roles is not None:  # the prompt's caches reach the decode servers before the next
+                # step leaves; the first token does not wait for them (as the client: `_prefill_step`)
+                now += self.roles.handoff_seconds(session.request, session.hops, session.prompt_servers, now)
         if session.token + 1 >= session.request.l_out:
             self._end(session, now)
             return
