@@ -382,6 +382,8 @@ def main() -> None:
     # servers announce their slowdown per decoding session and WS-RR routes by it (runs from
     # 2026-11-26 on; the report simulates earlier runs without it)
     report["args"]["load_routing"] = True
+    # the first token returns before the prompt's hand-offs end (runs from 2026-11-26 on)
+    report["args"]["early_first_token"] = True
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"raw results in {args.out}; tables: .venv/bin/python scripts/roles_netem_report.py {args.out}")
 

@@ -110,6 +110,7 @@ def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
                 disaggregate,
                 STREAM_CHUNK_TOKENS if streamed else 0,
                 bool(raw["args"].get("load_routing")),
+                bool(raw["args"].get("early_first_token")),
             )
             counts = spread.setdefault(mode, {})
             for row in entry["requests"]:

@@ -129,6 +129,7 @@ def simulate_swarm(
     disaggregate: str = "auto",
     stream_chunk: int = STREAM_CHUNK_TOKENS,
     load_routing: bool = True,
+    early_first_token: bool = True,
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """The contended model (serial: the emulation's delay sleeps on the compute thread) on the swarm,
     every server holding every block, WS-RR on the servers that decode; returns the records and the
@@ -136,7 +137,8 @@ def simulate_swarm(
     (the client's rule) or "scheduler" (the scheduler's queue-aware plan). `stream_chunk`: tokens
     per streamed part of a prompt's cache (0: handed off after the prompt, runs before streaming).
     `load_routing`: WS-RR counts each decoding session's cost on its server (`tau_per_session`;
-    False: runs made before servers announced it)."""
+    False: runs made before servers announced it). `early_first_token`: the first token returns
+    before the prompt's hand-offs end (False: runs before 2026-11-26's client, where it waited)."""
     # nominal lengths: the mean, so that WS-RR's cache slots (memory / one nominal session's cache)
     # hold about as many sessions as the live servers' byte budgets do
     l_in = round(float(np.mean([r.l_in for r in requests])))
@@ -155,6 +157,8 @@ def simulate_swarm(
     options = ContendedOptions("serial", disaggregate=disaggregate)
     decode, order, disaggregation = split(base, options.disaggregate, stream_chunk)
     ordered = subset(base, order)
+    if disaggregation is not None:
+        disaggregation.first_token_waits = not early_first_token
     on_prefill: dict[str, float] = {}  # prompts per prefill server (by name)
     if disaggregation is not None:
         plan = disaggregation.plan

@@ -229,6 +229,8 @@ class ContendedService:
             if self.roles is not None:  # the prompt's caches reach the decode servers before the next
                 # step leaves; the first token does not wait for them (as the client: `_prefill_step`)
                 now += self.roles.handoff_seconds(session.request, session.hops, session.prompt_servers, now)
+                if self.roles.first_token_waits:
+                    session.first_token = now
         if session.token + 1 >= session.request.l_out:
             self._end(session, now)
             return

@@ -132,6 +132,8 @@ class Disaggregation:
         self.announced, self.links, self.client_rtt = list(announced), links, list(client_rtt)
         self.kv_token_bytes = kv_token_bytes
         self.stream_chunk = stream_chunk  # tokens per streamed part of a prompt's cache (0: after it)
+        # the first token waits for the hand-offs (clients before 2026-11-26); else only the second
+        self.first_token_waits = False
         self.prefill = [
             _PrefillServer(num_decode + k, span, room, [])
             for k, (span, room) in enumerate(zip(prefill_spans, room_bytes, strict=True))
