@@ -373,6 +373,9 @@ class SwarmConnection:
         chain among those that answered is returned; pings left running fill the RTT cache."""
         servers = await self._routable(refresh, phase)
         known = self._servers  # a read landing meanwhile (the rest of the first one) adds candidates
+        # where the prompts of a session may run instead (`client/prefill_roles.py`)
+        disaggregating = phase == "decode" and self.options.disaggregate != "never"
+        prefill = self._routable_among(known, "prefill") if disaggregating else {}
         live = await self._live_peers()
         loop = asyncio.get_running_loop()
         breadth, widened_at, chain_since = self.options.probe_per_block, loop.time(), None
@@ -387,6 +390,7 @@ class SwarmConnection:
         while True:
             if self._servers is not known:
                 known, servers = self._servers, self._routable_among(self._servers, phase)
+                prefill = self._routable_among(known, "prefill") if disaggregating else {}
                 live = await self._live_peers()
                 ping_shortlist()
             answered = [
@@ -394,7 +398,7 @@ class SwarmConnection:
                 for peer, ping in pings.items()
                 if ping.done() and not ping.cancelled() and ping.result() < math.inf  # rtt() never raises
             ]
-            chain = choose_chain(answered, start, end, shape)
+            chain = choose_chain(answered, start, end, shape, prefill_servers=prefill)
             out = [ping for ping in pings.values() if not ping.done()]
             now = loop.time()
             if chain is not None:

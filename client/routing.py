@@ -77,9 +77,17 @@ def probe_shortlist(
 
 
 def choose_chain(
-    candidates: list[Candidate], start: int, end: int, shape: SessionShape, need_cache_room: bool = True
+    candidates: list[Candidate],
+    start: int,
+    end: int,
+    shape: SessionShape,
+    need_cache_room: bool = True,
+    prefill_servers: Mapping[str, ServerInfo] | None = None,
 ) -> list[RouteHop] | None:
-    """Fastest chain covering blocks `[start, end)`, or None if none exists (with cache room, if asked)."""
+    """Fastest chain covering blocks `[start, end)`, or None if none exists (with cache room, if asked).
+    `prefill_servers`: `--role prefill` servers the session's prompts may run on; a server whose
+    blocks one of them holds is priced with the faster of the two prefills, since the prompt goes
+    there (as the scheduler's WS-RR prices it: `SwarmView.routing_specs`)."""
     usable = [c for c in candidates if _usable(c, start, end) and c.info.max_length >= shape.max_length]
     if not usable:
         return None
@@ -89,7 +97,8 @@ def choose_chain(
     blocks = graph.link_blocks
     rtt = np.array([usable[j].rtt for j in servers], dtype=float)
     tau = np.array([_loaded_tau(usable[j].info) for j in servers], dtype=float)
-    tau_prefill = np.array([_prefill_time(usable[j].info, shape.l_in) for j in servers], dtype=float)
+    prefill = [_routed_prefill(c, start, end, shape.l_in, prefill_servers or {}) for c in usable]
+    tau_prefill = np.array([prefill[j] for j in servers], dtype=float)
     cost = link_request_time(rtt, tau_prefill, rtt, tau, blocks.astype(float), shape.l_out)
     if need_cache_room:
         needed = (
@@ -103,6 +112,21 @@ def choose_chain(
     if chain is None:
         return None
     return [RouteHop(usable[hop.server].peer_id, hop.start + start, hop.end + start) for hop in chain.hops]
+
+
+def _routed_prefill(
+    candidate: Candidate, start: int, end: int, l_in: int, prefill_servers: Mapping[str, ServerInfo]
+) -> float:
+    """Per-block prefill time of the candidate's prompts: its own, or a prefill server's that holds
+    its blocks of `[start, end)` and is faster (the hand-off's transfer is the per-session rule's)."""
+    first, last = max(candidate.info.start, start), min(candidate.info.end, end)
+    own = _prefill_time(candidate.info, l_in)
+    elsewhere = [
+        _prefill_time(info, l_in)
+        for info in prefill_servers.values()
+        if info.has_blocks and info.start <= first and last <= info.end
+    ]
+    return min([own, *elsewhere])
 
 
 def _loaded_tau(info: ServerInfo) -> float:
