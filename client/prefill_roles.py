@@ -35,22 +35,16 @@ class DisaggregatedPrefill:
     # the prompt's hand-offs, still crossing after its output was returned (`_prefill_step`)
     _handing: asyncio.Future | None = None
 
-    async def _plan_prefill(self, chain: list[RouteHop]) -> dict[int, ServerStream]:
-        """Prefill servers for the hops of `chain` where disaggregating pays, their sessions opened."""
-        return await self._open_prefill(chain, self._choose_prefill(chain))
-
-    async def _scheduled_prefill(
-        self, chain: list[RouteHop], planned: Sequence[RouteHop]
-    ) -> dict[int, ServerStream]:
+    def _scheduled_choice(self, chain: list[RouteHop], planned: Sequence[RouteHop]) -> dict[int, str]:
         """The scheduler's plan for the prompt (`RouteReply.prefill`: a prefill server per hop it
-        chose), opened; entries that name no known prefill server holding their hop's blocks are
-        ignored (those hops prefill on their own server). `disaggregate="never"` keeps every prompt
-        on its decode server; "always" uses the client's own rule."""
+        chose); entries that name no known prefill server holding their hop's blocks are ignored
+        (those hops prefill on their own server). `disaggregate="never"` keeps every prompt on its
+        decode server; "always" uses the client's own rule."""
         policy = self.connection.options.disaggregate
         if policy == "never" or self.shape.l_in < MIN_PROMPT:
             return {}
         if policy == "always":
-            return await self._plan_prefill(chain)
+            return self._choose_prefill(chain)
         prefill_servers = self.connection.routable_among(self.connection.known_servers, "prefill")
         index_of = {(hop.start, hop.end): index for index, hop in enumerate(chain)}
         chosen: dict[int, str] = {}
@@ -70,7 +64,7 @@ class DisaggregatedPrefill:
                 len(planned),
                 ignored[0],
             )
-        return await self._open_prefill(chain, chosen)
+        return chosen
 
     def _choose_prefill(self, chain: list[RouteHop]) -> dict[int, str]:
         """The client's own rule: per hop, the prefill server whose prefill plus hand-off beats the
@@ -99,19 +93,32 @@ class DisaggregatedPrefill:
         return chosen
 
     async def _open_prefill(self, chain: list[RouteHop], chosen: dict[int, str]) -> dict[int, ServerStream]:
-        """Sessions on the chosen prefill servers for those hops' prompts; a server that will not
-        take one leaves its hop to prefill on its decode server."""
+        """Sessions on the chosen prefill servers for those hops' prompts, all opened at once (and at
+        once with the decode chain: `RemoteBlockSession._open_with_prefill`); a server that will not
+        take one leaves its hop to prefill on its decode server (opened to receive a cache that then
+        never comes, it serves the session as any other)."""
+        streams = {
+            index: ServerStream(
+                RouteHop(peer, chain[index].start, chain[index].end), uuid.uuid4().hex, self.shape
+            )
+            for index, peer in chosen.items()
+        }
+        results = await asyncio.gather(
+            *(stream.open(self.connection) for stream in streams.values()), return_exceptions=True
+        )
         plan: dict[int, ServerStream] = {}
-        for index, peer in chosen.items():
-            hop = chain[index]
-            stream = ServerStream(RouteHop(peer, hop.start, hop.end), uuid.uuid4().hex, self.shape)
-            try:
-                await stream.open(self.connection)
-            except Exception as error:  # that server will not take it: its decode server will
+        for (index, stream), result in zip(streams.items(), results, strict=True):
+            if isinstance(result, Exception):  # that server will not take it: its decode server will
                 stream.close()
-                logger.info("session %s: no prefill on %s (%s)", self.session_id[:8], peer[-8:], error)
-                continue
-            plan[index] = stream
+                logger.info(
+                    "session %s: no prefill on %s (%s)", self.session_id[:8], stream.hop.peer_id[-8:], result
+                )
+            elif isinstance(result, BaseException):
+                for other in streams.values():
+                    other.close()
+                raise result
+            else:
+                plan[index] = stream
         return plan
 
     def _adopt_prefill(self, plan: dict[int, ServerStream], how: str) -> None:

@@ -121,11 +121,9 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
             chain = await self.connection.route(start, end, self.shape, patient=patient)
             # a fresh id per stream: a replacement may land on a server already in this chain
             streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
-            plan = await self._plan_prefill(chain) if plan_prefill else {}
+            chosen = self._choose_prefill(chain) if plan_prefill else {}
             try:
-                for index, stream in enumerate(streams):
-                    source = plan[index].hop.peer_id if index in plan else cache_from
-                    stream.cache_token = await stream.open(self.connection, source)
+                plan = await self._open_with_prefill(chain, streams, chosen, cache_from)
                 logger.info(
                     "session %s blocks %d:%d routed through %s",
                     self.session_id[:8],
@@ -137,7 +135,7 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
                     self._adopt_prefill(plan, "client's rule")
                 return streams
             except RemoteError as error:
-                for stream in [*streams, *plan.values()]:
+                for stream in streams:
                     stream.close()
                 if error.code in FATAL_CODES:
                     raise  # our own request is wrong (or not allowed): another server would refuse it too
@@ -154,7 +152,7 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
                 else:
                     self.connection.blame(error.peer, error)
             except Exception as error:  # transport failures: blame the server and route around it
-                for stream in [*streams, *plan.values()]:
+                for stream in streams:
                     stream.close()
                 self.connection.blame(getattr(error, "peer", "") or _failed_peer(streams), error)
 
@@ -212,19 +210,16 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
             logger.info("the scheduler's route includes a prefill-only server: routing locally")
             return None
         streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in hops]
-        plan: dict[int, ServerStream] = {}
+        chosen: dict[int, str] = {}
         if first:  # the prompt phase: the scheduler's plan, or the client's own rule without one
             planned = [RouteHop.from_proto(hop) for hop in reply.prefill]
-            if reply.prefill_planned:
-                plan = await self._scheduled_prefill(hops, planned)
-            else:
-                plan = await self._plan_prefill(hops)
+            chosen = (
+                self._scheduled_choice(hops, planned) if reply.prefill_planned else self._choose_prefill(hops)
+            )
         try:
-            for index, stream in enumerate(streams):
-                source = plan[index].hop.peer_id if index in plan else None
-                stream.cache_token = await stream.open(self.connection, source)
+            plan = await self._open_with_prefill(hops, streams, chosen)
         except Exception as error:
-            for stream in [*streams, *plan.values()]:
+            for stream in streams:
                 stream.close()
             await link.end_session(admission.scheduler_session)
             if isinstance(error, RemoteError) and error.code in FATAL_CODES:
@@ -246,6 +241,39 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
             admission.expected_wait,
         )
         return streams
+
+    async def _open_with_prefill(
+        self,
+        chain: list[RouteHop],
+        streams: list[ServerStream],
+        chosen: dict[int, str],
+        cache_from: str | None = None,
+    ) -> dict[int, ServerStream]:
+        """Open every stream of the chain and the sessions on the prefill servers `chosen` for some of
+        its hops, all at once: one round trip for the whole chain instead of one per hop. Returns the
+        prefill streams that opened (`DisaggregatedPrefill._open_prefill`). A failed hop raises its
+        error (the first in chain order) once every open has answered, the prefill streams closed;
+        the caller closes `streams`. `cache_from`: see `_open_chain`."""
+        results = await asyncio.gather(
+            self._open_prefill(chain, chosen),
+            *(
+                stream.open(self.connection, chosen.get(index, cache_from))
+                for index, stream in enumerate(streams)
+            ),
+            return_exceptions=True,
+        )
+        plan, opened = results[0], results[1:]
+        failure = next((result for result in opened if isinstance(result, BaseException)), None)
+        if isinstance(plan, BaseException):
+            failure = failure or plan
+            plan = {}
+        if failure is not None:
+            for stream in plan.values():
+                stream.close()
+            raise failure
+        for stream, token in zip(streams, opened, strict=True):
+            stream.cache_token = token
+        return plan
 
     async def _renew_lease(self, scheduler_session: str, lease: float) -> None:
         while True:
