@@ -78,19 +78,23 @@ def measure(args: argparse.Namespace) -> None:
                 run_sync(ways[name](streams))
                 opens[name].append(time.perf_counter() - started)
                 run_sync(close(streams))
-        requests, wrong = [], 0
+        requests, sessions, wrong = [], [], 0
         for repeat in range(args.repeats):
-            prompt = torch.randint(
-                4, 100, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(repeat)
-            )
+            seed = torch.Generator().manual_seed(repeat)
+            prompt = torch.randint(4, 100, (1, PROMPT_TOKENS), generator=seed)
             started = time.perf_counter()
-            output = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+            session = model.open_session(PROMPT_TOKENS + NEW_TOKENS, prompt_tokens=PROMPT_TOKENS)
+            sessions.append(time.perf_counter() - started)
+            try:
+                output = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, session=session)
+            finally:
+                session.close()
             requests.append(time.perf_counter() - started)
             expected = reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
             wrong += not torch.equal(output, expected)
     finally:
         model.shutdown()
-    result = {"opens": opens, "requests": requests, "wrong": wrong, "hops": len(chain)}
+    result = {"opens": opens, "sessions": sessions, "requests": requests, "wrong": wrong, "hops": len(chain)}
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -150,10 +154,12 @@ def table(result: dict, rtt_ms: float) -> list[str]:
             f"| {name} | {opens[name] * 1e3:.0f} | {max(times) * 1e3:.0f} | {opens[name] / rtt:.2f} |"
         )
     ratio = opens["one after another"] / opens["all at once"]
-    requests = statistics.median(result["requests"])
+    requests, sessions = statistics.median(result["requests"]), statistics.median(result["sessions"])
     lines += [
         "",
         f"- {result['hops']} hops: one after another / all at once = {ratio:.2f}x",
+        f"- a session opened through the client's API (routing, with its servers' round trips measured "
+        f"before, and opening): p50 {sessions * 1e3:.0f} ms = {sessions / rtt:.2f} round trips",
         f"- whole requests through the client's API (route, open, {PROMPT_TOKENS}-token prompt, "
         f"{NEW_TOKENS} new tokens): p50 {requests * 1e3:.0f} ms = {requests / rtt:.1f} round trips; "
         f"outputs differing from local transformers: {result['wrong']} of {len(result['requests'])}",
