@@ -207,6 +207,52 @@ async def _close_stream(stream: ServerStream) -> None:
     stream.close()
 
 
+def test_a_chain_opened_at_once_reports_the_full_hop_and_leaves_no_session_behind(llama_dir, tmp_path):
+    """Every server of a chain (and a prefill server) is opened at once (`_open_with_prefill`): when
+    the second hop has no room, the error is that hop's, the prefill session is closed by the opener,
+    the others by the caller, and every server ends with only the sessions that were open before."""
+    max_length, half = 64, NUM_BLOCKS // 2
+    span, _ = load_span(llama_dir, half, NUM_BLOCKS)
+    session_bytes = span.cache_bytes(max_length) * (NUM_BLOCKS - half)
+    tight = span.block_bytes * (NUM_BLOCKS - half) + session_bytes + session_bytes // 2  # one session
+    swarm = LocalSwarm(tmp_path)
+    prefix = default_prefix(str(llama_dir))
+    try:
+        swarm.start_dht()
+        swarm.start_server("roomy", llama_dir, f"0:{half}", "1GB")
+        swarm.start_server("tight", llama_dir, f"{half}:{NUM_BLOCKS}", str(tight))
+        swarm.wait_online(prefix, NUM_BLOCKS, ["roomy", "tight"])
+        peers = {info.public_name: peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items()}
+        model = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
+        try:
+            first = model.open_session(max_length)  # the tight server's only session
+            shape = SessionShape(batch_size=1, max_length=max_length, l_in=8, l_out=8)
+            chain = [RouteHop(peers["roomy"], 0, half), RouteHop(peers["tight"], half, NUM_BLOCKS)]
+            streams = [ServerStream(hop, f"at-once-{index}", shape) for index, hop in enumerate(chain)]
+            with pytest.raises(RemoteError, match="no cache room") as refused:
+                run_sync(first.blocks._open_with_prefill(chain, streams, {0: peers["roomy"]}))
+            assert refused.value.peer == peers["tight"]
+            for stream in streams:
+                run_sync(_close_stream(stream))
+            swarm.wait_for(
+                prefix,
+                NUM_BLOCKS,
+                lambda online: online["roomy"].active_sessions == 1 and online["tight"].active_sessions == 1,
+                30,
+            )
+            first.close()
+        finally:
+            model.shutdown()
+        swarm.wait_for(
+            prefix,
+            NUM_BLOCKS,
+            lambda online: online["roomy"].active_sessions == 0 and online["tight"].active_sessions == 0,
+            30,
+        )
+    finally:
+        assert not swarm.close()
+
+
 def test_generate_none_and_inputs_embeds_through_the_swarm(client, reference):
     """PETALS' `generate(None)` continues the active session; a prompt as `inputs_embeds` generates
     what the same prompt as ids generates (issue 19)."""
