@@ -343,3 +343,41 @@ def test_an_unreachable_server_is_shown_but_never_routed_to():
 def test_settings_built_in_code_check_their_values(settings, message):
     with pytest.raises(SwarmUserError, match=message):
         settings()
+
+
+def test_the_book_follows_moved_compute_timings_and_measured_load_but_not_round_trip_jitter():
+    """Same servers, same spans: WS-RR's state is rebuilt (its sessions kept) when a server's `tau`
+    or `tau_prefill` moves by more than 10% (e.g. a prefill server now takes its prompts), and takes
+    `tau_per_session` as measured at every refresh; a client's round trips are per query."""
+    model = ModelSpec(num_blocks=2, block_bytes=10.0, cache_bytes=1.0)
+
+    def specs(b_prefill: float, per_session: float | None = None, rtt: float = 0.01) -> list[ServerSpec]:
+        return [
+            ServerSpec(
+                name,
+                100.0,
+                tau=0.001,
+                tau_prefill=prefill,
+                tau_per_session=per_session,
+                rtt={"c": rtt},
+                rtt_prefill={"c": rtt},
+            )  # fmt: skip
+            for name, prefill in (("a", 0.010), ("b", b_prefill))
+        ]
+
+    rtts = {"a": 0.01, "b": 0.01}
+    book = SessionBook(lease_s=60.0, slot_tokens=10)
+    book.set_servers(["a", "b"], specs(0.020), model, [Span(0, 2), Span(0, 2)], {})
+    assert [hop.peer_id for hop in book.route("s1", "c", rtts, 4, 1.0, now=0.0).session.hops] == ["a"]
+    book.set_servers(["a", "b"], specs(0.005), model, [Span(0, 2), Span(0, 2)], {})  # b's prompts moved
+    assert [hop.peer_id for hop in book.route("s2", "c", rtts, 4, 1.0, now=0.0).session.hops] == ["b"]
+    assert set(book.sessions) == {"s1", "s2"}  # both kept through the rebuild
+    state = book._state
+    book.set_servers(["a", "b"], specs(0.005, rtt=0.05), model, [Span(0, 2), Span(0, 2)], {})
+    assert book._state is state  # round trips are no reason to rebuild
+    # measured load, in place: a and b hold one session each, b's cheaper prompt wins s3; with two
+    # on b, each adding 10 ms per block per token, a wins s4
+    book.set_servers(["a", "b"], specs(0.005, per_session=0.01), model, [Span(0, 2), Span(0, 2)], {})
+    assert book._state is state
+    assert [hop.peer_id for hop in book.route("s3", "c", rtts, 4, 1.0, now=0.0).session.hops] == ["b"]
+    assert [hop.peer_id for hop in book.route("s4", "c", rtts, 4, 1.0, now=0.0).session.hops] == ["a"]

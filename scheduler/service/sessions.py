@@ -48,6 +48,20 @@ from scheduler.service.session_records import RouteDecision, SessionRecord
 from swarm.route_request import RouteHop
 
 
+def compute_moved(old: Sequence[ServerSpec], new: Sequence[ServerSpec], tolerance: float = 0.1) -> bool:
+    """Whether some server's `tau` or `tau_prefill` moved by more than `tolerance` (relative): what
+    WS-RR's state holds of the specs (its round trips come with each query)."""
+    if len(old) != len(new):
+        return True
+    for before, after in zip(old, new, strict=True):
+        for a, b in ((before.tau, after.tau), (before.tau_prefill, after.tau_prefill)):
+            if (a is None) != (b is None):
+                return True
+            if a is not None and b is not None and abs(b - a) > tolerance * max(abs(a), abs(b), 1e-12):
+                return True
+    return False
+
+
 class SessionBook:
     """Routing state over the live servers, the sessions routed through it, and admission."""
 
@@ -78,15 +92,18 @@ class SessionBook:
         """New live servers (or new spans): rebuild the routing state and replay the sessions into it."""
         self._announced_use = dict(announced_use)
         if list(peers) == self._peers and list(spans) == self._spans and model == self._model:
-            if self._model is None or not timings_moved(self._specs, specs):
+            if self._model is None:
+                return
+            if self.policy == "chains":
+                if timings_moved(self._specs, specs):
+                    self._specs = list(specs)  # e.g. a client's round trips arrived: chain times changed
+                    self._compose_chains()
+                return
+            if not compute_moved(self._specs, specs):  # WS-RR takes round trips from each query
                 if self._state is not None:  # measured under the load of the moment: follow it
                     self._state.set_load_costs([spec.tau_per_session for spec in specs])
                 return
-            if self.policy == "chains":
-                self._specs = list(specs)  # e.g. a client's round trips arrived: chain times changed
-                self._compose_chains()
-                return
-            # WS-RR: a server's timings moved (e.g. a prefill server now takes its prompts,
+            # a server's compute timings moved (e.g. a prefill server now takes its prompts,
             # `SwarmView.routing_specs`): rebuild the routing state with them below
         self._peers, self._specs, self._model, self._spans = list(peers), list(specs), model, list(spans)
         self._state = None
