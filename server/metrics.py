@@ -56,6 +56,11 @@ class ServerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
+        self.tau_per_session = Gauge(
+            "swarm_server_tau_per_session_seconds",
+            "What each session decoding here at once adds to a token's time per block (0: not measured)",
+            registry=r,
+        )
         self.span_changes = Counter(
             "swarm_server_span_changes", "Times the server moved to a new span", registry=r
         )

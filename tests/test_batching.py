@@ -451,6 +451,13 @@ def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path)
         assert not errors, errors
         for index, want in enumerate(expected):
             assert torch.equal(results[index], want), index
+        # 120 decode steps at several loads: the server announces what each decoding session adds
+        swarm.wait_for(
+            default_prefix(str(llama_dir)),
+            NUM_BLOCKS,
+            lambda online: online["batching"].tau_per_session is not None,
+            30,
+        )
         metrics = swarm.metrics("batching")
     finally:
         for client in clients:
@@ -460,3 +467,4 @@ def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path)
     iterations = prometheus_sample(metrics, "swarm_server_decode_batch_steps_count")
     alone = prometheus_sample(metrics, "swarm_server_decode_batch_steps_bucket", 'le="1.0"')
     assert iterations > alone, (iterations, alone)  # some decode iteration ran several sessions' steps
+    assert prometheus_sample(metrics, "swarm_server_tau_per_session_seconds") >= 0.0
