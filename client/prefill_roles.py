@@ -185,7 +185,7 @@ class DisaggregatedPrefill:
         return output
 
     async def _finish_handoffs(
-        self, plan: dict[int, ServerStream], decode: dict[int, ServerStream], orders: dict[int, object]
+        self, plan: dict[int, ServerStream], decode: dict[int, ServerStream], orders: dict[int, HandOff]
     ) -> None:
         """Each prefill server's cache to its hop's decode server (or the fallbacks); then the chain
         is the decode servers."""
