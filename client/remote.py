@@ -198,8 +198,13 @@ class RemoteBlockSession(ReplicaChecks, SessionMoves, DisaggregatedPrefill, Bloc
                 return None
         admission.admitted_at = time.monotonic()
         hops = [RouteHop.from_proto(hop) for hop in reply.chain]
-        servers = await self.connection.servers(refresh=True)
+        # the records this client routed with back most chains; a fresh read of the DHT (4.25 round
+        # trips on netem, BENCHMARKS.md) only when they do not: a server new to it, or one that moved
+        servers = self.connection.known_servers
         problem = chain_problem(hops, servers, self.connection.num_blocks)
+        if problem is not None:
+            servers = await self.connection.servers(refresh=True)
+            problem = chain_problem(hops, servers, self.connection.num_blocks)
         if problem is not None:
             await link.end_session(admission.scheduler_session)
             link.distrust(f"routed through an impossible chain ({problem})")

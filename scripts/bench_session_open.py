@@ -5,9 +5,10 @@ A LLaMA of 6 blocks (hidden 64) served by three servers in three sites, blocks 0
 client (with the DHT) in its own site, `--rtt-ms` from each server. The measuring client routes once,
 then, `--repeats` times and alternating which goes first, opens a stream on every server of that chain
 (`client.stream.ServerStream.open`: the server reserves the session's cache and answers) either one
-after another or all at once, and closes them. Then it times whole requests through the client's API
-(route, open, a 16-token prompt, 4 new tokens), which now opens every hop at once; each output equals
-local transformers.
+after another or all at once, and closes them. Then it times a fresh read of the servers' records
+from the DHT, sessions opened through the client's API (routing on its own, then with a
+`swarm-scheduler` in the client's site) and whole requests (route, open, a 16-token prompt, 4 new
+tokens); each output equals local transformers.
 
     sudo .venv/bin/python scripts/bench_session_open.py [--rtt-ms 100] [--repeats 10] [--write]
 """
@@ -52,6 +53,11 @@ def measure(args: argparse.Namespace) -> None:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         args.model_dir, args.initial_peers, options=ClientOptions(request_timeout=60.0)
     )
+    routed = AutoDistributedModelForCausalLM.from_pretrained(
+        args.model_dir,
+        args.initial_peers,
+        options=ClientOptions(request_timeout=60.0, scheduler_key=args.scheduler_key, use_scheduler=True),
+    )
     reference = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
     connection = model.backend.connection
     shape = SessionShape(batch_size=1, max_length=64, l_in=PROMPT_TOKENS, l_out=NEW_TOKENS)
@@ -78,6 +84,21 @@ def measure(args: argparse.Namespace) -> None:
                 run_sync(ways[name](streams))
                 opens[name].append(time.perf_counter() - started)
                 run_sync(close(streams))
+        refreshes = []  # a fresh read of the servers' records from the DHT
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            run_sync(connection.servers(refresh=True))
+            refreshes.append(time.perf_counter() - started)
+        scheduled = []  # sessions the scheduler routes: route, admission, opening
+        for repeat in range(args.repeats + 1):
+            started = time.perf_counter()
+            session = routed.open_session(PROMPT_TOKENS + NEW_TOKENS, prompt_tokens=PROMPT_TOKENS)
+            elapsed = time.perf_counter() - started
+            if getattr(session.blocks, "admission", None) is None:
+                raise SystemExit("the scheduler did not route the session")
+            session.close()
+            if repeat:  # the first also found the scheduler
+                scheduled.append(elapsed)
         requests, sessions, wrong = [], [], 0
         for repeat in range(args.repeats):
             seed = torch.Generator().manual_seed(repeat)
@@ -94,7 +115,16 @@ def measure(args: argparse.Namespace) -> None:
             wrong += not torch.equal(output, expected)
     finally:
         model.shutdown()
-    result = {"opens": opens, "sessions": sessions, "requests": requests, "wrong": wrong, "hops": len(chain)}
+        routed.shutdown()
+    result = {
+        "opens": opens,
+        "sessions": sessions,
+        "refreshes": refreshes,
+        "scheduled": scheduled,
+        "requests": requests,
+        "wrong": wrong,
+        "hops": len(chain),
+    }
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -129,11 +159,15 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             emulation.start_server(f"server{j}", f"s{j}", model_dir, span, "1GB", 0.0)
             names.append(f"server{j}")
         emulation.wait_online("client", model_dir, names)
+        emulation.start_scheduler(
+            "client", model_dir, "--policy", "cg-bp", "--period", "3600", "--roster-read-period", "0.5",
+            "--full-pass", "2",
+        )  # fmt: skip
         out = work / "open.json"
         argv = [
             sys.executable, str(Path(__file__).resolve()), "measure", "--model-dir", str(model_dir),
             "--initial-peers", *emulation.initial_peers, "--out", str(out),
-            "--repeats", str(args.repeats),
+            "--repeats", str(args.repeats), "--scheduler-key", emulation.scheduler_key,
         ]  # fmt: skip
         client = emulation.start("measure", "client", argv)
         client.wait(600)
@@ -155,11 +189,17 @@ def table(result: dict, rtt_ms: float) -> list[str]:
         )
     ratio = opens["one after another"] / opens["all at once"]
     requests, sessions = statistics.median(result["requests"]), statistics.median(result["sessions"])
+    refreshes = statistics.median(result["refreshes"])
+    scheduled = statistics.median(result["scheduled"])
     lines += [
         "",
         f"- {result['hops']} hops: one after another / all at once = {ratio:.2f}x",
         f"- a session opened through the client's API (routing, with its servers' round trips measured "
         f"before, and opening): p50 {sessions * 1e3:.0f} ms = {sessions / rtt:.2f} round trips",
+        f"- a fresh read of the servers' records from the DHT: p50 {refreshes * 1e3:.0f} ms = "
+        f"{refreshes / rtt:.2f} round trips",
+        f"- a session the scheduler routes (its route and admission, in the client's site, then the "
+        f"opening): p50 {scheduled * 1e3:.0f} ms = {scheduled / rtt:.2f} round trips",
         f"- whole requests through the client's API (route, open, {PROMPT_TOKENS}-token prompt, "
         f"{NEW_TOKENS} new tokens): p50 {requests * 1e3:.0f} ms = {requests / rtt:.1f} round trips; "
         f"outputs differing from local transformers: {result['wrong']} of {len(result['requests'])}",
@@ -168,7 +208,7 @@ def table(result: dict, rtt_ms: float) -> list[str]:
 
 
 def main() -> None:
-    parser, inner = measuring_parser(__doc__, "--model-dir", "--out")
+    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--scheduler-key")
     for options in (parser, inner):
         options.add_argument("--repeats", type=int, default=10, help="opens of each kind (and requests)")
     parser.add_argument("--rtt-ms", type=float, default=100.0, help="between the client and each server")
