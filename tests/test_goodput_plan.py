@@ -381,6 +381,10 @@ def _client_session(reply, accept: bool):
         async def candidates(self):
             return []
 
+        @property
+        def known_servers(self):  # the first thing the client reads once its route is admitted
+            raise _Reached
+
         async def servers(self, refresh=False):
             raise _Reached
 
