@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from benchmarks_md import write_section
 
@@ -72,6 +74,20 @@ def publish_table(script: str, args: argparse.Namespace, lines: list[str], heade
     print(table)
     if args.write:
         write_section(header, f"{header}\n\nCommand: `{rerun_command(script, args)}`\n\n{text}\n\n{table}\n")
+
+
+_T = TypeVar("_T")
+
+
+def run_emulated(prefix: str, keep_logs: str | None, run: Callable[[Path], _T]) -> _T:
+    """`run(work)` in a scratch folder that is removed afterwards; with `keep_logs`, the emulation's
+    logs (`work/netem`) are copied there first, also when the run fails."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:
+        try:
+            return run(Path(work))
+        finally:
+            if keep_logs:
+                shutil.copytree(Path(work) / "netem", keep_logs, dirs_exist_ok=True)
 
 
 def run_concurrently(work: list[Callable[[], None]]) -> float:

@@ -23,10 +23,8 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench_common import LogLines, measuring_parser, publish_table  # noqa: E402
+from _bench_common import LogLines, measuring_parser, publish_table, run_emulated  # noqa: E402
 
 LAYERS = 6
 PROMPT = [5, 17, 99, 200, 33, 41, 7]
@@ -244,12 +242,7 @@ def main() -> None:
         measure(args)
         return
     args.uplink = float(args.uplink)
-    with tempfile.TemporaryDirectory(prefix="bench-handoff-") as work:
-        try:
-            rows = run(args, Path(work))
-        finally:
-            if args.keep_logs:
-                shutil.copytree(Path(work) / "netem", args.keep_logs, dirs_exist_ok=True)
+    rows = run_emulated("bench-handoff-", args.keep_logs, lambda work: run(args, work))
     text = (
         f"netem: the client {args.uplink:.0f} Mbit/s from every server (20 ms to A, 60 ms to the targets); "
         f"a LLaMA of 6 blocks, hidden 512, 8 KV heads (float32 cache: 24 KB per token over the span), "

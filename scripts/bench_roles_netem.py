@@ -25,9 +25,7 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench_common import LogLines, measuring_parser  # noqa: E402
+from _bench_common import LogLines, measuring_parser, run_emulated  # noqa: E402
 
 LAYERS, HIDDEN = 6, 512
 HANDED = re.compile(
@@ -370,14 +368,13 @@ def main() -> None:
         measure(args)
         return
     args.prefill_memory = args.prefill_memory or args.memory
-    with tempfile.TemporaryDirectory(prefix="bench-roles-") as work:
+
+    def inside(work: Path) -> dict:
         # the servers' timing cache stays inside the run (Emulation passes os.environ to children)
-        os.environ["SWARM_CACHE_DIR"] = str(Path(work) / "cache")
-        try:
-            report = run(args, Path(work))
-        finally:
-            if args.keep_logs:
-                shutil.copytree(Path(work) / "netem", args.keep_logs, dirs_exist_ok=True)
+        os.environ["SWARM_CACHE_DIR"] = str(work / "cache")
+        return run(args, work)
+
+    report = run_emulated("bench-roles-", args.keep_logs, inside)
     report["args"] = {k: v for k, v in vars(args).items() if k != "command"}
     # servers announce their slowdown per decoding session and WS-RR routes by it (runs from
     # 2026-11-26 on; the report simulates earlier runs without it)

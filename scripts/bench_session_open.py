@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _bench_common import measuring_parser, publish_table  # noqa: E402
+from _bench_common import measuring_parser, publish_table, run_emulated  # noqa: E402
 
 LAYERS = 6
 SPANS = ("0:2", "2:4", "4:6")
@@ -218,12 +216,7 @@ def main() -> None:
     if args.command == "measure":
         measure(args)
         return
-    with tempfile.TemporaryDirectory(prefix="bench-open-") as work:
-        try:
-            result = run(args, Path(work))
-        finally:
-            if args.keep_logs:
-                shutil.copytree(Path(work) / "netem", args.keep_logs, dirs_exist_ok=True)
+    result = run_emulated("bench-open-", args.keep_logs, lambda work: run(args, work))
     text = (
         f"netem: three servers in three sites (blocks 0:2, 2:4, 4:6 of a 6-block LLaMA, hidden 64), the "
         f"client {args.rtt_ms:.0f} ms (round trip) and 100 Mbit/s from each. Opening a stream: the server "

@@ -39,12 +39,15 @@ class DecodeLoad:
 
     def decoding(self, session_id: str, now: float) -> int:
         """A decode step of `session_id` arrives at `now`: the sessions decoding here, it included."""
+        # re-inserted, so the dict stays oldest first: the stale ones are dropped from its front (every
+        # decode step comes here: no pass over all sessions)
+        self._last_step.pop(session_id, None)
         self._last_step[session_id] = now
-        stale = [key for key, at in self._last_step.items() if now - at > self.horizon]
-        for key in stale:
-            del self._last_step[key]
-        while len(self._last_step) > MAX_TRACKED:  # more sessions than any server decodes at once
-            del self._last_step[min(self._last_step, key=self._last_step.__getitem__)]
+        while self._last_step:
+            oldest = next(iter(self._last_step))
+            if now - self._last_step[oldest] <= self.horizon and len(self._last_step) <= MAX_TRACKED:
+                break
+            del self._last_step[oldest]  # quiet for the horizon, or more sessions than any server decodes
         return len(self._last_step)
 
     def observe(self, sessions: int, seconds: float) -> None:

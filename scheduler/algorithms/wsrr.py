@@ -114,6 +114,7 @@ class RoutingState:
         self._link_release = np.where(self.graph.link_blocks <= self._slots[links], -math.inf, math.inf)
         self._sessions: dict[Hashable, _Session] = {}
         self._by_server: list[list[tuple[float, int, int]]] = [[] for _ in servers]  # (ends_at, order, slots)
+        self._held = np.zeros(len(servers))  # sessions each server holds (`_loaded_tau`)
         self._leases: list[tuple[float, int, Hashable]] = []  # heap of (lease_expires_at, order, id)
         self._counter = itertools.count()
 
@@ -188,8 +189,7 @@ class RoutingState:
         """Each link's per-block per-token time with the sessions its server holds now."""
         if self._link_load is None:
             return self._link_tau
-        held = np.array([len(sessions) for sessions in self._by_server], dtype=float)
-        return self._link_tau + self._link_load * held[self.graph.link_server]
+        return self._link_tau + self._link_load * self._held[self.graph.link_server]
 
     def set_client_rtts(
         self, client: str, rtt: Sequence[float], rtt_prefill: Sequence[float] | None = None
@@ -229,6 +229,7 @@ class RoutingState:
         for server, slots in session.slots_by_server.items():
             bisect.insort(self._by_server[server], (session.ends_at, order, slots))
             self._used[server] += slots
+            self._held[server] += 1
             self._refresh_server(server)
         if lease_expires_at is not None:
             heapq.heappush(self._leases, (lease_expires_at, order, session_id))
@@ -255,6 +256,7 @@ class RoutingState:
             entries = self._by_server[server]
             del entries[bisect.bisect_left(entries, (session.ends_at, session.order, slots))]
             self._used[server] -= slots
+            self._held[server] -= 1
             self._refresh_server(server)
         return True
 

@@ -78,13 +78,19 @@ def queue_start_times(
     return starts
 
 
-def timings_moved(old: Sequence[ServerSpec], new: Sequence[ServerSpec], tolerance: float = 0.1) -> bool:
-    """Whether some server's `tau_c` or `tau_p` moved by more than `tolerance` (relative): re-compose
-    the chains then, not on every jitter of a measured round trip (chains would flap)."""
+def timings_moved(
+    old: Sequence[ServerSpec],
+    new: Sequence[ServerSpec],
+    tolerance: float = 0.1,
+    fields: tuple[str, ...] = ("tau_c", "tau_p"),
+) -> bool:
+    """Whether some server's `fields` moved by more than `tolerance` (relative): re-compose the chains
+    (or rebuild WS-RR's state, with `tau` and `tau_prefill`) then, not on every jitter of a measured
+    round trip (chains would flap)."""
     if len(old) != len(new):
         return True
     for before, after in zip(old, new, strict=True):
-        for a, b in ((before.tau_c, after.tau_c), (before.tau_p, after.tau_p)):
+        for a, b in ((getattr(before, name), getattr(after, name)) for name in fields):
             if (a is None) != (b is None):
                 return True
             if a is not None and b is not None and abs(b - a) > tolerance * max(abs(a), abs(b), 1e-9):

@@ -48,20 +48,6 @@ from scheduler.service.session_records import RouteDecision, SessionRecord
 from swarm.route_request import RouteHop
 
 
-def compute_moved(old: Sequence[ServerSpec], new: Sequence[ServerSpec], tolerance: float = 0.1) -> bool:
-    """Whether some server's `tau` or `tau_prefill` moved by more than `tolerance` (relative): what
-    WS-RR's state holds of the specs (its round trips come with each query)."""
-    if len(old) != len(new):
-        return True
-    for before, after in zip(old, new, strict=True):
-        for a, b in ((before.tau, after.tau), (before.tau_prefill, after.tau_prefill)):
-            if (a is None) != (b is None):
-                return True
-            if a is not None and b is not None and abs(b - a) > tolerance * max(abs(a), abs(b), 1e-12):
-                return True
-    return False
-
-
 class SessionBook:
     """Routing state over the live servers, the sessions routed through it, and admission."""
 
@@ -99,7 +85,8 @@ class SessionBook:
                     self._specs = list(specs)  # e.g. a client's round trips arrived: chain times changed
                     self._compose_chains()
                 return
-            if not compute_moved(self._specs, specs):  # WS-RR takes round trips from each query
+            # WS-RR holds only the compute timings: its round trips come with each query
+            if not timings_moved(self._specs, specs, fields=("tau", "tau_prefill")):
                 if self._state is not None:  # measured under the load of the moment: follow it
                     self._state.set_load_costs([spec.tau_per_session for spec in specs])
                 return
