@@ -258,8 +258,9 @@ def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path
         per_token = args.rich_per_token if j < 2 else args.slow_per_token
         name = f"{label}-{'rich' if j < 2 else 'slow'}{j % 2}"
         memory = args.prefill_memory if role == "prefill" else args.memory
+        delay = args.rich_compute_delay if j < 2 and args.rich_compute_delay is not None else args.compute_delay
         emulation.start_server(
-            name, f"site{j}", model_dir, f"0:{LAYERS}", memory, args.compute_delay,
+            name, f"site{j}", model_dir, f"0:{LAYERS}", memory, delay,
             "--compute-delay-per-token", repr(per_token), "--role", role, "--link-probe-period", "5",
             "--session-timeout", "600", "--drain-timeout", "1",
             *(["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []),
@@ -338,6 +339,11 @@ def main() -> None:
     parser.add_argument("--client-rtt-ms", type=float, default=30.0)
     parser.add_argument("--uplink", type=float, default=100.0, help="Mbit/s between the client and servers")
     parser.add_argument("--compute-delay", type=float, default=0.005, help="seconds per block per step")
+    parser.add_argument(
+        "--rich-compute-delay", type=float, default=None,
+        help="the compute-rich servers' seconds per block per step (default: --compute-delay; more: "
+        "compute-rich but slower at decoding, like the simulator's `split` swarm)",
+    )  # fmt: skip
     parser.add_argument("--rich-per-token", type=float, default=0.0001)
     parser.add_argument("--slow-per-token", type=float, default=0.001)
     # blocks take 63 MB: the rest holds a few sessions, so that routing spreads them over servers

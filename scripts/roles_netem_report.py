@@ -63,6 +63,7 @@ def swarm_of(raw: dict, link_bytes_per_s: float | None) -> EmulatedSwarm:
         hidden=512,
         cpu=CpuCosts(**raw["cpu"]),
         prefill_memory_bytes=parse_bytes(a.get("prefill_memory") or a["memory"]),
+        rich_compute_delay=a.get("rich_compute_delay"),
     )
 
 

@@ -58,7 +58,7 @@ class CpuCosts:
 class EmulatedSwarm:
     """The emulated swarm's numbers (the command line's)."""
 
-    compute_delay: float  # seconds per block per step (decode floor), every server
+    compute_delay: float  # seconds per block per step (decode floor), every server but see below
     rich_per_token: float  # seconds per block per prompt token, compute-rich servers
     slow_per_token: float  # the same, prefill-slow servers
     client_rtt_s: float
@@ -70,9 +70,17 @@ class EmulatedSwarm:
     hidden: int
     cpu: CpuCosts
     prefill_memory_bytes: float | None = None  # servers with the prefill role (None: memory_bytes)
+    # the compute-rich servers' decode floor (None: compute_delay; more: slower at decoding, the
+    # `split` swarm's compute-rich, bandwidth-poor GPUs)
+    rich_compute_delay: float | None = None
 
     def per_token(self, j: int) -> float:
         return self.rich_per_token if j < 2 else self.slow_per_token
+
+    def decode_delay(self, j: int) -> float:
+        if j < 2 and self.rich_compute_delay is not None:
+            return self.rich_compute_delay
+        return self.compute_delay
 
 
 def model_profile(swarm: EmulatedSwarm) -> ModelProfile:
@@ -90,7 +98,7 @@ def scenario(swarm: EmulatedSwarm, l_in: int, l_out: int, rtts: Sequence[float] 
         GpuProfile(
             name,
             swarm.memory_bytes,
-            tau=swarm.compute_delay + cpu.decode,
+            tau=swarm.decode_delay(j) + cpu.decode,
             prefill_base=0.0,
             prefill_per_token=swarm.per_token(j) + cpu.prefill_per_token,
         )
@@ -113,7 +121,7 @@ def scenario(swarm: EmulatedSwarm, l_in: int, l_out: int, rtts: Sequence[float] 
 
 def server_costs(swarm: EmulatedSwarm, j: int) -> ServerCost:
     cpu = swarm.cpu
-    device = IterationCost(fixed=swarm.compute_delay, prefill_per_token=swarm.per_token(j))
+    device = IterationCost(fixed=swarm.decode_delay(j), prefill_per_token=swarm.per_token(j))
     host = IterationCost(
         fixed=cpu.decode, per_row=cpu.decode_per_row, prefill_per_token=cpu.prefill_per_token
     )

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from scheduler.algorithms.problem import ServerSpec, Span
+from scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
 from scheduler.algorithms.roles import (
     BOTH,
     PREFILL,
@@ -22,7 +23,7 @@ from scheduler.algorithms.roles import (
     plan_roles,
 )
 from scheduler.service.core import CoreSettings, SchedulerCore
-from scheduler.service.planner import PlanSettings
+from scheduler.service.planner import PlanSettings, compute_plan
 from scheduler.service.view import ModelShape
 from scheduler.sim.metrics import Slo
 from scheduler.sim.role_planning import plan_scenario_roles, roles_text, split_swarm
@@ -98,6 +99,25 @@ def test_every_block_stays_decode_covered():
     assert candidates(one_way) == []
 
 
+def test_prefill_servers_pair_with_the_decode_spans_they_reach_fastest():
+    """Whole model where it fits; else the start containing the most decode spans no earlier
+    prefill server contains, then the most link rate to them; without decode spans, laid around."""
+    decode = {"d0": Span(0, 4), "d1": Span(4, 8), "d2": Span(0, 4), "d3": Span(4, 8)}
+    fast_to_back = {"p0": {"d1": 1e9, "d3": 1e9, "d0": 1e6}, "p1": {"d0": 1e9, "d2": 1e9}}
+    assert prefill_spans(["p0", "p1"], [4, 4], 8, decode, fast_to_back) == [Span(4, 8), Span(0, 4)]
+    # unmeasured links: the decode servers served least first, then the first start
+    halves = [Span(0, 4), Span(4, 8)]
+    assert prefill_spans(["p0", "p1", "p2", "p3"], [4] * 4, 8, decode, {}) == halves * 2
+    # a span that fits the whole model holds it, and then serves every decode server
+    assert prefill_spans(["p0", "p1"], [8, 4], 8, decode, fast_to_back) == [Span(0, 8), Span(0, 4)]
+    # 5 blocks: a start where decode spans start or end, here ending with the ones reached fastest
+    assert prefill_spans(["p0"], [5], 8, decode, fast_to_back) == [Span(3, 8)]
+    assert prefill_spans(["p0", "p1", "p2"], [3, 3, 3], 8) == [Span(0, 3), Span(3, 6), Span(5, 8)]
+    assert prefill_blocks(10e9, 8, 1e9, 0.25e9) == 8 and prefill_blocks(5e9, 8, 1e9, 0.25e9) == 4
+    with pytest.raises(ValueError, match="cannot hold a block"):
+        prefill_spans(["p0"], [0], 8)
+
+
 def test_inputs_are_validated():
     with pytest.raises(ValueError, match="spans for"):
         RoleInputs(SERVERS, WHOLE[:3], 8, {}, KV, RoleWorkload(L_IN, 64))
@@ -125,11 +145,13 @@ GIB = 1 << 30
 SHAPE = ModelShape(num_blocks=80, hidden_size=8192, kv_dim=1024)
 
 
-def record(tau: float, tau_prefill: float, peers: list[str], me: str, rate: float) -> ServerInfo:
+def record(
+    tau: float, tau_prefill: float, peers: list[str], me: str, rate: float, memory: int = 79 * GIB
+) -> ServerInfo:
     return ServerInfo(
         state=ServerState.JOINING,
         managed=True,
-        memory_bytes=79 * GIB,
+        memory_bytes=memory,
         block_bytes=int(856e6 * 4.25 / 8 * 1.01),
         cache_token_bytes=4096,
         cache_bytes_left=0,
@@ -143,11 +165,16 @@ def record(tau: float, tau_prefill: float, peers: list[str], me: str, rate: floa
     )
 
 
-def core_records(rate: float) -> dict[str, ServerInfo]:
+def core_records(
+    rate: float, compute_memory: int = 79 * GIB, bandwidth_memory: int = 79 * GIB
+) -> dict[str, ServerInfo]:
     """`split_swarm`'s servers as they would announce themselves, with links at `rate` bytes/s."""
     peers = [f"compute-{k}" for k in range(4)] + [f"bandwidth-{k}" for k in range(4)]
-    timings = [(9.19e-4, 0.0127)] * 4 + [(2.30e-4, 0.141)] * 4
-    return {p: record(tau, pre, peers, p, rate) for p, (tau, pre) in zip(peers, timings, strict=True)}
+    timings = [(9.19e-4, 0.0127, compute_memory)] * 4 + [(2.30e-4, 0.141, bandwidth_memory)] * 4
+    return {
+        p: record(tau, pre, peers, p, rate, memory)
+        for p, (tau, pre, memory) in zip(peers, timings, strict=True)
+    }
 
 
 def core(roles: str) -> SchedulerCore:
@@ -169,6 +196,37 @@ def test_the_scheduler_assigns_roles_only_with_roles_auto_and_fast_links(rate, e
     off.review(1.0, force=True)
     assert off.assignment_for("compute-0").assigned and off.assignment_for("compute-0").role == ""
     assert off.roles.plan is None
+
+
+def test_with_roles_the_scheduler_places_chains_on_the_decode_servers_and_stays_put():
+    """Once roles are chosen, the placement is re-made: CG-BP over the servers that decode (a
+    prefill server carries no session's tokens: the bandwidth-rich GPUs, each holding part of the
+    model, form 2-hop chains among themselves), then each prefill server (68 of 80 blocks fit) at a
+    start where it holds whole decode spans, spread over them; a later review keeps it, and links
+    too slow for hand-offs restore the colocated placement with every server both."""
+    auto = core("auto")
+    records = core_records(1.25e9, compute_memory=30 * GIB, bandwidth_memory=24 * GIB)
+    auto.update_roster(records, 0.0)
+    assert auto.review(1.0, force=True)
+    compute = [p for p in records if p.startswith("compute")]
+    bandwidth = [p for p in records if p.startswith("bandwidth")]
+    assert all(auto.roles.roles.get(p) == "prefill" for p in compute)
+    alone = compute_plan(auto.view, bandwidth, auto.settings.plan, auto.num_requests)
+    assert {p: auto.assignment[p] for p in bandwidth} == alone.spans
+    held = {block for p in bandwidth for block in range(auto.assignment[p].start, auto.assignment[p].end)}
+    assert held == set(range(80))  # chains exist without the prefill servers
+    decode = {p: auto.assignment[p] for p in bandwidth}
+    for p in compute:
+        span = auto.assignment[p]
+        assert span.length == 68 and any(span.start <= d.start and d.end <= span.end for d in decode.values())
+    assert sorted(auto.assignment[p].start for p in compute) == [0, 0, 12, 12]  # spread over both
+    epoch, assignment = auto.epoch, dict(auto.assignment)
+    assert not auto.review(1000.0, force=True)  # nothing changed: no move, no flapping
+    assert auto.epoch == epoch and auto.assignment == assignment
+    auto.update_roster(core_records(2.5e6, 30 * GIB, 24 * GIB), 1001.0)  # 20 Mbit/s: none pays
+    auto.review(2000.0, force=True)
+    colocated = compute_plan(auto.view, sorted(records), auto.settings.plan, auto.num_requests)
+    assert auto.roles.roles == {} and auto.assignment == colocated.spans
 
 
 def test_the_proto_role_defaults_to_empty():

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from scheduler.algorithms.placing import Infeasible, PlanInputError
 from scheduler.algorithms.problem import Span
+from scheduler.algorithms.roles import PREFILL
 from scheduler.service.planner import (
     ArrivalRate,
     Plan,
@@ -29,6 +30,7 @@ from scheduler.service.planner import (
     compute_plan,
     guarantees,
     idle_per_token_time,
+    place_prefill,
     plan_summary,
     r_changed,
     role_assigner,
@@ -113,6 +115,7 @@ class SchedulerCore:
         self._last_review = now
         self._first_roster = True
         self.roles = role_assigner(settings.plan, (settings.slo_ttft, settings.slo_tpot))
+        self._placed_roles: dict[str, str] = {}  # the roles the assignment was placed for
         self.prefill = PrefillPlanner()  # where routed sessions' prompts run
 
     # --- the roster (from the DHT) -------------------------------------------------------------
@@ -151,14 +154,22 @@ class SchedulerCore:
     # --- placement ---------------------------------------------------------------------------------
     def review(self, now: float, force: bool = False) -> bool:
         """Re-place if there is a reason to (planner's list); returns whether a new placement was adopted.
-        With `--roles auto`, then re-plans the servers' roles when their inputs changed."""
+        With `--roles auto`, then re-plans the servers' roles when their inputs changed (on the
+        colocated placement of every server: the planner's candidates), and re-places at once when
+        a role changed: chains through the servers that decode, prefill servers paired with them."""
         last = self._last_review
         adopted = self._review_placement(now, force)
         # only when the placement was reviewed (not at every roster read): a re-plan simulates
         reviewed = self._last_review != last and self.placed_members is not None
         if reviewed and self.settings.plan.roles != "off":
-            self.roles.review(self.view, self.assignment, self.rate.rate(now))
+            colocated = self._compute(sorted(self.placed_members or ()), now, roles={})
+            spans = colocated.spans if colocated is not None else self.assignment
+            if self.roles.review(self.view, spans, self.rate.rate(now)):
+                adopted = self._review_placement(now, force=True) or adopted
         return adopted
+
+    def _current_roles(self, peers: list[str]) -> dict[str, str]:
+        return {peer: role for peer, role in self.roles.roles.items() if peer in peers}
 
     def _review_placement(self, now: float, force: bool) -> bool:
         members = frozenset(self.view.placeable())
@@ -173,33 +184,41 @@ class SchedulerCore:
         if not members:
             return False
         peers = sorted(members)
-        proposed_r = choose_requests(self.view, peers, self.settings.plan, self.rate.rate(now))
+        roles = self._current_roles(peers)
+        # sessions' chains pass only through servers that decode: R and speed are theirs
+        routed = [peer for peer in peers if roles.get(peer) != PREFILL]
+        proposed_r = choose_requests(self.view, routed, self.settings.plan, self.rate.rate(now))
         reason = None
         if members != self.placed_members:
             reason = "servers changed"
             self.num_requests = proposed_r
+        elif roles != self._placed_roles:
+            reason = "roles changed"
+            self.num_requests = proposed_r
         elif r_changed(self.num_requests, proposed_r, self.settings.plan.r_hysteresis):
             reason = f"R {self.num_requests} -> {proposed_r}"
             self.num_requests = proposed_r
-        current = [self.assignment.get(peer) for peer in peers]
-        live_now = self.view.live_spans(peers)
-        if reason is None and not guarantees(self.view, peers, live_now, self.num_requests):
+        current = [self.assignment.get(peer) for peer in routed]
+        live_now = self.view.live_spans(routed)
+        if reason is None and not guarantees(self.view, routed, live_now, self.num_requests):
             reason = f"the live spans do not guarantee R={self.num_requests}"
-        candidate = self._compute(peers, now)
+        candidate = self._compute(peers, now, roles)
         if candidate is None:
             self._members_changed_at = None
             return False
         if reason is None:
-            old_time = idle_per_token_time(self.view, peers, current)
-            new_time = idle_per_token_time(self.view, peers, [candidate.spans.get(p) for p in peers])
+            old_time = idle_per_token_time(self.view, routed, current)
+            new_time = idle_per_token_time(self.view, routed, [candidate.spans.get(p) for p in routed])
             if new_time < old_time * (1 - self.settings.plan.min_gain):
                 reason = f"{(1 - new_time / old_time) * 100:.0f}% faster per token"
         self._members_changed_at = None
         if reason is None or candidate.spans == {p: self.assignment.get(p) for p in peers}:
             if self.plan is None:
                 self.plan = candidate  # first review after adopting live spans: keep the documents
+            self._placed_roles = roles
             return False
         self.plan, self.assignment, self.placed_members = candidate, dict(candidate.spans), members
+        self._placed_roles = roles
         self.epoch += 1
         bound = f"{candidate.bound * 1e3:.1f} ms" if candidate.bound is not None else "n/a"
         logger.info(
@@ -213,12 +232,17 @@ class SchedulerCore:
         )
         return True
 
-    def _compute(self, peers: list[str], now: float) -> Plan | None:
-        """The policy's placement; with too little memory for R, the largest R that still fits."""
+    def _compute(self, peers: list[str], now: float, roles: Mapping[str, str]) -> Plan | None:
+        """The policy's placement of the servers that decode (every server without `roles`), then
+        the prefill servers' spans (`planner.place_prefill`); with too little memory for R, the
+        largest R that still fits."""
+        prefill = [peer for peer in peers if roles.get(peer) == PREFILL]
+        routed = [peer for peer in peers if roles.get(peer) != PREFILL]
         requests = self.num_requests
         while requests >= 1:
             try:
-                return compute_plan(self.view, peers, self.settings.plan, requests, self.rate.rate(now))
+                plan = compute_plan(self.view, routed, self.settings.plan, requests, self.rate.rate(now))
+                return place_prefill(self.view, plan, prefill)
             except Infeasible as error:
                 if requests == 1 or self.settings.plan.policy == "petals":
                     logger.warning("no placement: %s (uncovered blocks %s)", error, error.uncovered[:10])

@@ -15,9 +15,10 @@ blocks, which costs far more than a few percent of per-token time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -28,9 +29,11 @@ from scheduler.algorithms.cgbp import (
 )
 from scheduler.algorithms.placing import PLACEMENTS, PlacedServers, PlanProblem
 from scheduler.algorithms.problem import Span
+from scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
+from scheduler.algorithms.roles import prefill_ratio
 from scheduler.plan_commands import placement_output
 from scheduler.plan_io import problem_json
-from scheduler.service.live_roles import RoleAssigner
+from scheduler.service.live_roles import RoleAssigner, announced_links
 from scheduler.service.live_roles import check_mode as check_role_mode
 from scheduler.service.view import SwarmView
 from swarm.errors import SwarmUserError
@@ -69,14 +72,16 @@ class Plan:
     documents that reproduce it are a record for operators (`swarm-plan place` on `plan_input` prints
     `plan_output`), built only when someone asks for them."""
 
-    problem: PlanProblem
+    problem: PlanProblem  # the servers that decode (every server without roles)
     placed: PlacedServers
     num_requests: int
+    # prefill servers' spans, placed after the others (`place_prefill`); not part of the documents
+    prefill: Mapping[str, Span | None] = field(default_factory=dict)
 
     @cached_property
     def spans(self) -> dict[str, Span | None]:
         """Peer id -> span (None: no blocks)."""
-        return self.placed.by_name(self.problem)
+        return {**self.placed.by_name(self.problem), **self.prefill}
 
     @property
     def bound(self) -> float | None:
@@ -136,6 +141,30 @@ def compute_plan(
         problem = view.plan_problem(peers)
     algorithm = "gbp-cr" if settings.policy == "chains" else settings.policy
     return Plan(problem, PLACEMENTS[algorithm](problem), num_requests)
+
+
+def place_prefill(view: SwarmView, plan: Plan, prefill: Sequence[str]) -> Plan:
+    """`plan` (of the servers that decode) with spans for the `prefill` servers, paired with the
+    decode servers over their announced links (`scheduler.algorithms.role_placement`), the best at
+    prompts first. A prefill server that cannot hold a block and a prompt gets none."""
+    model = view.model_spec()
+    if not prefill or model is None:
+        return plan
+    specs = view.server_specs(prefill)
+    # one nominal prompt's cache per block: the room a prefill server needs to run a prompt
+    prompt_per_block = model.cache_bytes * view.l_in / (view.l_in + view.l_out)
+    blocks = {
+        spec.name: prefill_blocks(spec.memory_bytes, model.num_blocks, model.block_bytes, prompt_per_block)
+        for spec in specs
+    }
+    order = sorted(specs, key=lambda spec: (-prefill_ratio(spec, view.l_in), spec.name))
+    placeable = [spec.name for spec in order if blocks[spec.name] >= 1]
+    decode = {peer: span for peer, span in plan.spans.items() if span is not None}
+    links = announced_links(view, [*placeable, *decode])
+    spans = prefill_spans(placeable, [blocks[name] for name in placeable], model.num_blocks, decode, links)
+    placed: dict[str, Span | None] = dict.fromkeys(prefill)
+    placed.update(zip(placeable, spans, strict=True))
+    return dataclasses.replace(plan, prefill=placed)
 
 
 def choose_requests(

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.algorithms.problem import Span
+from scheduler.algorithms.role_placement import prefill_blocks
+from scheduler.algorithms.role_placement import prefill_spans as placed_prefill_spans
 from scheduler.algorithms.routing_graph import ChainHop
 from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.scenarios import CLIENT, Link, Scenario
@@ -212,24 +214,24 @@ class Disaggregation:
 
 def prefill_spans(scenario: Scenario, indices: Sequence[int]) -> tuple[list[Span], list[float]]:
     """Spans of the prefill servers `indices` (the whole model where it fits with room for one
-    nominal prompt, else as many blocks as fit, laid one after another) and their prompt room."""
+    nominal prompt, else as many blocks as fit, laid one after another: the decode servers are
+    placed later, by the run's policy) and their prompt room (`scheduler.algorithms.role_placement`,
+    the scheduler's rule)."""
     model, l_in = scenario.model, scenario.l_in
     width = model.kv_dim or model.hidden_size or 0
     prompt_per_block = 2 * width * model.dtype_bytes * l_in
-    spans, rooms, start = [], [], 0
-    for j in indices:
-        memory = scenario.servers[j].memory_bytes
-        blocks = min(model.num_blocks, int(memory // (model.block_bytes + prompt_per_block)))
-        if blocks < 1:
-            raise ValueError(f"prefill server {scenario.servers[j].name} cannot hold a block and a prompt")
-        if blocks == model.num_blocks:
-            span = Span(0, blocks)
-        else:
-            start = start if start + blocks <= model.num_blocks else model.num_blocks - blocks
-            span = Span(start, start + blocks)
-            start = span.end % model.num_blocks
-        spans.append(span)
-        rooms.append(memory - model.block_bytes * span.length)
+    names = [scenario.servers[j].name for j in indices]
+    blocks = [
+        prefill_blocks(
+            scenario.servers[j].memory_bytes, model.num_blocks, model.block_bytes, prompt_per_block
+        )
+        for j in indices
+    ]
+    spans = placed_prefill_spans(names, blocks, model.num_blocks)
+    rooms = [
+        scenario.servers[j].memory_bytes - model.block_bytes * span.length
+        for j, span in zip(indices, spans, strict=True)
+    ]
     return spans, rooms
 
 
