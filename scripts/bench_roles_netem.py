@@ -62,6 +62,29 @@ def _wait_links(connection, seconds: float) -> dict:
         time.sleep(1.0)
 
 
+def _announced_roles(connection) -> dict[str, str]:
+    """Peer id -> the role each server announces now."""
+    from client.connection import run_sync
+
+    servers = run_sync(connection.servers(refresh=True))
+    return {peer: getattr(info.role, "value", str(info.role)) for peer, info in servers.items()}
+
+
+def _settle_roles(connection, seconds: float) -> dict[str, str]:
+    """`auto`: until every server announces a rate to every other (or a minute passes), then
+    `seconds` more for the scheduler's next placement reviews to plan the roles; the roles then."""
+    from client.connection import run_sync
+
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        servers = run_sync(connection.servers(refresh=True))
+        if len(servers) > 1 and all(len(info.links) >= len(servers) - 1 for info in servers.values()):
+            break
+        time.sleep(1.0)
+    time.sleep(seconds)
+    return _announced_roles(connection)
+
+
 def measure(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -89,6 +112,9 @@ def measure(args: argparse.Namespace) -> None:
         scheduler_key=key,
         use_scheduler=key is not None,
         expected_l_in=plan["max_l_in"],
+        # `auto` gives the scheduler SLOs (for its role plan): a session it expects to miss them is
+        # measured as a miss, not dropped
+        accept_slo_miss=True,
     )
     model = AutoDistributedModelForCausalLM.from_pretrained(
         args.model_dir, args.initial_peers, options=options
@@ -96,12 +122,13 @@ def measure(args: argparse.Namespace) -> None:
     model.generation_config.eos_token_id = None  # random weights may say EOS: every answer has its length
     connection = model.backend.connection
     links = _wait_links(connection, 60.0)
+    settled = _settle_roles(connection, plan["role_settle"]) if plan.get("role_settle") else None
     probes = []
     for _ in range(3):  # the per-session set-up on an idle swarm: the simulator's set-up constant
         opened = time.monotonic()
         model.open_session(max_length=64, prompt_tokens=32).close()
         probes.append(time.monotonic() - opened)
-    results = {"links": links, "setup_s": sorted(probes)[1], "rates": []}
+    results = {"links": links, "setup_s": sorted(probes)[1], "rates": [], "announced_roles": settled}
     vocab = model.config.vocab_size
     for batch in plan["batches"]:
         before = len(handed.lines)
@@ -155,7 +182,10 @@ def measure(args: argparse.Namespace) -> None:
             prefill_server, decode_server, how = by_session.get(row.get("session", "-"), ("", "", ""))
             row["prefill"], row["prefill_server"], row["decode_server"] = how, prefill_server, decode_server
         local = sum("routing locally" in line for line in handed.lines[before:])
-        results["rates"].append({"rate": batch["rate"], "requests": rows, "routed_locally": local})
+        entry = {"rate": batch["rate"], "requests": rows, "routed_locally": local}
+        if settled is not None:  # `auto`: the scheduler may re-plan the roles as the rate changes
+            entry["announced_roles"] = _announced_roles(connection)
+        results["rates"].append(entry)
         results.setdefault("scheduler_lines", []).extend(
             line for line in handed.lines[before:] if "scheduler" in line
         )
@@ -242,13 +272,25 @@ def cpu_costs(model_dir: Path):
 def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path, label: str) -> dict:
     """One configuration: four servers with the mode's roles (and with --scheduler a fresh scheduler in
     the client's site), the measuring client over every rate."""
-    roles = ["both"] * 4 if mode == "colocated" else ["prefill", "prefill", "decode", "decode"]
+    # `auto`: managed servers, roles (and spans) from the scheduler's `--roles auto` planner
+    auto = mode == "auto"
+    if auto and not args.scheduler:
+        raise SystemExit("--modes auto needs --scheduler (the scheduler plans the roles)")
+    roles = ["prefill", "prefill", "decode", "decode"] if mode == "roles" else ["both"] * 4
     names = []
     if args.scheduler:
         scheduler = f"scheduler-{label}"
         lengths = [r for b in plan["batches"] for r in b["requests"]]
+        planning = (
+            # R = 1: every server holds the whole (tiny) model, as the pinned servers do; reviews
+            # every 10 s re-plan the roles once the servers have measured their links
+            ["--roles", "auto", "--slo-ttft", repr(args.slo_ttft), "--slo-tpot", repr(args.slo_tpot),
+             "--num-requests", "1", "--period", "10"]
+            if auto
+            else ["--period", "3600"]
+        )  # fmt: skip
         emulation.start_scheduler(
-            "client", model_dir, "--policy", "cg-bp", "--period", "3600", "--lease", "600",
+            "client", model_dir, "--policy", "cg-bp", *planning, "--lease", "600",
             "--l-in", str(round(sum(r["l_in"] for r in lengths) / len(lengths))),
             "--l-out", str(round(sum(r["l_out"] for r in lengths) / len(lengths))),
             "--roster-read-period", "0.5", "--full-pass", "2", name=scheduler,
@@ -258,9 +300,11 @@ def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path
         per_token = args.rich_per_token if j < 2 else args.slow_per_token
         name = f"{label}-{'rich' if j < 2 else 'slow'}{j % 2}"
         memory = args.prefill_memory if role == "prefill" else args.memory
-        delay = args.rich_compute_delay if j < 2 and args.rich_compute_delay is not None else args.compute_delay
+        delay = (
+            args.rich_compute_delay if j < 2 and args.rich_compute_delay is not None else args.compute_delay
+        )
         emulation.start_server(
-            name, f"site{j}", model_dir, f"0:{LAYERS}", memory, delay,
+            name, f"site{j}", model_dir, None if auto else f"0:{LAYERS}", memory, delay,
             "--compute-delay-per-token", repr(per_token), "--role", role, "--link-probe-period", "5",
             "--session-timeout", "600", "--drain-timeout", "1",
             *(["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []),
@@ -270,7 +314,7 @@ def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path
     online = emulation.wait_online("client", model_dir, servers, timeout=300)
     time.sleep(12)  # two probe periods: every server has measured its links
     plan_path, out = work / f"{label}.plan.json", work / f"{label}.out.json"
-    plan_path.write_text(json.dumps(plan))
+    plan_path.write_text(json.dumps({**plan, "role_settle": 25.0 if auto else 0.0}))
     argv = [
         sys.executable, str(Path(__file__).resolve()), "measure", "--model-dir", str(model_dir),
         "--initial-peers", *emulation.initial_peers, "--out", str(out), "--plan", str(plan_path),
@@ -366,6 +410,10 @@ def main() -> None:
         help="a swarm-scheduler (cg-bp: WS-RR routing; it plans where each prompt runs) in the client's "
         "site routes the sessions (default: none, the client routes itself)",
     )  # fmt: skip
+    parser.add_argument(
+        "--slo-ttft", type=float, default=3.0, help="`auto`: the SLOs the scheduler plans roles for (s)"
+    )
+    parser.add_argument("--slo-tpot", type=float, default=0.15)
     parser.add_argument("--out", default="results/roles_netem.json", help="the raw results (JSON)")
     parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
     parser.add_argument("--label", default="", help="added to the report's row names (what this run changed)")

@@ -83,6 +83,16 @@ def fmt(value: float, digits: int = 2) -> str:
     return "-" if not math.isfinite(value) else f"{value:.{digits}f}"
 
 
+def announced_roles(announced: dict | None, names: dict[str, str]) -> str | None:
+    """`auto`: the roles the servers announced (peer id -> role) as `--roles` text in SERVER_NAMES'
+    order (None: every server both, or nothing recorded)."""
+    if not announced:
+        return None
+    by_name = {names.get(peer[-8:], ""): role for peer, role in announced.items()}
+    roles = [by_name.get(name, "both") for name in SERVER_NAMES]
+    return None if all(role == "both" for role in roles) else ",".join(roles)
+
+
 def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
     """Per (mode, rate): measured and simulated numbers; and per mode the goodputs."""
     rows, goodputs = [], {}
@@ -91,12 +101,15 @@ def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
     disaggregate = "scheduler" if raw["args"].get("scheduler") else "auto"
     spread: dict[str, dict[str, tuple[int, int]]] = {}  # mode -> prefill server -> (measured, simulated)
     for mode, result in raw["modes"].items():
-        roles = None if mode == "colocated" else OPERATOR_ROLES
         rtts = rtts_of(result)
         online = result.get("online", {})
         names = {info["peer_id"][-8:]: name.split("-", 1)[1] for name, info in online.items()}
         rates, measured_att, simulated_att = [], [], []
         for entry, batch in zip(result["rates"], raw["batches"], strict=True):
+            # `auto`: the roles the scheduler had handed out when the rate's load ended
+            roles = {"colocated": None, "roles": OPERATOR_ROLES}.get(mode)
+            if mode == "auto":
+                roles = announced_roles(entry.get("announced_roles") or result.get("announced_roles"), names)
             requests = [Request(**r) for r in batch["requests"]]
             ttft, tpot, failed = measured_times(entry["requests"])
             # runs before 2026-11-26 handed each prompt's cache off after the prompt, later ones
@@ -126,7 +139,7 @@ def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
             handed = sum(r.get("prefill", "").startswith("hand-off") for r in entry["requests"])
             replayed = sum(r.get("prefill", "").startswith("replay") for r in entry["requests"])
             row = {
-                "mode": mode,
+                "mode": mode if mode != "auto" else f"auto ({roles or 'colocated'})",
                 "rate": entry["rate"],
                 "done": len(ttft),
                 "total": len(entry["requests"]),
@@ -191,9 +204,11 @@ def table(raw_files: list[dict], slo: Slo, plans: list[str]) -> list[str]:
         ratio = ""
         if "colocated" in goodputs:
             colocated[where, scheduled] = goodputs["colocated"]
-        if (where, scheduled) in colocated and "roles" in goodputs:
-            (cm, cs), (rm, rs) = colocated[where, scheduled], goodputs["roles"]
-            ratio = f"; roles{memory} / colocated: {_ratio(rm, cm)} measured ({_ratio(rs, cs)} simulated)"
+        for other in ("roles", "auto"):
+            if (where, scheduled) in colocated and other in goodputs:
+                (cm, cs), (rm, rs) = colocated[where, scheduled], goodputs[other]
+                name = f"roles{memory}" if other == "roles" else "the scheduler's roles (auto)"
+                ratio += f"; {name} / colocated: {_ratio(rm, cm)} measured ({_ratio(rs, cs)} simulated)"
         probed = f"{link * 8 / 1e6:.0f} Mbit/s" if link else "none"
         # runs before the prefill server was recorded per request: measured counts unknown ("-")
         rows_all = [r for m in raw["modes"].values() for e in m["rates"] for r in e["requests"]]

@@ -229,6 +229,21 @@ def test_with_roles_the_scheduler_places_chains_on_the_decode_servers_and_stays_
     assert auto.roles.roles == {} and auto.assignment == colocated.spans
 
 
+def test_roles_whose_decode_servers_cannot_hold_the_model_fall_back_to_colocated(caplog):
+    """A role plan the servers that decode cannot be placed for alone (here: every bandwidth-rich
+    GPU prefill, the compute-rich ones holding 17 blocks each of 80) is dropped: every server both,
+    the colocated placement, and the operator told why."""
+    scheduler = core("off")  # the plan is set by hand: the simulated planner would not choose it
+    records = core_records(1.25e9, compute_memory=8 * GIB)
+    scheduler.update_roster(records, 0.0)
+    scheduler.roles.roles = {p: "prefill" for p in records if p.startswith("bandwidth")}
+    with caplog.at_level(logging.WARNING, logger="scheduler.service.live_roles"):
+        assert scheduler.review(1.0, force=True)
+    assert scheduler.roles.roles == {} and "cannot be placed alone" in caplog.text
+    colocated = compute_plan(scheduler.view, sorted(records), scheduler.settings.plan, 1)
+    assert scheduler.assignment == colocated.spans
+
+
 def test_the_proto_role_defaults_to_empty():
     old = pb.Assignment(assigned=True, start=0, end=4, epoch=3).SerializeToString()
     assert pb.Assignment.FromString(old).role == ""  # an older scheduler's reply: both

@@ -203,6 +203,14 @@ class SchedulerCore:
         if reason is None and not guarantees(self.view, routed, live_now, self.num_requests):
             reason = f"the live spans do not guarantee R={self.num_requests}"
         candidate = self._compute(peers, now, roles)
+        if candidate is None and roles:
+            # the servers that decode cannot hold the model alone: serve colocated rather than not
+            self.roles.drop("the servers that decode cannot be placed alone")
+            roles, routed = {}, peers
+            current = [self.assignment.get(peer) for peer in routed]
+            if roles != self._placed_roles:
+                reason = reason or "roles dropped"
+            candidate = self._compute(peers, now, roles)
         if candidate is None:
             self._members_changed_at = None
             return False

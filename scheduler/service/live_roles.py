@@ -148,5 +148,11 @@ class RoleAssigner:
         logger.info("roles: %s", plan.describe(peers) if plan else "every server both")
         return True
 
+    def drop(self, reason: str) -> None:
+        """Every server back to both until the inputs change (the plan could not be placed)."""
+        if self.roles:
+            logger.warning("roles: every server both: %s", reason)
+        self.roles, self.plan = {}, None
+
     def role_for(self, peer: str) -> str:
         return self.roles.get(peer, "") if self.mode == "auto" else ""
