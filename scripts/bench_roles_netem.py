@@ -6,9 +6,13 @@ the span), each holding every block, in four sites joined by `--link-mbps` links
 cache room; `--scheduler`: a `swarm-scheduler`, cg-bp, in the client's site routes every session
 by WS-RR and plans where its prompt runs) in its own site, `--client-rtt-ms` and `--uplink` Mbit/s
 from each. Every server sleeps `--compute-delay` per block per step and `per-token x tokens` when longer
-(`--compute-delay-per-token`): two compute-rich servers (`--rich-per-token`) and two prefill-slow
-ones (`--slow-per-token`). `colocated`: all four `--role
-both`; `roles`: the compute-rich ones `--role prefill`, the others `--role decode`; the client
+(`--compute-delay-per-token`): two compute-rich servers (`--rich-per-token`; with
+`--rich-compute-delay`, also slower at decoding, like the simulator's `split` swarm) and two
+prefill-slow ones (`--slow-per-token`). `colocated`: all four `--role
+both`; `roles`: the compute-rich ones `--role prefill`, the others `--role decode`; `auto` (with
+`--scheduler`): four managed servers whose roles the scheduler plans (`--roles auto` for the SLOs
+`--slo-ttft`/`--slo-tpot`, reviews every 10 s; the load starts 25 s after every server has measured
+its links, and the roles announced are recorded per rate); the client
 disaggregates by its own rule (`ClientOptions.disaggregate = "auto"`) with the links the servers
 probed (`--link-probe-period 5`). Load: Poisson arrivals at each `--rates`, prompts of the Azure code
 trace divided by `--length-scale` and capped at `--max-l-in`, answers capped at `--max-l-out`.
