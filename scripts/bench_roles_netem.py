@@ -127,6 +127,8 @@ def measure(args: argparse.Namespace) -> None:
     connection = model.backend.connection
     links = _wait_links(connection, 60.0)
     settled = _settle_roles(connection, plan["role_settle"]) if plan.get("role_settle") else None
+    if settled is not None:  # `auto`: the prefill servers' links as announced once roles are planned
+        links = _wait_links(connection, 10.0)
     probes = []
     for _ in range(3):  # the per-session set-up on an idle swarm: the simulator's set-up constant
         opened = time.monotonic()
