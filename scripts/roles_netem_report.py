@@ -96,7 +96,14 @@ def announced_roles(announced: dict | None, names: dict[str, str]) -> str | None
 def rows_of(raw: dict, slo: Slo) -> tuple[list[dict], dict]:
     """Per (mode, rate): measured and simulated numbers; and per mode the goodputs."""
     rows, goodputs = [], {}
-    links = announced_link(raw["modes"].get("roles", {})) or announced_link(raw["modes"].get("colocated", {}))
+    links = next(
+        (
+            rate
+            for mode in ("roles", "auto", "colocated")
+            if (rate := announced_link(raw["modes"].get(mode, {})))
+        ),
+        None,
+    )
     swarm = swarm_of(raw, links)
     disaggregate = "scheduler" if raw["args"].get("scheduler") else "auto"
     spread: dict[str, dict[str, tuple[int, int]]] = {}  # mode -> prefill server -> (measured, simulated)

@@ -4,6 +4,7 @@ cannot finish falls back to replay; hostile pushes are refused and leave nothing
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import signal
@@ -77,6 +78,65 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
             assert swarm.processes[victim].wait(30) == 0  # its drain ended when the session left
     finally:
         model.shutdown()
+
+
+def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama_dir):
+    """Use 1 of issue 37 for a move: a managed server that the scheduler moves to another span while
+    a session is open on it hands the session's cache to a server holding the session's blocks (the
+    only one: `spare`, made slower so that the session starts on the mover), and generation stays
+    equal to local transformers; the mover then serves its new span."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from swarm.dht_records import fetch_roster_async, publish_scheduler
+    from swarm.identity import owner_subkey
+    from swarm.scheduler_api import scheduler_pb2_grpc
+    from tests.test_server_managed import ScriptedScheduler, start_managed, wait_spans
+
+    prefix = default_prefix(str(llama_dir))
+    scheduler = ScriptedScheduler()
+    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        owner = owner_subkey(swarm.scheduler_key)
+        publish_scheduler(swarm.scheduler_dht(), prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
+        options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
+        start_managed(swarm, "mover", llama_dir, 10**9, *options)
+        deadline = time.monotonic() + 120
+        while not (peers := asyncio.run(fetch_roster_async(swarm.observer, prefix, NUM_BLOCKS))):
+            assert time.monotonic() < deadline, "the managed server did not announce itself"
+            time.sleep(0.3)
+        (mover,) = peers
+        scheduler.epoch, scheduler.spans = 1, {mover: (0, NUM_BLOCKS)}
+        swarm.start_server("spare", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--compute-delay", "0.02")
+        wait_spans(swarm, prefix, {"mover": (0, NUM_BLOCKS), "spare": (0, NUM_BLOCKS)})
+        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+        expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
+        )
+        try:
+            with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
+                first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
+                (stream,) = session.blocks.streams
+                assert stream.hop.peer_id == mover
+                scheduler.epoch, scheduler.spans = 2, {mover: (1, NUM_BLOCKS)}  # the move
+                _wait_for_log(swarm, "mover", "draining 1 sessions")
+                rest = model.generate(None, max_new_tokens=8, do_sample=False)
+                (moved,) = session.blocks.streams
+                assert moved.hop.peer_id != mover
+                assert model.backend.connection.known_servers[moved.hop.peer_id].public_name == "spare"
+            assert torch.equal(torch.cat([first, rest], dim=1), expected)
+        finally:
+            model.shutdown()
+        _wait_for_log(swarm, "mover", "handed")
+        _wait_for_log(swarm, "spare", "received a cache")
+        wait_spans(swarm, prefix, {"mover": (1, NUM_BLOCKS)})
+    finally:
+        grpc_server.stop(grace=None)
 
 
 @pytest.mark.parametrize("fault", ["die-pushing", "die-receiving"])
