@@ -243,6 +243,48 @@ def test_roles_on_the_hetero_swarm_hand_off_over_fast_links_only():
     assert len(fast.records) == len(slow.records) == 12
 
 
+def test_prefill_servers_too_small_for_the_model_pair_with_the_placed_decode_spans():
+    """The simulator places prefill spans by the live scheduler's rule (`role_placement`): an A100 of
+    the hetero swarm given memory for half the model holds the half whose decode servers it reaches
+    fastest once the decode servers are placed, and is laid from block 0 before they are; the
+    engine takes the placement from the dispatcher, through the goodput search's wrapper."""
+    import dataclasses
+
+    from scheduler.sim.contended_run import placed_spans
+    from scheduler.sim.plan_runs import _Guarded
+    from scheduler.sim.roles import split, uniform_links
+    from scheduler.sim.runner import make_scenario
+
+    config = CellConfig(scenario="hetero", rate=0.2, l_in=2048, l_out=128, requests=1, setup="none")
+    scenario = make_scenario(config, np.random.default_rng(0))
+    model, middle = scenario.model, scenario.model.num_blocks // 2
+    prompt_per_block = 2 * (model.kv_dim or model.hidden_size) * model.dtype_bytes * scenario.l_in
+    memory = (model.block_bytes + prompt_per_block) * (middle + 2)  # just over half the model
+    servers = [
+        dataclasses.replace(s, memory_bytes=memory) if j == 0 else s for j, s in enumerate(scenario.servers)
+    ]
+    links = [list(row) for row in uniform_links(len(servers), 0.01, 1e9)]
+    for j in (4, 5, 6):  # the A100 reaches the decode servers of the back half fastest
+        links[0][j] = Link(0.01, 10e9)
+    roles = ("prefill",) + ("decode",) * (len(servers) - 1)
+    scenario = dataclasses.replace(
+        scenario, servers=tuple(servers), roles=roles, server_links=tuple(tuple(r) for r in links)
+    )
+    # three decode servers per half (as many to serve on each side) and one holding every block
+    decode_spans = [Span(0, middle)] * 3 + [Span(middle, model.num_blocks)] * 3 + [Span(0, model.num_blocks)]
+    _, _, laid = split(scenario)
+    _, order, paired = split(scenario, decode_spans=decode_spans)
+    (before,), (after,) = [p.span for p in laid.prefill], [p.span for p in paired.prefill]
+    assert before == Span(0, middle + 2) and order[-1] == 0
+    assert after == Span(middle - 2, model.num_blocks)  # holds the back half's decode spans
+
+    class Holder:
+        spans = decode_spans
+        setup_s = 0.0
+
+    assert placed_spans(_Guarded(Holder())) == decode_spans and placed_spans(object()) is None
+
+
 def test_the_scheduler_s_queue_aware_prompt_plan_beats_each_client_s_own_rule_under_load():
     """Issue 37, WS-RR routing both phases: at 3 requests/s the two prefill servers of the hetero swarm
     are oversubscribed; clients alone (spread over the two by their session ids) still send every

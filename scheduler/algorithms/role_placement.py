@@ -16,8 +16,9 @@ cache crosses a fast link), by choosing its span:
   Candidate starts are the decode spans' starts, and the starts that end where a decode span ends.
   Prefill servers are taken in the caller's order (the scheduler's: the best at prompts first).
 
-Without decode spans (the simulator places its decode servers later) the spans are laid one after
-another around the model, as before there was pairing.
+Without decode spans (nothing placed yet) the spans are laid one after another around the model.
+The live scheduler (`scheduler/service/planner.py` `place_prefill`) and the simulator
+(`scheduler/sim/roles.py`, once the run's dispatcher has placed the decode servers) use the same rule.
 """
 
 from __future__ import annotations

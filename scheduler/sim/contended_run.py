@@ -68,6 +68,16 @@ def with_roles(scenario: Scenario, options: ContendedOptions) -> Scenario:
     return scenario
 
 
+def placed_spans(dispatcher) -> list | None:
+    """The spans a dispatcher routes over (a wrapper's inner one's), or None when it has none."""
+    while dispatcher is not None:
+        spans = getattr(dispatcher, "spans", None)
+        if spans is not None:
+            return list(spans)
+        dispatcher = getattr(dispatcher, "inner", None)
+    return None
+
+
 def simulate_contended(
     scenario: Scenario,
     options: ContendedOptions,
@@ -77,6 +87,11 @@ def simulate_contended(
     """Run `requests` with the servers' loops; the dispatcher is built on the servers that decode."""
     scenario = with_roles(scenario, options)
     decode, order, disaggregation = split(scenario, options.disaggregate)
+    dispatcher = make_dispatcher(decode)
+    spans = placed_spans(dispatcher)
+    if disaggregation is not None and spans is not None:
+        # prefill servers that cannot hold the whole model pair with the placed decode spans
+        decode, order, disaggregation = split(scenario, options.disaggregate, decode_spans=spans)
     ordered = subset(scenario, order)
     service = ContendedService(
         ordered.servers,
@@ -85,5 +100,4 @@ def simulate_contended(
         ordered.prefill,
         disaggregation,
     )
-    dispatcher = make_dispatcher(decode)
     return simulate(decode.servers, decode.model, dispatcher, requests, decode.prefill, service)

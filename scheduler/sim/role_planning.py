@@ -29,6 +29,7 @@ from scheduler.sim.goodput_plan import search_goodput
 from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
 from scheduler.sim.plan_runs import _Guarded, _Hopeless
 from scheduler.sim.policies import build_dispatcher, proposed_placement
+from scheduler.sim.roles import link_rates
 from scheduler.sim.scenarios import Link, Scenario
 from scheduler.sim.workload import Request, poisson
 
@@ -65,17 +66,6 @@ def kv_token_bytes(scenario: Scenario) -> float:
     return 2 * (model.kv_dim or model.hidden_size or 0) * model.dtype_bytes
 
 
-def links_of(scenario: Scenario) -> dict[str, dict[str, float]]:
-    """The scenario's server-to-server links as the planner reads them (bytes/s; none: unknown)."""
-    if scenario.server_links is None:
-        return {}
-    names = [s.name for s in scenario.servers]
-    return {
-        names[a]: {names[b]: link.bandwidth_bps / 8 for b, link in enumerate(row) if a != b}
-        for a, row in enumerate(scenario.server_links)
-    }
-
-
 def with_links(scenario: Scenario, links: Mapping[str, Mapping[str, float]], rtt_s: float) -> Scenario:
     """The scenario with links given in bytes/s by server name (a pair not given: `UNKNOWN_LINK_BPS`)."""
     names = [s.name for s in scenario.servers]
@@ -100,7 +90,7 @@ def role_inputs(
         scenario.servers,
         list(spans),
         scenario.model.num_blocks,
-        links_of(scenario),
+        link_rates(scenario),
         kv_token_bytes(scenario),
         RoleWorkload(scenario.l_in, scenario.l_out, rate),
     )

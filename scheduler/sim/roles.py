@@ -3,8 +3,9 @@
 A scenario may give each server a role (`swarm.server_info.ServerRole`: prefill, decode or both) and
 the links between servers (round trip, bandwidth). Chains route only through servers that decode
 (`decode`, `both`), as the live scheduler and clients route; the placement policies see only those.
-Prefill servers hold the whole model when it fits their memory (else a contiguous span, spans laid
-one after another around the model), and take only prompts.
+Prefill servers hold the whole model when it fits their memory (else a contiguous span paired with
+the decode servers' placement, the live scheduler's rule: `scheduler.algorithms.role_placement`),
+and take only prompts.
 
 When a session starts, for each hop of its chain the client's rule (`swarm.prefill_cost`, the same
 arithmetic as `client/prefill_roles.py`) picks a prefill server holding the hop's blocks with room
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.algorithms.problem import Span
@@ -212,27 +213,36 @@ class Disaggregation:
         return elapsed
 
 
-def prefill_spans(scenario: Scenario, indices: Sequence[int]) -> tuple[list[Span], list[float]]:
-    """Spans of the prefill servers `indices` (the whole model where it fits with room for one
-    nominal prompt, else as many blocks as fit, laid one after another: the decode servers are
-    placed later, by the run's policy) and their prompt room (`scheduler.algorithms.role_placement`,
-    the scheduler's rule)."""
+def prefill_spans(
+    scenario: Scenario, indices: Sequence[int], decode: Mapping[str, Span] | None = None
+) -> tuple[list[Span], list[float]]:
+    """Spans of the prefill servers `indices` and their prompt room, by the scheduler's rule
+    (`scheduler.algorithms.role_placement`): the whole model where it fits with room for one
+    nominal prompt, else as many blocks as fit, paired with the `decode` servers' spans (by name)
+    over the scenario's links, or laid one after another without them."""
     model, l_in = scenario.model, scenario.l_in
     width = model.kv_dim or model.hidden_size or 0
     prompt_per_block = 2 * width * model.dtype_bytes * l_in
     names = [scenario.servers[j].name for j in indices]
-    blocks = [
-        prefill_blocks(
-            scenario.servers[j].memory_bytes, model.num_blocks, model.block_bytes, prompt_per_block
-        )
-        for j in indices
-    ]
-    spans = placed_prefill_spans(names, blocks, model.num_blocks)
+    memory = [scenario.servers[j].memory_bytes for j in indices]
+    blocks = [prefill_blocks(m, model.num_blocks, model.block_bytes, prompt_per_block) for m in memory]
+    spans = placed_prefill_spans(names, blocks, model.num_blocks, decode, link_rates(scenario))
     rooms = [
         scenario.servers[j].memory_bytes - model.block_bytes * span.length
         for j, span in zip(indices, spans, strict=True)
     ]
     return spans, rooms
+
+
+def link_rates(scenario: Scenario) -> dict[str, dict[str, float]]:
+    """The scenario's server-to-server links by name, in bytes/s (the planners' unit)."""
+    if scenario.server_links is None:
+        return {}
+    names = [server.name for server in scenario.servers]
+    return {
+        names[a]: {names[b]: link.bandwidth_bps / 8 for b, link in enumerate(row) if a != b}
+        for a, row in enumerate(scenario.server_links)
+    }
 
 
 def uniform_links(count: int, rtt: float, bandwidth_bps: float) -> tuple[tuple[Link, ...], ...]:
@@ -246,11 +256,16 @@ def uniform_links(count: int, rtt: float, bandwidth_bps: float) -> tuple[tuple[L
 
 
 def split(
-    scenario: Scenario, policy: str = "auto", stream_chunk: int = STREAM_CHUNK_TOKENS
+    scenario: Scenario,
+    policy: str = "auto",
+    stream_chunk: int = STREAM_CHUNK_TOKENS,
+    decode_spans: Sequence[Span | None] | None = None,
 ) -> tuple[Scenario, list[int], Disaggregation | None]:
     """(the scenario of the servers that decode, the contended model's order of the scenario's
     servers, the prefill plan or None when no server has the prefill role). `stream_chunk`: see
-    `Disaggregation` (0: caches handed off after the prompt, as clients did before streaming)."""
+    `Disaggregation` (0: caches handed off after the prompt, as clients did before streaming).
+    `decode_spans`: the placement of the servers that decode (in their order), which prefill servers
+    that cannot hold the whole model pair with; None: not placed yet."""
     roles = scenario.roles or tuple(ServerRole.BOTH for _ in scenario.servers)
     if len(roles) != len(scenario.servers):
         raise ValueError("the scenario gives a role count different from its server count")
@@ -261,7 +276,14 @@ def split(
         return subset(scenario, decode) if len(decode) < len(roles) else scenario, order, None
     if scenario.server_links is None:
         raise ValueError("prefill servers need the links between servers (--link-mbps and --link-rtt-ms)")
-    spans, rooms = prefill_spans(scenario, prefill)
+    placed = None
+    if decode_spans is not None:
+        placed = {
+            scenario.servers[j].name: span
+            for j, span in zip(decode, decode_spans, strict=True)
+            if span is not None
+        }
+    spans, rooms = prefill_spans(scenario, prefill, placed)
     model = scenario.model
     width = model.kv_dim or model.hidden_size or 0
     announced = [(s.tau_prefill, scenario.l_in, s.tau) for s in (scenario.servers[j] for j in order)]
