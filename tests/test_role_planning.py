@@ -355,3 +355,59 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
         grpc_server.stop(0)
         leaked = swarm.close()
         assert not leaked, f"process groups left running: {leaked}"
+
+
+def test_a_live_scheduler_plans_roles_and_generation_through_them_stays_exact(swarm, llama_dir):
+    """`swarm-scheduler --roles auto` on four managed servers, the netem benchmark's `split` swarm in
+    small (two compute-rich servers that decode 2x slower, two that prefill 10x slower; emulated
+    delays): once the servers have measured their links, the scheduler makes the compute-rich ones
+    `prefill` and places for it; a session's prompt then runs there, its cache streamed to the server
+    that decodes, and greedy generation equals local transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from client import AutoDistributedModelForCausalLM, ClientOptions
+    from swarm.dht_keys import default_prefix
+    from tests.conftest import NUM_BLOCKS
+    from tests.test_handoff import _wait_for_log
+    from tests.test_server_managed import start_managed
+
+    prefix = default_prefix(str(llama_dir))
+    swarm.start_scheduler(
+        "scheduler", llama_dir, "--roles", "auto", "--slo-ttft", "3", "--slo-tpot", "0.1",
+        "--num-requests", "1", "--period", "3", "--l-in", "442", "--l-out", "16",
+    )  # fmt: skip
+    delays = {"rich": ("0.01", "0.0001"), "slow": ("0.005", "0.001")}
+    names = [f"{kind}{k}" for kind in delays for k in range(2)]
+    for name in names:
+        delay, per_token = delays[name[:4]]
+        start_managed(
+            swarm, name, llama_dir, 10**9, "--compute-delay", delay, "--compute-delay-per-token", per_token,
+            "--prefill-tokens", "512", "--link-probe-period", "1", "--assignment-poll", "0.5",
+        )  # fmt: skip
+    swarm.wait_for(
+        prefix,
+        NUM_BLOCKS,
+        lambda online: (
+            all(name in online for name in names)
+            and [online[name].role for name in names] == [ServerRole.PREFILL] * 2 + [ServerRole.BOTH] * 2
+        ),
+        180,
+        what="the compute-rich servers prefill",
+    )
+    prompt = torch.randint(4, 100, (1, 200), generator=torch.Generator().manual_seed(0))
+    expected = AutoModelForCausalLM.from_pretrained(llama_dir).eval().generate(prompt, max_new_tokens=6)
+    options = ClientOptions(
+        request_timeout=30.0, scheduler_key=swarm.scheduler_key, use_scheduler=True, accept_slo_miss=True
+    )
+    model = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
+    try:
+        assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+    finally:
+        model.shutdown()
+    assert "roles: prefill:" in swarm.log("scheduler")
+    for name in ("rich0", "rich1"):
+        if "while computing them" in swarm.log(name):
+            break
+    else:
+        _wait_for_log(swarm, "rich0", "while computing them")  # fails with the log's tail
