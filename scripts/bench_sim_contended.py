@@ -54,9 +54,10 @@ from scheduler.sim.server_costs import IterationCost, ServerCost, relative_host_
 
 HEADER = "## A simulator of contended servers (issues 37, 38)"
 # (file, what its label adds, whether the CPU costs are fitted on its runs): the last file re-runs
-# cg-bp at k = 1 with the scheduler of 2026-11-26 (sessions sized by their lengths, overdue sessions
-# held) to test the TTFT errors its waits made; it is held out of the fit (predicted with the costs
-# the 18 earlier runs gave), so it also tests the CPU model out of sample
+# the k = 1 cells (cg-bp, then PETALS and chains) with the client and scheduler of 2026-11-26
+# (sessions sized by their lengths, overdue sessions held) to test the TTFT errors their waits made;
+# it is held out of the fit (predicted with the costs the 18 earlier runs gave), so it also tests
+# the CPU model out of sample
 RUN_FILES = (
     (ROOT / "results/netem/table2.json", "", True),
     (ROOT / "results/netem/scale1/table2.json", "", True),
@@ -78,14 +79,14 @@ SLOS = ((10.0, 0.3), (20.0, 0.3))  # (b): TTFT and TPOT targets, seconds
 
 TEXT_A = (
     "(a) Table 2 on the emulated network (every run of results/netem/table2.json, "
-    "results/netem/scale1/table2.json and results/netem/scale1_current/table2.json, the last two cg-bp runs "
-    "again with the scheduler of 2026-11-26; all with `--gpu-model overlap`), each predicted again from "
-    "its recorded inputs as scripts/table2/prediction.py does: `old` is paper 000's model (eq. 1, "
-    "the runs' `simulated`), `serial` and `overlap` the contended model with that accelerator "
-    "(device: the run's compute delay; host: the tiny blocks' CPU forward), `overlap+cpu` the same "
-    "with every CPU job of the emulation sharing the machine's 2 cores. Errors of the mean per-token "
-    "time / mean TTFT / TPOT p50 / TPOT p99 in % (`predicted / measured - 1`); target: within 10% in "
-    "every cell."
+    "results/netem/scale1/table2.json and results/netem/scale1_current/table2.json, the k = 1 runs "
+    "again with the client and scheduler of 2026-11-26; all with `--gpu-model overlap`), each "
+    "predicted again from its recorded inputs as scripts/table2/prediction.py does: `old` is paper "
+    "000's model (eq. 1, the runs' `simulated`), `serial` and `overlap` the contended model with that"
+    " accelerator (device: the run's compute delay; host: the tiny blocks' CPU forward), "
+    "`overlap+cpu` the same with every CPU job of the emulation sharing the machine's 2 cores. Errors"
+    " of the mean per-token time / mean TTFT / TPOT p50 / TPOT p99 in % (`predicted / measured - 1`);"
+    " target: within 10% in every cell."
 )
 TEXT_B = (
     "(b) Goodput (the highest rate at which >= 90% of requests meet both SLOs, "
