@@ -46,3 +46,20 @@ def test_trace_requests_scale_cap_and_floor_lengths() -> None:
     assert requests[0].arrival == 0.0
     assert all(b.arrival >= a.arrival for a, b in zip(requests, requests[1:], strict=False))
     assert {(r.l_in, r.l_out) for r in requests} == {(1024, 32), (2, 2)}
+
+
+def test_the_scheduler_s_announced_roles_become_the_simulated_roles_and_decode_delays_per_server() -> None:
+    """`--modes auto`: the roles the servers announced (by peer id) are simulated in the report's server
+    order, every server both is colocated; `--rich-compute-delay` slows only the compute-rich servers'
+    decoding."""
+    from roles_netem_report import announced_roles
+    from roles_netem_sim import CpuCosts, EmulatedSwarm
+
+    names = {"AAAArich": "rich0", "BBBBrich": "rich1", "CCCCslow": "slow0", "DDDDslow": "slow1"}
+    announced = {"QmAAAArich": "prefill", "QmBBBBrich": "prefill", "QmCCCCslow": "both"}
+    assert announced_roles(announced, names) == "prefill,prefill,both,both"
+    assert announced_roles(dict.fromkeys(announced, "both"), names) is None
+    assert announced_roles(None, names) is None
+    cpu = CpuCosts(1e-4, 1e-5, 1e-4, 1000, 10)
+    swarm = EmulatedSwarm(0.005, 1e-4, 1e-3, 0.03, 100.0, 0.002, 1000.0, 1e8, 6, 512, cpu, None, 0.01)
+    assert [swarm.decode_delay(j) for j in range(4)] == [0.01, 0.01, 0.005, 0.005]
