@@ -55,6 +55,11 @@ class ClientOptions:
     # where it is expected to pay (client/prefill_roles.py), "always" wherever one holds a hop's blocks,
     # "never"
     disaggregate: str = "auto"
+    # a disaggregated prompt's first token returns as soon as the prefill servers computed it, and the
+    # next step waits for the cache hand-offs (True); False holds the first token until they are done,
+    # so that the hand-off counts in the time to the first token rather than between tokens (for SLOs
+    # whose TPOT target is tight next to the hand-off); every token arrives no later with True
+    first_token_before_handoff: bool = True
     # a scheduler with SLO targets (swarm-scheduler --slo-ttft/--slo-tpot) tells a session expected to miss
     # them at once: False gives up (SwarmUnavailable: swarm-api answers 503), True waits for admission anyway
     accept_slo_miss: bool = False

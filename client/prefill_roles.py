@@ -149,7 +149,8 @@ class DisaggregatedPrefill:
         computed it; the hand-offs finish in the background (`_handing`) while the client samples
         the first token, and the next step waits for them (`_handed_off`). So the first token does
         not wait for the last part of the cache to cross (Splitwise and DistServe answer the first
-        token from the prefill instance too); the second one does, if it is not there yet."""
+        token from the prefill instance too); the second one does, if it is not there yet.
+        `ClientOptions.first_token_before_handoff = False` waits for the hand-offs here instead."""
         plan, self._prefill = self._prefill, {}
         if step.position != 0 or step.hidden.shape[1] < MIN_PROMPT:  # not a prompt: nothing to do
             for stream in plan.values():
@@ -182,6 +183,8 @@ class DisaggregatedPrefill:
                 stream.close()
             raise
         self._handing = asyncio.ensure_future(self._finish_handoffs(plan, decode, orders))
+        if not self.connection.options.first_token_before_handoff:
+            await self._handed_off()
         return output
 
     async def _finish_handoffs(

@@ -334,6 +334,25 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
         # at its close, then frees every server
         expected = reference.generate(PROMPT, max_new_tokens=1, do_sample=False)
         assert torch.equal(model.generate(PROMPT, max_new_tokens=1, do_sample=False), expected)
+        # a client that holds the first token until the hand-offs end: the prompt step returns with
+        # the chain already on the decode servers
+        holding = AutoDistributedModelForCausalLM.from_pretrained(
+            model_dir,
+            swarm.initial_peers,
+            options=ClientOptions(request_timeout=20.0, first_token_before_handoff=False),
+        )
+        try:
+            with holding.inference_session(max_length=PROMPT.shape[1] + 4) as session:
+                first = holding.generate(PROMPT, max_new_tokens=1, do_sample=False, session=session)
+                assert session.blocks._handing is None
+                assert [s.hop.peer_id for s in session.blocks.streams] == [
+                    _peer(swarm, prefix, f"decode-{hop}") for hop in spans
+                ]
+                rest = holding.generate(None, max_new_tokens=3, do_sample=False, session=session)
+            expected = reference.generate(PROMPT, max_new_tokens=4, do_sample=False)
+            assert torch.equal(torch.cat([first, rest], dim=1), expected)
+        finally:
+            holding.shutdown()
         swarm.wait_for(
             prefix, NUM_BLOCKS, lambda online: all(online[name].active_sessions == 0 for name in names), 30
         )
