@@ -85,24 +85,20 @@ def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama
     a session is open on it hands the session's cache to a server holding the session's blocks (the
     only one: `spare`, made slower so that the session starts on the mover), and generation stays
     equal to local transformers; the mover then serves its new span."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-
-    from swarm.dht_records import fetch_roster_async, publish_scheduler
-    from swarm.identity import owner_subkey
-    from swarm.scheduler_api import scheduler_pb2_grpc
-    from tests.test_server_managed import ScriptedScheduler, start_managed, wait_spans
+    from swarm.dht_records import fetch_roster_async
+    from tests.test_server_managed import (
+        ScriptedScheduler,
+        publish_scripted,
+        serve_scripted,
+        start_managed,
+        wait_spans,
+    )
 
     prefix = default_prefix(str(llama_dir))
     scheduler = ScriptedScheduler()
-    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2))
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
-    grpc_server.start()
+    grpc_server, port = serve_scripted(scheduler)
     try:
-        owner = owner_subkey(swarm.scheduler_key)
-        publish_scheduler(swarm.scheduler_dht(), prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
+        publish_scripted(swarm, prefix, port)
         options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
         start_managed(swarm, "mover", llama_dir, 10**9, *options)
         deadline = time.monotonic() + 120

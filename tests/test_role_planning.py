@@ -294,17 +294,19 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
     says so; a later empty role (both) is followed back; an unknown one is ignored with a warning."""
     import asyncio
     import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
 
     from swarm.dht_keys import default_prefix
-    from swarm.dht_records import fetch_roster_async, publish_scheduler
-    from swarm.identity import owner_subkey
+    from swarm.dht_records import fetch_roster_async
     from swarm.local_swarm import LocalSwarm
-    from swarm.scheduler_api import scheduler_pb2_grpc
     from tests.conftest import NUM_BLOCKS
-    from tests.test_server_managed import ScriptedScheduler, start_managed, wait_log, wait_spans
+    from tests.test_server_managed import (
+        ScriptedScheduler,
+        publish_scripted,
+        serve_scripted,
+        start_managed,
+        wait_log,
+        wait_spans,
+    )
 
     class RoleScheduler(ScriptedScheduler):
         role = "prefill"
@@ -316,16 +318,11 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
 
     prefix = default_prefix(str(llama_dir))
     scheduler = RoleScheduler()
-    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2))
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
-    grpc_server.start()
+    grpc_server, port = serve_scripted(scheduler)
     swarm = LocalSwarm(tmp_path)
     try:
         swarm.start_dht()
-        publisher = swarm.scheduler_dht()
-        owner = owner_subkey(swarm.scheduler_key)
-        publish_scheduler(publisher, prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
+        publish_scripted(swarm, prefix, port)
         options = ["--scheduler-timeout", "30", "--assignment-poll", "0.3"]
         start_managed(swarm, "free", llama_dir, 10**9, *options)
         start_managed(swarm, "fixed", llama_dir, 10**9, *options, "--role", "decode")

@@ -333,19 +333,29 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         )
 
 
-def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
-    prefix = default_prefix(str(bloom_dir))
-    scheduler = ScriptedScheduler()
+def serve_scripted(scheduler: scheduler_pb2_grpc.SchedulerServicer) -> tuple[grpc.Server, int]:
+    """`scheduler` served over gRPC on a free loopback port; the caller stops the server."""
     grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
+    return grpc_server, port
+
+
+def publish_scripted(swarm: LocalSwarm, prefix: str, port: int) -> None:
+    """The scripted scheduler's record at `port`, signed by the swarm's trusted scheduler key."""
+    owner = owner_subkey(swarm.scheduler_key)
+    publish_scheduler(swarm.scheduler_dht(), prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
+
+
+def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
+    prefix = default_prefix(str(bloom_dir))
+    scheduler = ScriptedScheduler()
+    grpc_server, port = serve_scripted(scheduler)
     swarm = LocalSwarm(tmp_path)
     try:
         swarm.start_dht()
-        publisher = swarm.scheduler_dht()  # the scripted scheduler's record, signed by the trusted key
-        owner = owner_subkey(swarm.scheduler_key)
-        publish_scheduler(publisher, prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
+        publish_scripted(swarm, prefix, port)
         for name in ("a", "b"):  # a short scheduler timeout: the scheduler answers, so it never fires
             options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
             start_managed(swarm, name, bloom_dir, 10**9, *options, "--metrics-port", "0")
