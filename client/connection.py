@@ -82,6 +82,7 @@ class SwarmConnection:
         self._servers: dict[str, ServerInfo] = {}
         self._fetched_at = -math.inf
         self._reading: asyncio.Future | None = None  # a background read of the server records
+        self._rest_of_first_read: asyncio.Future | None = None  # what the first read left to the background
         self._first_read: asyncio.Future | None = None  # begun at start-up: see `_begin_warm_up`
         self._warming: asyncio.Future | None = None
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt seconds, measured at)
@@ -173,12 +174,23 @@ class SwarmConnection:
         )
         self._fetched_at = time.monotonic()
         if not complete:
-            self._reading = asyncio.ensure_future(self._read_rest())
+            self._reading = self._rest_of_first_read = asyncio.ensure_future(self._read_rest())
             self._reading.add_done_callback(_log_failed_read)
 
     async def _read_rest(self) -> None:
         """The whole roster of the first read, once its searches still under way ended."""
         self._servers = await finish_covering_read(self.dht, self.prefix, self.limits, self.client_id)
+
+    async def finish_first_read(self) -> bool:
+        """Wait (at most `request_timeout`) for the rest of the first read when it is still under way:
+        that read returned as soon as every block had a server (`fetch_servers_covering`), while a
+        caller looking for a server besides its route's (a replica, an arbiter) needs the whole roster.
+        True if there was a rest to wait for."""
+        rest = self._rest_of_first_read
+        if rest is None or rest.done():
+            return False
+        await asyncio.wait([rest], timeout=self.options.request_timeout)
+        return True
 
     @property
     def known_servers(self) -> dict[str, ServerInfo]:

@@ -127,11 +127,28 @@ class ReplicaChecks:
         self, stream: ServerStream, current: ServerStream | None, exclude: set[str] = frozenset()
     ) -> ServerStream | None:
         """A server other than the chain's holding the stream's blocks, with an open stream (the
-        current replica while it is healthy); None when there is none."""
+        current replica while it is healthy); None when there is none. A non-empty `exclude` asks
+        for an arbiter, which is worth a fresh read of the roster: without one the step fails."""
         if current is not None and current.healthy and not self.connection.is_banned(current.hop.peer_id):
             return current
-        start, end = stream.hop.start, stream.hop.end
         skip = {stream.hop.peer_id, *exclude}
+        replica = await self._open_replica(stream, skip)
+        # the first read returned as soon as every block had a server: the rest may name a replica
+        if replica is None and await self.connection.finish_first_read():
+            replica = await self._open_replica(stream, skip)
+        if replica is None and exclude:  # an arbiter may have joined since the last read
+            await self.connection.servers(refresh=True)
+            replica = await self._open_replica(stream, skip)
+        if replica is None:
+            logger.info(
+                "no replica holds blocks %d:%d besides %s: step not verified",
+                stream.hop.start, stream.hop.end, stream.hop.peer_id[-8:],
+            )  # fmt: skip
+        return replica
+
+    async def _open_replica(self, stream: ServerStream, skip: set[str]) -> ServerStream | None:
+        """An open stream to the best known server holding the stream's blocks, not in `skip`."""
+        start, end = stream.hop.start, stream.hop.end
         kind = self._kind(stream.hop.peer_id)
         # a replica of the chain server's own kind first: it can check it tightly (`tolerance`)
         candidates = sorted(
@@ -153,9 +170,6 @@ class ReplicaChecks:
                 logger.info(
                     "replica %s for blocks %d:%d unavailable: %s", candidate.peer_id[-8:], start, end, error
                 )
-        logger.info(
-            "no replica holds blocks %d:%d besides %s: step not verified", start, end, stream.hop.peer_id[-8:]
-        )
         return None
 
     def _drop_verifier(self, verifier: ServerStream, error: BaseException | None = None) -> None:

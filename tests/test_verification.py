@@ -38,11 +38,7 @@ def lying_swarm(llama_dir, tmp_path_factory):
         names = ["liar", "nan", "h1", "h2", "b1", "b2"]
         online = swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, names)
         assert online["liar"].tau < online["h1"].tau and online["nan"].tau < online["b1"].tau
-        peers = {
-            info.public_name: peer
-            for peer, info in swarm.servers(default_prefix(str(llama_dir)), NUM_BLOCKS).items()
-        }
-        yield swarm, peers
+        yield swarm, servers_named(swarm, llama_dir)
     finally:
         assert not swarm.close()
 
@@ -118,8 +114,9 @@ def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir)
     assert all(step is not None and step <= 80 for step in caught_at), caught_at
 
 
-def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tmp_path):
-    """...and when only two servers hold the blocks and they disagree, the step fails naming both."""
+def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tmp_path, reference):
+    """...and when only two servers hold the blocks and they disagree, the step fails naming both;
+    a third server that joined after the client's last read of the roster is found to decide."""
     swarm = LocalSwarm(tmp_path)
     try:
         swarm.start_dht()
@@ -140,8 +137,10 @@ def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tm
         swarm.stop("bf16")
         swarm.start_server("liar", llama_dir, f"0:{NUM_BLOCKS}", module=("tests.lying_server", "noise"))
         swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["f32", "liar"])
+        # the roster is not read again on its own for 10 minutes: only the arbiter's search reads it
+        options = ClientOptions(verify_fraction=1.0, refresh_period=600.0)
         client = AutoDistributedModelForCausalLM.from_pretrained(
-            llama_dir, swarm.initial_peers, options=ClientOptions(verify_fraction=1.0)
+            llama_dir, swarm.initial_peers, options=options
         )
         try:
             with pytest.raises(SwarmUnavailable, match="disagree on blocks 0:6") as failure:
@@ -149,7 +148,21 @@ def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tm
             servers = swarm.servers(default_prefix(str(llama_dir)), NUM_BLOCKS)
             named = {servers[peer].public_name for peer in servers if peer in str(failure.value)}
             assert named == {"f32", "liar"}, failure.value
+
+            swarm.start_server("late", llama_dir, f"0:{NUM_BLOCKS}")
+            swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["f32", "liar", "late"])
+            names = servers_named(swarm, llama_dir)
+            assert names["late"] not in client.backend.connection.known_servers  # not seen yet
+            expected = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)
+            assert torch.equal(client.generate(PROMPT, max_new_tokens=8, do_sample=False), expected)
+            assert set(client.backend.connection.caught) == {names["liar"]}
         finally:
             client.shutdown()
     finally:
         assert not swarm.close()
+
+
+def servers_named(swarm: LocalSwarm, llama_dir) -> dict[str, str]:
+    """Each server's public name -> its peer id, as announced."""
+    servers = swarm.servers(default_prefix(str(llama_dir)), NUM_BLOCKS)
+    return {info.public_name: peer for peer, info in servers.items()}
