@@ -16,7 +16,9 @@ trace's answer lengths, and what it does to simulated WS-RR waiting.
    then learning online from finished requests; mean and median) and `oracle` (true lengths). It
    reports the measured waits (mean, p99) and the error of the wait WS-RR told each request at
    routing (mean |told - measured|), and the fraction of the constant -> oracle gap the predicted
-   (mean) source closes.
+   (mean) source closes. Bounds beside it say how much per-request knowledge closing the gap takes:
+   the predictor trained on the test half, and sources that know each answer's true 200-token
+   bucket, quartile or decile (`KnownClass`; no live scheduler has these).
 """
 
 from __future__ import annotations
@@ -76,15 +78,52 @@ def _prediction_row(name: str, accuracy: float, lengths: np.ndarray, truth: np.n
     return f"| {name} | {accuracy * 100:.1f}% | {np.abs(error).mean():.1f} | {error.mean():+.1f} |"
 
 
-def sources(train: list[workload.TraceRecord]) -> dict[str, object]:
-    """name -> a factory of the length source (a fresh one per run: predictors learn during it)."""
+class KnownClass:
+    """A length source that knows which class of lengths (between `edges`) each answer falls in and
+    routes it by the class's mean on the train half: what a perfect classifier of that resolution
+    would give (bench-only: no live source can know this)."""
+
+    def __init__(self, train: list[workload.TraceRecord], edges: list[float]):
+        self.edges = np.asarray(edges)
+        lengths = np.array([r.l_out for r in train])
+        classes = np.searchsorted(self.edges, lengths, side="right")
+        self.means = {c: float(lengths[classes == c].mean()) for c in np.unique(classes)}
+        self.overall = float(lengths.mean())
+
+    def estimate(self, request) -> int:
+        cls = int(np.searchsorted(self.edges, request.l_out, side="right"))
+        return max(1, round(self.means.get(cls, self.overall)))
+
+    def observe(self, request) -> None:
+        pass
+
+
+def sources(train: list[workload.TraceRecord], test: list[workload.TraceRecord]) -> dict[str, object]:
+    """name -> a factory of the length source (a fresh one per run: predictors learn during it).
+    The `BOUNDS` are not sources a live scheduler can have: they say how much per-request knowledge
+    closing the gap takes."""
+    lengths = np.array([r.l_out for r in train])
+    buckets = [BUCKET * (i + 1) for i in range(CAP // BUCKET)]
     return {
         f"constant:{BASELINE}": lambda: length_info.ConstantLengths(BASELINE),
         f"max-new-tokens ({CAP})": lambda: length_info.DeclaredLengths(CAP),
         "predicted (mean)": lambda: length_info.PredictedLengths(trained(train, "mean"), CAP),
         "predicted (median)": lambda: length_info.PredictedLengths(trained(train, "median"), CAP),
+        BOUNDS[0]: lambda: length_info.PredictedLengths(trained(test, "mean"), CAP),
+        BOUNDS[1]: lambda: KnownClass(train, buckets),
+        BOUNDS[2]: lambda: KnownClass(train, list(np.quantile(lengths, [0.25, 0.5, 0.75]))),
+        BOUNDS[3]: lambda: KnownClass(train, list(np.quantile(lengths, np.arange(1, 10) / 10))),
         "oracle": lambda: None,
     }
+
+
+BUCKET = 200  # TetriInfer's output buckets (`swarm.length_prediction.output_bucket`)
+BOUNDS = (
+    "bound: predictor trained on the test half",
+    "bound: true 200-token bucket (a perfect TetriInfer classifier)",
+    "bound: true quartile of the length",
+    "bound: true decile of the length",
+)
 
 
 def simulate_waits(config: CellConfig, test: list[workload.TraceRecord], seed: int, lengths) -> tuple:
@@ -106,7 +145,7 @@ def simulation_rows(train, test, requests: int, seeds: int, l_in: int) -> tuple[
         setup="none",
     )  # fmt: skip
     results = {}
-    for name, make in sources(train).items():
+    for name, make in sources(train, test).items():
         runs = [simulate_waits(config, test, seed, make()) for seed in range(seeds)]
         measured = np.concatenate([m for m, _ in runs])
         told = np.concatenate([t for _, t in runs])
@@ -124,7 +163,7 @@ def simulation_rows(train, test, requests: int, seeds: int, l_in: int) -> tuple[
     constant, oracle = results[f"constant:{BASELINE}"], results["oracle"]
     for name, r in results.items():
         closed = ""
-        if name.startswith("predicted"):
+        if name.startswith(("predicted", "bound")):
             closed = " / ".join(f"{gap_closed(constant[k], r[k], oracle[k]) * 100:.0f}%" for k in GAP_KEYS)
         rows.append(
             f"| {name} | {r['mean']:.2f} | {r['p99']:.2f} | {r['error']:.2f} | {r['bias']:+.2f} | {closed} |"
