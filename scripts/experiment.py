@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks_md import write_section  # noqa: E402
 from netem.cli import prepare_model  # noqa: E402
 from netem.emulator import Emulation  # noqa: E402
-from netem.system import netns_works  # noqa: E402
+from netem.system import busy_cores, host_cpu_ticks, netns_works  # noqa: E402
 from table2.inputs import (  # noqa: E402
     PREFILL_TOKENS,
     Cell,
@@ -152,6 +152,7 @@ def run_policy(
     out_path = emulation.run_dir / f"{label}.results.json"
     spec_path.write_text(json.dumps(loadgen_spec))
     out_path.unlink(missing_ok=True)
+    swarm_cpu_before, host_before = emulation.cpu_seconds(), host_cpu_ticks()
     started = time.monotonic()
     process = emulation.start(
         f"loadgen-{label}", client_site, emulation.python("netem.loadgen", str(spec_path), str(out_path))
@@ -168,8 +169,11 @@ def run_policy(
             f"{label}: the load generator failed:\n{emulation.log(f'loadgen-{label}')[-3000:]}"
         )
     measured = json.loads(out_path.read_text())
+    host_busy = busy_cores(host_before, host_cpu_ticks())
     cpu = emulation.cpu_seconds()  # live processes only: the load generator has exited (see below)
     cpu[f"loadgen-{label}"] = measured.get("cpu_s", 0.0)
+    # what the run's own processes used of the host, against everything the host did meanwhile
+    swarm_cores = sum(cpu[name] - swarm_cpu_before.get(name, 0.0) for name in cpu) / max(wall, 1e-9)
     problems = emulation.stop_all()
     failed = [r for r in measured["requests"] if "error" in r]
     records = [
@@ -200,7 +204,8 @@ def run_policy(
         measured_summary["slo_attainment"] = attainment(ttft, tpot, failures, slo.ttft_s, slo.tpot_s)
     print(
         f"[{label}] measured per-token {measured_summary.get('per_token_time_mean', math.nan):.3f} s, "
-        f"simulated {predicted['per_token_time_mean']:.3f} s; {len(failed)} failed; {wall:.0f} s"
+        f"simulated {predicted['per_token_time_mean']:.3f} s; {len(failed)} failed; {wall:.0f} s; host "
+        f"{host_busy:.2f} of {os.cpu_count()} cores busy, the swarm's processes {swarm_cores:.2f}"
         + (
             f"; SLO attainment measured {measured_summary['slo_attainment']:.1%}, "
             f"simulated {predicted['slo_attainment']:.1%}"
@@ -232,6 +237,7 @@ def run_policy(
         "simulated_per_request": simulated_per_request,
         "wall_s": wall,
         "cpu_s": cpu,
+        "host_cpu": {"busy_cores": host_busy, "swarm_cores": swarm_cores, "cores": os.cpu_count()},
         "stop_problems": problems,
     }
 

@@ -132,3 +132,19 @@ def kernel_has_netem() -> bool:
         return probe.returncode == 0
     finally:
         run(["ip", "netns", "del", name], check=False)
+
+
+def host_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of every core since boot, from /proc/stat's `cpu` line: what the
+    whole host did, the emulation's processes and anything else (the delayer, the kernel's packet
+    work, other users)."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """How many of the host's cores were busy on average between two `host_cpu_ticks` readings."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return os.cpu_count() * busy / total if total > 0 else 0.0
