@@ -57,11 +57,16 @@ HEADER = "## A simulator of contended servers (issues 37, 38)"
 # the k = 1 cells (cg-bp, then PETALS and chains) with the client and scheduler of 2026-11-26
 # (sessions sized by their lengths, overdue sessions held) to test the TTFT errors their waits made;
 # it is held out of the fit (predicted with the costs the 18 earlier runs gave), so it also tests
-# the CPU model out of sample
+# the CPU model out of sample; `repeat` runs the l_out 64 cells of that file again with the same code,
+# to measure how far two runs of one cell land apart on this host (`scripts/table2/repeatability.py`);
+# cg-bp's cell was run twice more, with today's code and with the code of its 05:08 run
 RUN_FILES = (
     (ROOT / "results/netem/table2.json", "", True),
     (ROOT / "results/netem/scale1/table2.json", "", True),
     (ROOT / "results/netem/scale1_current/table2.json", ", scheduler of 2026-11-26, held out", False),
+    (ROOT / "results/netem/repeat/table2.json", ", repeat of 2026-11-26 (l_out 64), held out", False),
+    (ROOT / "results/netem/repeat/cg-bp_again.json", ", repeat of 2026-11-26, once more, held out", False),
+    (ROOT / "results/netem/repeat/cg-bp_code_of_0508.json", ", the 05:08 code again, held out", False),
 )
 SCENARIO = ROOT / "scripts/netem/scenarios/table2.json"
 RESULTS = ROOT / "results/sim_contended"
@@ -80,7 +85,8 @@ SLOS = ((10.0, 0.3), (20.0, 0.3))  # (b): TTFT and TPOT targets, seconds
 TEXT_A = (
     "(a) Table 2 on the emulated network (every run of results/netem/table2.json, "
     "results/netem/scale1/table2.json and results/netem/scale1_current/table2.json, the k = 1 runs "
-    "again with the client and scheduler of 2026-11-26; all with `--gpu-model overlap`), each "
+    "again with the client and scheduler of 2026-11-26, and results/netem/repeat/, their l_out 64 "
+    "cells once more (cg-bp's three times); all with `--gpu-model overlap`), each "
     "predicted again from its recorded inputs as scripts/table2/prediction.py does: `old` is paper "
     "000's model (eq. 1, the runs' `simulated`), `serial` and `overlap` the contended model with that"
     " accelerator (device: the run's compute delay; host: the tiny blocks' CPU forward), "
