@@ -186,6 +186,9 @@ class SwarmConnection:
         that read returned as soon as every block had a server (`fetch_servers_covering`), while a
         caller looking for a server besides its route's (a replica, an arbiter) needs the whole roster.
         True if there was a rest to wait for."""
+        first = self._first_read
+        if first is not None and not first.done():  # begun at start-up: the rest is known after it
+            await asyncio.wait([first], timeout=self.options.request_timeout)
         rest = self._rest_of_first_read
         if rest is None or rest.done():
             return False

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.connection import SwarmUnavailable
+from client.connection import SwarmUnavailable, run_sync
 from client.verification import TOLERANCE, UNKNOWN_TOLERANCE, agree, tolerance
 from swarm.dht_keys import default_prefix
 from swarm.local_swarm import LocalSwarm, prometheus_sample
@@ -69,6 +69,7 @@ def test_verifying_every_step_gives_exact_outputs_and_bans_the_liars(lying_swarm
     )
     try:
         connection = client.backend.connection
+        run_sync(connection.finish_first_read())  # routes may pick the liars from the first prompt on
         for prompt in (PROMPT, torch.tensor([[7, 8, 9]]), torch.tensor([[300, 2, 41, 41, 5]])):
             expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
             assert torch.equal(client.generate(prompt, max_new_tokens=12, do_sample=False), expected)
@@ -98,6 +99,9 @@ def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir)
         client = AutoDistributedModelForCausalLM.from_pretrained(
             llama_dir, swarm.initial_peers, options=ClientOptions(verify_fraction=0.1)
         )
+        # the session's one route must be able to pick the liar: not only the servers the client's
+        # first read had found when every block had one (`fetch_servers_covering`)
+        run_sync(client.backend.connection.finish_first_read())
         try:
             with client.inference_session(max_length=PROMPT.shape[1] + 80) as session:
                 prompt = PROMPT
