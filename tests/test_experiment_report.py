@@ -4,6 +4,8 @@ the commands."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,8 +13,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+from netem.system import busy_cores, host_cpu_ticks  # noqa: E402
 from table2.placement import place, with_chain_times  # noqa: E402
 from table2.plans import attainment, measured_times, parse_plan, parse_plans, run_attainment  # noqa: E402
+from table2.repeatability import compare  # noqa: E402
 from table2.report import command_of, markdown  # noqa: E402
 
 from scheduler.algorithms.problem import ModelSpec  # noqa: E402
@@ -205,3 +209,22 @@ def test_a_fixed_parameter_is_placed_as_given():
     assert place("chains", document, model, 0.5, 16, parameter=3)["c"] == 3
     with pytest.raises(RuntimeError, match="R=100000"):
         place("cg-bp", document, model, 0.5, 16, parameter=100000)
+
+
+def test_repeatability_matches_cells_and_reports_the_spread(tmp_path):
+    """Two reports of the same cell: the spread per metric, runs from before `plan` existed matched
+    by policy, and the host's cores where a run recorded them."""
+    first, second = run("cg-bp", 0.5, 0.4), run("cg-bp", 0.75, 0.4)
+    second["plan"] = "cg-bp"
+    second["host_cpu"] = {"busy_cores": 1.6, "swarm_cores": 1.25, "cores": 2}
+    # a cell only one report ran is left out
+    (tmp_path / "a.json").write_text(json.dumps({"runs": [first, run("chains", 0.3, 0.3)]}))
+    (tmp_path / "b.json").write_text(json.dumps({"runs": [second]}))
+    header, _rule, row = compare(tmp_path / "a.json", tmp_path / "b.json")
+    assert "second vs first" in header
+    assert row.startswith("| cg-bp, 0.5, 64 | 0.500 / ") and "| +50 / " in row
+    assert row.endswith("| not recorded; 1.60 of 2 busy, swarm 1.25 |")
+    busy = busy_cores((100, 1000), (400, 1600))  # 300 busy ticks of 600, over every core
+    assert busy == pytest.approx(os.cpu_count() * 0.5)
+    busy, total = host_cpu_ticks()
+    assert 0 <= busy <= total
