@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchmarks_md import write_section  # noqa: E402
 from table2.inputs import ServerPlan, TinyCosts, paper_model, scaled_scenario, server_plans  # noqa: E402
 from table2.prediction import predict  # noqa: E402
+from table2.repeatability import METRICS  # noqa: E402  (the four metrics a run is judged on)
 
 from scheduler.algorithms.problem import Span  # noqa: E402
 from scheduler.sim import workload  # noqa: E402
@@ -72,12 +73,6 @@ SCENARIO = ROOT / "scripts/netem/scenarios/table2.json"
 RESULTS = ROOT / "results/sim_contended"
 HOST_SHAPE = RESULTS / "host_shape.json"
 NOTES = RESULTS / "notes.md"
-METRICS = (
-    ("per_token_time_mean", "per-token"),
-    ("ttft_mean", "TTFT"),
-    ("tpot_p50", "TPOT p50"),
-    ("tpot_p99", "p99"),
-)
 MODELS = ("old", "serial", "overlap", "overlap+cpu")
 HOST_CORES = 2.0  # the machine the emulation ran on
 SLOS = ((10.0, 0.3), (20.0, 0.3))  # (b): TTFT and TPOT targets, seconds

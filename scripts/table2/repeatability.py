@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+# the metrics a Table 2 run is judged on (the simulator's too: `scripts/bench_sim_contended.py`)
 METRICS = (
     ("per_token_time_mean", "per-token"),
     ("ttft_mean", "TTFT"),
