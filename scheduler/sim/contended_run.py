@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from scheduler.sim.contended import ContendedConfig, ContendedService
 from scheduler.sim.engine import Dispatcher, SimResult, simulate
 from scheduler.sim.iteration_rule import RulePolicy
-from scheduler.sim.roles import SCHEDULER_POLICY, parse_roles, split, subset, uniform_links
+from scheduler.sim.roles import SCHEDULER_POLICY, decoding, parse_roles, split, subset, uniform_links
 from scheduler.sim.scenarios import Scenario
 from scheduler.sim.server_costs import ACCELERATOR_MODELS, from_scenario
 from scheduler.sim.workload import Request
@@ -86,12 +86,11 @@ def simulate_contended(
 ) -> SimResult:
     """Run `requests` with the servers' loops; the dispatcher is built on the servers that decode."""
     scenario = with_roles(scenario, options)
-    decode, order, disaggregation = split(scenario, options.disaggregate)
-    dispatcher = make_dispatcher(decode)
-    spans = placed_spans(dispatcher)
-    if disaggregation is not None and spans is not None:
-        # prefill servers that cannot hold the whole model pair with the placed decode spans
-        decode, order, disaggregation = split(scenario, options.disaggregate, decode_spans=spans)
+    dispatcher = make_dispatcher(decoding(scenario))
+    # prefill servers that cannot hold the whole model pair with the decode spans just placed
+    decode, order, disaggregation = split(
+        scenario, options.disaggregate, decode_spans=placed_spans(dispatcher)
+    )
     ordered = subset(scenario, order)
     service = ContendedService(
         ordered.servers,

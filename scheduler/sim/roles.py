@@ -255,6 +255,23 @@ def uniform_links(count: int, rtt: float, bandwidth_bps: float) -> tuple[tuple[L
     )
 
 
+def _by_role(scenario: Scenario) -> tuple[list[int], list[int]]:
+    """(indices of the servers that decode, indices of the prefill-only servers)."""
+    roles = scenario.roles or tuple(ServerRole.BOTH for _ in scenario.servers)
+    if len(roles) != len(scenario.servers):
+        raise ValueError("the scenario gives a role count different from its server count")
+    decode = [j for j, role in enumerate(roles) if ServerRole(role).serves("decode")]
+    prefill = [j for j, role in enumerate(roles) if ServerRole(role) == ServerRole.PREFILL]
+    return decode, prefill
+
+
+def decoding(scenario: Scenario) -> Scenario:
+    """The scenario of the servers that decode (the scenario itself when every server does): what
+    the placement policies and routing see."""
+    decode, _prefill = _by_role(scenario)
+    return subset(scenario, decode) if len(decode) < len(scenario.servers) else scenario
+
+
 def split(
     scenario: Scenario,
     policy: str = "auto",
@@ -266,14 +283,10 @@ def split(
     `Disaggregation` (0: caches handed off after the prompt, as clients did before streaming).
     `decode_spans`: the placement of the servers that decode (in their order), which prefill servers
     that cannot hold the whole model pair with; None: not placed yet."""
-    roles = scenario.roles or tuple(ServerRole.BOTH for _ in scenario.servers)
-    if len(roles) != len(scenario.servers):
-        raise ValueError("the scenario gives a role count different from its server count")
-    decode = [j for j, role in enumerate(roles) if ServerRole(role).serves("decode")]
-    prefill = [j for j, role in enumerate(roles) if ServerRole(role) == ServerRole.PREFILL]
+    decode, prefill = _by_role(scenario)
     order = decode + prefill
     if not prefill:
-        return subset(scenario, decode) if len(decode) < len(roles) else scenario, order, None
+        return decoding(scenario), order, None
     if scenario.server_links is None:
         raise ValueError("prefill servers need the links between servers (--link-mbps and --link-rtt-ms)")
     placed = None
