@@ -32,6 +32,7 @@ from client.speculation.batched import BatchedSpeculation, check_batched_config
 from client.speculation.candidates import AdaptiveCandidates
 from client.swarm_model import swarm_backend
 from swarm.models.client_parts import ClientParts, load_client_parts
+from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT, resolved_generation_config
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -170,7 +171,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         embeds = kwargs.get("inputs_embeds")
         if input_ids is None and embeds is not None:  # a prompt given as embeddings (returns new tokens)
             if session is None and self._active_session is None:
-                new = kwargs.get("max_new_tokens") or self.generation_config.max_length
+                settings = self._generation_settings(kwargs)
+                new = settings.max_new_tokens or settings.max_length
                 prompt = embeds.shape[1] + (self.prompts.length if self.prompts is not None else 0)
                 with self.inference_session(prompt + new, embeds.shape[0], prompt_tokens=prompt) as own:
                     return self._generate_in(own, None, kwargs)
@@ -183,8 +185,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if session is None and self._active_session is None:
             # a one-off generation: size the session for the prompt plus every token it may add, and
             # for every hypothesis of a beam search
-            max_new = kwargs.get("max_new_tokens")
-            max_length = kwargs.get("max_length") or self.generation_config.max_length
+            settings = self._generation_settings(kwargs)
+            max_new, max_length = settings.max_new_tokens, settings.max_length
             if max_new is not None:
                 max_length = input_ids.shape[1] + max_new
             if self._speculates(kwargs) and input_ids.shape[0] > 1:
@@ -193,7 +195,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 max_length += max_length - input_ids.shape[1]
             prefix = self.prompts.length if self.prompts is not None else 0  # the trained prefix
             max_length += prefix
-            beams = kwargs.get("num_beams") or self.generation_config.num_beams or 1
+            beams = settings.num_beams or 1
             rows, prompt = input_ids.shape[0] * beams, max(min(input_ids.shape[1] + prefix, max_length), 1)
             new = min(max_new, max_length) if max_new else None  # room for masked drafts is not output
             with self.inference_session(max_length, rows, prompt, expected_new_tokens=new) as own:
@@ -214,22 +216,28 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         output.sequences = sequences[:, call.returned_from :]
         return output
 
+    def _generation_settings(self, kwargs: dict) -> GenerationConfig:
+        """What generate() will run with: the call's arguments over the model's generation config over
+        transformers' defaults (transformers 5 leaves unset fields None until generate() fills them)."""
+        settings = {name: value for name, value in kwargs.items() if name != "generation_config"}
+        return resolved_generation_config(self, kwargs.get("generation_config"), **settings)
+
     def _speculates(self, kwargs: dict) -> bool:
-        config = kwargs.get("generation_config") or self.generation_config
-        lookup = kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens)
+        lookup = self._generation_settings(kwargs).prompt_lookup_num_tokens
         return kwargs.get("assistant_model") is not None or bool(lookup)
 
     def _generate_in(self, session: InferenceSession, input_ids: torch.Tensor | None, kwargs: dict):
-        """transformers' generate() in `session`, which it sees as its cache (`past_key_values`)."""
-        if kwargs.get("past_key_values") is not None:
-            raise ValueError("the swarm session is the cache: pass session=..., not past_key_values")
+        """transformers' generate() in `session`, which it sees as its cache (`past_key_values`, or
+        `cache` from transformers 5)."""
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+            raise ValueError("the swarm session is the cache: pass session=..., not a cache of your own")
         if session.generation_cache is None:
             session.generation_cache = SessionCache(session)
         session.draft_stats = None  # set again by this call if it speculates with our draft length
         with self._use_session(session):
             if input_ids is not None and input_ids.shape[0] > 1 and self._speculates(kwargs):
                 return self._generate_batched_speculation(session, input_ids, dict(kwargs))
-            kwargs = {**kwargs, "past_key_values": session.generation_cache}
+            kwargs = {**kwargs, GENERATE_CACHE_ARGUMENT: session.generation_cache}
             if input_ids is None:
                 return super().generate(**kwargs)
             return super().generate(input_ids, **kwargs)
@@ -245,8 +253,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 f"speculative decoding of a batch does not apply {', '.join(custom)}: generate one "
                 "sequence at a time for them"
             )
-        base = kwargs.pop("generation_config", None) or self.generation_config
-        config = base.__class__.from_dict({**base.to_dict(), **kwargs})
+        config = self._generation_settings(kwargs)
         check_batched_config(config)
         if kwargs.get("streamer") is not None:
             raise ValueError("streaming supports one sequence at a time (as in transformers)")
@@ -260,7 +267,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         eos_ids = {int(eos)} if isinstance(eos, int) else {int(e) for e in (eos or [])}
         pad = config.pad_token_id if config.pad_token_id is not None else min(eos_ids, default=0)
         if assistant is not None:
-            fixed = int(assistant.generation_config.num_assistant_tokens)
+            fixed = int(resolved_generation_config(assistant).num_assistant_tokens)
         else:
             fixed = int(config.prompt_lookup_num_tokens)
         draft_length = self._draft_length(session, fixed, lookup=assistant is None)
@@ -298,9 +305,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return draft_length
 
     def prepare_inputs_for_generation(
-        self, input_ids: torch.Tensor, attention_mask=None, inputs_embeds=None, past_key_values=None, **kwargs
+        self,
+        input_ids: torch.Tensor,
+        attention_mask=None,
+        inputs_embeds=None,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
     ) -> dict:
-        """The model's inputs at each step: the session (`past_key_values`) knows what it processed."""
+        """The model's inputs at each step: the session (generate()'s cache) knows what it processed."""
         session = self._active_session
         if inputs_embeds is not None and (session is None or session.position == 0):
             return {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}  # the prompt, once
@@ -382,7 +395,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         # the session stands for the cache: assisted generation crops it (a rewind), beam search
         # reorders it through `_reorder_cache`
         cache = session.generation_cache if session.generation_cache is not None else SessionCache(session)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(logits=logits, **{GENERATE_CACHE_ARGUMENT: cache})
 
 
 AutoDistributedModelForCausalLM = DistributedModelForCausalLM  # the name users know from PETALS

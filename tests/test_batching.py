@@ -173,8 +173,8 @@ def test_batched_decode_reads_caches_in_place_and_matches_replayed_caches(span_a
     storages: list[tuple[int, int]] = []
     original_update = BatchedStepCache.update
 
-    def watching_update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        keys, values = original_update(self, key_states, value_states, layer_idx, cache_kwargs)
+    def watching_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = original_update(self, key_states, value_states, layer_idx, *args, **kwargs)
         for view, cache in zip(keys.sessions, self.caches, strict=True):
             layer = layer_idx - self.block_offset
             storages.append((view.keys.data_ptr(), cache.keys[layer].data_ptr()))

@@ -145,6 +145,7 @@ def test_llama3_rope_scaling_is_the_models_own(tmp_path):
     model_dir = build_tiny_model(
         tmp_path / "llama3", TinyModelSpec(family="llama", num_layers=2, num_kv_heads=2)
     )
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     config = json.loads((model_dir / "config.json").read_text())
     config["rope_scaling"] = {
         "rope_type": "llama3",
@@ -155,7 +156,6 @@ def test_llama3_rope_scaling_is_the_models_own(tmp_path):
     }
     (model_dir / "config.json").write_text(json.dumps(config))
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    plain = AutoModelForCausalLM.from_pretrained(model_dir, rope_scaling=None).eval()
     model = DistributedModelForCausalLM.from_local_parts(
         model_dir, LocalSpans([load_span(model_dir, 0, 2)[0]])
     )

@@ -27,6 +27,7 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from client.speculation.draft_length import DraftLength
 from swarm.errors import SwarmUserError
+from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
 
 # generation settings that would add logits processors, which this loop does not apply
 _UNSUPPORTED = {
@@ -111,7 +112,7 @@ class AssistantDrafter:
         output = self.model(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            past_key_values=self.cache,
+            **{GENERATE_CACHE_ARGUMENT: self.cache},
             use_cache=True,
             **kwargs,
         )

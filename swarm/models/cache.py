@@ -71,7 +71,7 @@ class SpanCache:
 
     # --- the transformers cache protocol -------------------------------------------------------
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args, **_kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._step_start, self._step_end
         layer_idx -= self.block_offset
@@ -131,7 +131,7 @@ class BatchedStepCache:
 
     # --- the transformers cache protocol -------------------------------------------------------
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_args, **_kwargs
     ) -> tuple[SessionKeyValues, SessionKeyValues]:
         layer = layer_idx - self.block_offset
         sessions = []

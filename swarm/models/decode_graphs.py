@@ -298,7 +298,7 @@ class StaticDecodeView:
         self.block_offset, self.num_blocks = first.block_offset, first.num_blocks
         self.graph, self.sessions = graph, sessions
 
-    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx: int, *_args, **_kwargs):
         layer = layer_idx - self.block_offset
         views = []
         for index, (member, mask) in enumerate(self.sessions):

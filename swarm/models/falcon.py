@@ -42,6 +42,7 @@ from swarm.models.family import (
     register_family,
     token_positions,
 )
+from swarm.transformers_compat import build_rotary_embedding
 
 
 class FalconFamily(ModelFamily):
@@ -68,7 +69,7 @@ class FalconFamily(ModelFamily):
     def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
         if config.alibi:
             return nn.ModuleDict()
-        return nn.ModuleDict({"rotary": FalconRotaryEmbedding(config=config, device=device)})
+        return nn.ModuleDict({"rotary": build_rotary_embedding(FalconRotaryEmbedding, config, device)})
 
     def position_inputs(
         self, config: PretrainedConfig, helpers: nn.ModuleDict, step: StepTokens

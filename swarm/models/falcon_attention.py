@@ -88,6 +88,7 @@ def falcon_attention_forward(
     output_attentions: bool = False,
     cache_position: torch.Tensor | None = None,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **_unused: object,
 ):
     """`FalconAttention.forward` (SDPA path) with one cached key/value per KV head; see the module
     docstring. `alibi` only selects ALiBi models' path: its biases arrive inside `attention_mask`."""

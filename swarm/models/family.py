@@ -116,6 +116,11 @@ class ModelFamily(ABC):
     ) -> torch.Tensor:
         """One block's forward; `cache` follows the `transformers` cache protocol."""
 
+    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A block's checkpoint tensors (block-local names) in the layout of `block`, the module this
+        transformers version builds (a family whose layout differs between versions converts here)."""
+        return tensors
+
     # --- client side ----------------------------------------------------------------------------
     @abstractmethod
     def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:

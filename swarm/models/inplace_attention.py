@@ -102,6 +102,7 @@ def bloom_attention_forward(
     use_cache: bool = False,
     output_attentions: bool = False,
     cache_position: torch.LongTensor | None = None,
+    **_unused: object,
 ):
     """BLOOM's attention; for a batched decode step, per session over views of its own cache (the
     same operations as `BloomAttention.forward` on that session alone)."""

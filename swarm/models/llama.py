@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from swarm.models.family import ModelFamily, StepInputs, StepTokens, register_family, token_positions
+from swarm.transformers_compat import build_rotary_embedding, layer_cache_argument
 
 
 class LlamaFamily(ModelFamily):
@@ -29,7 +30,7 @@ class LlamaFamily(ModelFamily):
 
     def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
         # the rotary tables are computed from the config, not stored in checkpoints
-        return nn.ModuleDict({"rotary": LlamaRotaryEmbedding(config=config, device=device)})
+        return nn.ModuleDict({"rotary": build_rotary_embedding(LlamaRotaryEmbedding, config, device)})
 
     def position_inputs(
         self, config: PretrainedConfig, helpers: nn.ModuleDict, step: StepTokens
@@ -55,9 +56,9 @@ class LlamaFamily(ModelFamily):
         output = block(
             hidden,
             attention_mask=inputs["attention_mask"],
-            past_key_values=cache,
             use_cache=True,
             position_embeddings=inputs["position_embeddings"],
+            **{layer_cache_argument(type(block)): cache},
         )
         return output[0] if isinstance(output, tuple) else output
 

@@ -13,6 +13,7 @@ versions set no window).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.mistral.modeling_mistral import (
@@ -29,8 +30,10 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from swarm.errors import UnsupportedModelError
+from swarm.models.expert_weights import ExpertNames
 from swarm.models.family import register_family
 from swarm.models.llama import LlamaFamily
+from swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
 
 
 class Qwen2Family(LlamaFamily):
@@ -48,7 +51,7 @@ class Qwen2Family(LlamaFamily):
         return self.decoder_layer(config, layer_idx=local_index)
 
     def make_span_helpers(self, config: PretrainedConfig, device) -> nn.ModuleDict:
-        return nn.ModuleDict({"rotary": self.rotary_embedding(config=config, device=device)})
+        return nn.ModuleDict({"rotary": build_rotary_embedding(self.rotary_embedding, config, device)})
 
     def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
         return nn.ModuleDict(
@@ -88,6 +91,15 @@ class MixtralFamily(MistralFamily):
     decoder_layer = MixtralDecoderLayer
     rms_norm = MixtralRMSNorm
     rotary_embedding = MixtralRotaryEmbedding
+    experts = ExpertNames(
+        checkpoint_prefix="block_sparse_moe.", module_prefix="mlp.", gate="w1", up="w3", down="w2"
+    )
+
+    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+        return self.decoder_layer(with_default_experts_implementation(config), layer_idx=local_index)
+
+    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.experts.fuse(tensors, {name for name, _ in block.named_parameters()})
 
 
 QWEN2 = register_family(Qwen2Family())

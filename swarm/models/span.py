@@ -354,6 +354,7 @@ def _load_blocks(
             if not names:
                 raise CheckpointError(f"checkpoint {reader.model_dir} has no tensors for block {index}")
             tensors = {name[len(prefix) :]: tensor for name, tensor in reader.read(names).items()}
+            tensors = family.block_tensors(block, tensors)
             if quant == "none":
                 materialize(block, tensors, dtype, device, what=f"block {index}")
             else:  # fill on the CPU, then bitsandbytes quantizes while moving to the GPU

@@ -1,0 +1,70 @@
+"""The few places where transformers 4.57 and 5.x name or build things differently.
+
+Everything else in the project uses the forms both versions share. Each difference is detected from
+the installed library itself (a signature, a dataclass field), never from a version number, so a
+later minor that finishes a deprecation keeps working.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# the name generate() gives the model's cache: "cache" from transformers 5.x ("past_key_values" is
+# deprecated there), "past_key_values" before
+GENERATE_CACHE_ARGUMENT = (
+    "cache"
+    if "cache" in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
+    else "past_key_values"
+)
+
+
+def cache_of(model_inputs: dict) -> object | None:
+    """The cache generate() passed among a model's keyword arguments, under either name."""
+    cache = model_inputs.get(GENERATE_CACHE_ARGUMENT)
+    return cache if cache is not None else model_inputs.get("past_key_values")
+
+
+@functools.cache
+def layer_cache_argument(layer_class: type[nn.Module]) -> str:
+    """The keyword a decoder layer's forward takes its cache by ("cache" or "past_key_values")."""
+    parameters = inspect.signature(layer_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def build_rotary_embedding(rotary_class: type[nn.Module], config, device: torch.device) -> nn.Module:
+    """A rotary embedding module on `device`: 4.57's take the device, 5.x's are built and moved."""
+    if "device" in inspect.signature(rotary_class.__init__).parameters:
+        return rotary_class(config=config, device=device)
+    return rotary_class(config=config).to(device)
+
+
+def resolved_generation_config(
+    model: GenerationMixin, generation_config: GenerationConfig | None = None, **settings
+) -> GenerationConfig:
+    """The configuration `model.generate(generation_config=..., **settings)` runs with: the call's
+    settings over the model's generation config over the library's defaults. transformers 5 keeps
+    unset fields None until generate() fills them; 4.57 starts every field at its default. Both
+    resolve through the same GenerationMixin step, which this asks (other keys of `settings`, the
+    model inputs, are ignored)."""
+    resolved, _model_inputs = model._prepare_generation_config(generation_config, **settings)
+    return resolved
+
+
+def with_default_experts_implementation(config):
+    """`config` for building blocks with fused experts (transformers 5): a copy naming the kernel
+    `from_pretrained` picks by default ("grouped_mm"), so that a span computes what the library's
+    own model computes. A config that names one keeps it; 4.57's configs have no such setting.
+    (A copy: the client's model, which holds no experts, must not be told to run some.)"""
+    if getattr(config, "_experts_implementation", "absent") is not None:
+        return config
+    config = copy.copy(config)
+    config._experts_implementation = "grouped_mm"
+    return config
