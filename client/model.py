@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from client.speculation.batched import BatchedSpeculation, check_batched_config
 from client.speculation.candidates import AdaptiveCandidates
 from client.swarm_model import swarm_backend
 from swarm.models.client_parts import ClientParts, load_client_parts
-from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT, resolved_generation_config
+from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT, library_default, resolved_generation_config
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -186,9 +187,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             # a one-off generation: size the session for the prompt plus every token it may add, and
             # for every hypothesis of a beam search
             settings = self._generation_settings(kwargs)
-            max_new, max_length = settings.max_new_tokens, settings.max_length
-            if max_new is not None:
-                max_length = input_ids.shape[1] + max_new
+            max_new = settings.max_new_tokens
+            max_length = self._generation_length(settings, kwargs, input_ids.shape[1])
             if self._speculates(kwargs) and input_ids.shape[0] > 1:
                 # rows of a batch accept different numbers of drafts: the positions they leave masked
                 # need room (without it, speculation turns itself off as the session fills up)
@@ -221,6 +221,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         transformers' defaults (transformers 5 leaves unset fields None until generate() fills them)."""
         settings = {name: value for name, value in kwargs.items() if name != "generation_config"}
         return resolved_generation_config(self, kwargs.get("generation_config"), **settings)
+
+    def _generation_length(self, settings: GenerationConfig, kwargs: dict, prompt_length: int) -> int:
+        """How long generate() lets its sequences grow, prompt included, decided as transformers decides
+        it: the prompt plus `max_new_tokens`; else a `max_length` the call or a generation config set;
+        else the library's default count of new tokens after the prompt, within the model's positions."""
+        if settings.max_new_tokens is not None:
+            return prompt_length + settings.max_new_tokens
+        if kwargs.get("max_length") is not None or settings.max_length != library_default("max_length"):
+            return settings.max_length
+        limit = getattr(self.config, "max_position_embeddings", None)
+        return min(prompt_length + settings.max_length, limit or math.inf)
 
     def _speculates(self, kwargs: dict) -> bool:
         lookup = self._generation_settings(kwargs).prompt_lookup_num_tokens
@@ -257,10 +268,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         check_batched_config(config)
         if kwargs.get("streamer") is not None:
             raise ValueError("streaming supports one sequence at a time (as in transformers)")
-        if config.max_new_tokens is not None:
-            max_new = config.max_new_tokens
-        else:
-            max_new = config.max_length - input_ids.shape[1]
+        max_new = self._generation_length(config, kwargs, input_ids.shape[1]) - input_ids.shape[1]
         if max_new < 1:
             raise ValueError(f"nothing to generate: max_new_tokens is {max_new}")
         eos = config.eos_token_id

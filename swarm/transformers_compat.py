@@ -46,6 +46,15 @@ def build_rotary_embedding(rotary_class: type[nn.Module], config, device: torch.
     return rotary_class(config=config).to(device)
 
 
+def library_default(setting: str):
+    """transformers' own default for a generation setting that nothing set: 4.57 keeps it in a fresh
+    GenerationConfig; 5.x leaves that field None and applies its table of defaults in generate()."""
+    value = getattr(GenerationConfig(), setting)
+    if value is None and hasattr(GenerationConfig, "_get_default_generation_params"):
+        value = GenerationConfig._get_default_generation_params().get(setting)
+    return value
+
+
 def resolved_generation_config(
     model: GenerationMixin, generation_config: GenerationConfig | None = None, **settings
 ) -> GenerationConfig:

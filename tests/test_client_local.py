@@ -53,6 +53,24 @@ def test_session_reused_across_generate_calls(model_dir, models):
     assert torch.equal(turn, whole[:, second.shape[1] :])
 
 
+def test_generate_with_no_length_arguments_stops_where_transformers_does(model_dir, models):
+    """No max_length, no max_new_tokens, no do_sample: the swarm model runs to the length local
+    transformers runs to (transformers 5 leaves unset generation fields None until generate() fills
+    them with its defaults; 4.57 starts them at the defaults), alone, in a padded batch, and in a
+    batch that speculates by prompt lookup."""
+    reference, distributed = models
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    expected = reference.generate(prompt)
+    assert expected.shape[1] > prompt.shape[1]
+    assert torch.equal(distributed.generate(prompt), expected)
+    texts = ["one two three", "A cat sat on a mat"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    expected = reference.generate(**batch)
+    assert torch.equal(distributed.generate(**batch), expected)
+    assert torch.equal(distributed.generate(**batch, prompt_lookup_num_tokens=2), expected)
+
+
 def make_generate_calls(model, inputs, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """PETALS' own pattern (its tests/test_full_model.py): three calls in one session, the session
     given explicitly and implicitly, their outputs concatenated. (Our sessions take their batch size
