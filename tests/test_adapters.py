@@ -70,6 +70,7 @@ def swarm_with_adapters(llama_dir, adapters, tmp_path_factory):
         assert not swarm.close()
 
 
+@pytest.mark.compat
 def test_generation_with_an_adapter_equals_local_peft(swarm_with_adapters, llama_dir, adapters):
     swarm, online = swarm_with_adapters
     assert online["a"].adapters == ("one", "two") and online["c"].adapters == ()

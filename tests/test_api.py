@@ -89,6 +89,7 @@ def greedy_text(reference, prompt_ids: list[int], max_tokens: int) -> str:
     return tokenizer.decode(output[0, len(prompt_ids) :], skip_special_tokens=True)
 
 
+@pytest.mark.compat
 def test_greedy_completion_equals_the_clients_generate(api, reference):
     url, model = api.url, api.model
     prompt = "Once upon a time"
@@ -433,6 +434,7 @@ def lm_eval_loglikelihood(local, context: str, continuation: str) -> tuple[float
     return total, greedy
 
 
+@pytest.mark.compat
 def test_lm_eval_scores_a_local_multiple_choice_task_as_local_transformers_does(
     api, llama_dir, local, tmp_path, monkeypatch
 ):
@@ -496,6 +498,7 @@ def test_lm_eval_scores_a_local_multiple_choice_task_as_local_transformers_does(
     assert results["results"]["swarm_mc"]["acc,none"] == pytest.approx(correct / len(docs))
 
 
+@pytest.mark.compat
 def test_langchain_chat_openai_gets_a_completion_and_a_tool_call(api, tools_api):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool

@@ -181,6 +181,7 @@ def served(tmp_path_factory, default_dir):
         assert not swarm.close(), "process groups left running"
 
 
+@pytest.mark.compat
 def test_real_servers_generate_what_transformers_generates(served, reference):
     _swarm, model = served
     for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):

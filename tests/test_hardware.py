@@ -20,6 +20,7 @@ from swarm.hardware import (
     usable_memory,
 )
 from swarm.models import load_span
+from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from swarm.quantization import check_quant_device, parse_quant, quantize_block
 
 GIB = 2**30
@@ -99,6 +100,27 @@ def test_quantized_block_is_smaller_counts_its_scales_and_stays_close(model_dir,
     scales = quantized_bytes - sum(p.numel() * p.element_size() for p in block.parameters())
     assert scales > 0  # absmax / SCB are counted in s_m, not only the packed data
     output = span(reference, span.new_cache(1, 5), 0)
+    relative = (output - expected).norm() / expected.norm()
+    assert relative < (0.05 if quant == "int8" else 0.3), relative
+
+
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_a_mixture_of_experts_block_quantizes_its_experts_too(tmp_path, quant):
+    """Mixtral's experts are most of its weights: transformers 4.57 keeps them as linear layers,
+    transformers 5 as 3-D parameters; either way every expert matrix ends up quantized, is counted,
+    and the block still computes close to its full-precision self."""
+    model_dir = build_tiny_model(tmp_path / "mixtral", TinyModelSpec(family="mixtral", num_layers=1))
+    span, _ = load_span(model_dir, 0, 1)
+    block = span.blocks[0]
+    full_bytes = module_parameter_bytes(block)
+    reference = torch.randn(1, 7, span.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = span(reference, span.new_cache(1, 7), 0)
+
+    quantize_block(block, quant, torch.float32, torch.device("cpu"))
+    assert not any(type(module) is torch.nn.Linear for module in block.modules())
+    assert not any(parameter.ndim == 3 for parameter in block.parameters())  # no fused expert left
+    assert module_parameter_bytes(block) < full_bytes / 2
+    output = span(reference, span.new_cache(1, 7), 0)
     relative = (output - expected).norm() / expected.norm()
     assert relative < (0.05 if quant == "int8" else 0.3), relative
 

@@ -72,6 +72,7 @@ def test_sliding_windows_are_refused_or_cap_sessions(family_dir, tmp_path):
         assert span.family.longest_session(span.config) == 4
 
 
+@pytest.mark.compat
 def test_real_servers_batching_and_failover(swarm, family_dir):
     prefix = default_prefix(str(family_dir))
     swarm.start_server("a", family_dir, "0:2")

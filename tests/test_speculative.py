@@ -68,6 +68,7 @@ def family(request, bloom_dir, llama_dir, tmp_path_factory):
         assert not swarm.close(), "process groups left running"
 
 
+@pytest.mark.compat
 def test_greedy_with_an_assistant_and_with_prompt_lookup_equals_local_greedy(family):
     expected = family.reference.generate(PROMPT, max_new_tokens=30, do_sample=False)
     model = family.client()

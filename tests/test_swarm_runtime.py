@@ -63,6 +63,7 @@ def client(swarm, model_dir):
     assert not child_pids() - before, "the client left processes behind"
 
 
+@pytest.mark.compat
 def test_greedy_generation_matches_local_transformers(client, reference):
     model, tokenizer = reference
     prompt = tokenizer("The quick brown fox", return_tensors="pt").input_ids
