@@ -33,10 +33,11 @@ class SessionCache(Cache):
         return self.session.max_length - self.session.prefix_length
 
     def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` token positions (a negative value drops that many from the end,
-        as `DynamicCache.crop` does)."""
+        """Keep the first `max_length` token positions; a negative value drops that many from the end,
+        and 0 drops nothing: transformers 5 crops only by negative counts (`crop(0)`: nothing to
+        undo), 4.57 also by positive lengths, and neither crops a generation to nothing."""
         length = self.get_seq_length()
-        if max_length < 0:
+        if max_length <= 0:
             max_length = length + max_length
         if max_length < length:
             self.session.rewind(self.session.prefix_length + max(max_length, 0))

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from swarm.errors import SwarmUserError
-from swarm.quantized_experts import QuantizedExperts, fused_layout_problem, is_fused_experts
+from swarm.models.expert_weights import is_fused_experts
+from swarm.quantized_experts import QuantizedExperts, fused_layout_problem
 
 QUANT_CHOICES = ("none", "int8", "nf4")
 INT8_THRESHOLD = 6.0  # LLM.int8's outlier threshold: columns above it stay in 16 bits

@@ -43,12 +43,6 @@ class QuantizedExperts(nn.Module):
         return output
 
 
-def is_fused_experts(module: nn.Module) -> bool:
-    """Whether `module` keeps its experts as 3-D `gate_up_proj` and `down_proj` parameters."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3
-
-
 def fused_layout_problem(module: nn.Module) -> str | None:
     """Why `QuantizedExperts` cannot stand in for this fused module (None: it can): it knows the
     concatenated, untransposed, bias-free layout of Mixtral and the Qwen MoE families."""

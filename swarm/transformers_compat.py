@@ -26,12 +26,6 @@ GENERATE_CACHE_ARGUMENT = (
 )
 
 
-def cache_of(model_inputs: dict) -> object | None:
-    """The cache generate() passed among a model's keyword arguments, under either name."""
-    cache = model_inputs.get(GENERATE_CACHE_ARGUMENT)
-    return cache if cache is not None else model_inputs.get("past_key_values")
-
-
 @functools.cache
 def layer_cache_argument(layer_class: type[nn.Module]) -> str:
     """The keyword a decoder layer's forward takes its cache by ("cache" or "past_key_values")."""

@@ -55,8 +55,9 @@ def chat_prompt(
         chat_template=template,
         add_generation_prompt=True,
         tokenize=True,
+        return_dict=False,  # transformers 5 returns a BatchEncoding by default, 4.57 the ids
     )
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    ids = list(ids)
     if opening:
         ids += tokenizer(opening, add_special_tokens=False).input_ids
     return ids

@@ -90,8 +90,10 @@ class AssistantDrafter:
     def draft(self, state: BatchState, k: int) -> torch.Tensor:
         """`[batch, k]` drafts continuing every row's layout (rejected positions masked)."""
         device = self.model.device
-        self.cache.crop(min(self.seen, state.ids.shape[1]))
         self.seen = min(self.seen, state.ids.shape[1])
+        surplus = self.cache.get_seq_length() - self.seen
+        if surplus > 0:  # a negative count drops that many in every version (5.x refuses lengths)
+            self.cache.crop(-surplus)
         ids = torch.cat([state.ids[:, self.seen :], state.pending[:, None]], dim=1)
         mask = torch.cat([state.mask, torch.ones_like(state.mask[:, :1])], dim=1)
         drafts = []

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from swarm.errors import CheckpointError
 
@@ -71,3 +72,9 @@ def _stacked(experts: dict[int, torch.Tensor], projection: str) -> torch.Tensor:
             f"the checkpoint's {projection} experts are not numbered 0..n-1: {sorted(experts)}"
         )
     return torch.stack([experts[index] for index in range(len(experts))])
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether `module` keeps its experts as 3-D `gate_up_proj` and `down_proj` parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3
