@@ -29,3 +29,22 @@ ensure_venv() {
     touch "$stamp"
   fi
 }
+
+# ensure_overlay DIR LOCK_FILE: the packages whose pinned versions differ between requirements.lock
+# and LOCK_FILE, installed into DIR without their dependencies (LOCK_FILE pins those too, and they
+# equal requirements.lock's). Put DIR first on PYTHONPATH to run .venv with LOCK_FILE's versions.
+ensure_overlay() {
+  local dir="$1"
+  local lock="$2"
+  local stamp
+  stamp="$dir/.installed-$(cat requirements.lock "$lock" | sha256sum | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    local differing
+    differing=$(comm -13 <(grep '==' requirements.lock | sort) <(grep '==' "$lock" | sort) | tr '\n' ' ')
+    echo "installing into $dir from $lock: $differing"
+    rm -rf "$dir"
+    # shellcheck disable=SC2086  # one argument per package
+    .venv/bin/python -m pip install --quiet --no-deps --target "$dir" $differing
+    touch "$stamp"
+  fi
+}

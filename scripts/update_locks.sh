@@ -29,5 +29,5 @@ lock requirements.lock "# The exact set of packages the test suite ran on (the d
 # scripts/demo.sh and scripts/test.sh install from it; setup.cfg holds the ranges a user's own
 # environment may take. Regenerate with scripts/update_locks.sh."
 lock requirements-transformers4.lock "# The exact set of packages the compatibility leg ran on (transformers 4.57, the lower bound).
-# scripts/test.sh --compat installs it into .venv-compat. Regenerate with scripts/update_locks.sh." \
+# scripts/test.sh --compat runs the tests on it. Regenerate with scripts/update_locks.sh." \
   "transformers==4.57.6"

@@ -104,12 +104,13 @@ def test_quantized_block_is_smaller_counts_its_scales_and_stays_close(model_dir,
     assert relative < (0.05 if quant == "int8" else 0.3), relative
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
-def test_a_mixture_of_experts_block_quantizes_its_experts_too(tmp_path, quant):
-    """Mixtral's experts are most of its weights: transformers 4.57 keeps them as linear layers,
+def test_a_mixture_of_experts_block_quantizes_its_experts_too(tmp_path, quant, family):
+    """A mixture's experts are most of its weights: transformers 4.57 keeps them as linear layers,
     transformers 5 as 3-D parameters; either way every expert matrix ends up quantized, is counted,
     and the block still computes close to its full-precision self."""
-    model_dir = build_tiny_model(tmp_path / "mixtral", TinyModelSpec(family="mixtral", num_layers=1))
+    model_dir = build_tiny_model(tmp_path / family, TinyModelSpec(family=family, num_layers=1))
     span, _ = load_span(model_dir, 0, 1)
     block = span.blocks[0]
     full_bytes = module_parameter_bytes(block)

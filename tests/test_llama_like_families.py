@@ -1,5 +1,5 @@
-"""Families with LLaMA's layout (issue 36): Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral (a
-sliding window) and Mixtral (a mixture of experts in every block). In-process spans and real
+"""Families with LLaMA's layout: Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral (a sliding
+window), Mixtral and Qwen3-MoE (a mixture of experts in every block). In-process spans and real
 servers give local transformers' tokens (greedy, beam search, a padded batch); concurrent sessions
 batched on a server equal each alone; a session survives its server being killed; a sharded
 checkpoint loads only its span's shards; Qwen2's sliding-window layers are refused and a Mistral
@@ -29,7 +29,7 @@ LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
 def family_dir(request, tmp_path_factory):
     spec = TinyModelSpec(family=request.param, num_layers=LAYERS, num_kv_heads=2)
     return build_tiny_model(tmp_path_factory.mktemp(request.param) / "model", spec, max_shard_size="60KB")

@@ -1,9 +1,10 @@
 """Families with LLaMA's layout (rotary embeddings, RMSNorm, grouped-query attention) and their own
 `transformers` decoder layers: Qwen2 (biases on the q/k/v projections), Qwen3 (RMS norms on
-queries and keys), Mistral (a sliding attention window) and Mixtral (Mistral's attention with a
+queries and keys), Mistral (a sliding attention window), Mixtral (Mistral's attention with a
 sparse mixture of experts as its MLP: a block holds all its experts, and routing tokens to them is
-the block's own business). A block needs from the client exactly what a LLaMA block needs: its
-tokens' positions (rotary embeddings) and, for padded batches, the padding mask.
+the block's own business) and Qwen3-MoE (Qwen3's attention with experts, as Mixtral). A block
+needs from the client exactly what a LLaMA block needs: its tokens' positions (rotary embeddings)
+and, for padded batches, the padding mask.
 
 Spans attend over the whole cache. Qwen2's optional sliding-window layers (`use_sliding_window`) are
 refused; a Mistral/Mixtral `sliding_window` caps the sessions served at that many positions
@@ -28,6 +29,11 @@ from transformers.models.mixtral.modeling_mixtral import (
 )
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeDecoderLayer,
+    Qwen3MoeRMSNorm,
+    Qwen3MoeRotaryEmbedding,
+)
 
 from swarm.errors import UnsupportedModelError
 from swarm.models.expert_weights import ExpertNames
@@ -102,7 +108,36 @@ class MixtralFamily(MistralFamily):
         return self.experts.fuse(tensors, {name for name, _ in block.named_parameters()})
 
 
+class Qwen3MoeFamily(Qwen3Family):
+    """Qwen3's attention with a sparse mixture of experts in every block (Qwen3-30B-A3B,
+    Qwen3-235B-A22B): the router's top-k weights, renormalized when `norm_topk_prob`, are the block's
+    own business, as in Mixtral."""
+
+    model_types = ("qwen3_moe",)
+    decode_graphs = False  # experts chosen with a host-synchronizing nonzero(), as Mixtral's
+    decoder_layer = Qwen3MoeDecoderLayer
+    rms_norm = Qwen3MoeRMSNorm
+    rotary_embedding = Qwen3MoeRotaryEmbedding
+    experts = ExpertNames(
+        checkpoint_prefix="mlp.", module_prefix="mlp.", gate="gate_proj", up="up_proj", down="down_proj"
+    )
+
+    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+        # a block's kind (experts or one dense MLP) follows its index in the model; every served
+        # block must be alike, since blocks are priced as one size and addressed by span position
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise UnsupportedModelError(
+                "qwen3_moe with dense blocks among the sparse ones (mlp_only_layers, decoder_sparse_step "
+                "other than 1) is not supported: every served block must hold experts"
+            )
+        return super().build_block(with_default_experts_implementation(config), local_index)
+
+    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.experts.fuse(tensors, {name for name, _ in block.named_parameters()})
+
+
 QWEN2 = register_family(Qwen2Family())
 QWEN3 = register_family(Qwen3Family())
 MISTRAL = register_family(MistralFamily())
 MIXTRAL = register_family(MixtralFamily())
+QWEN3_MOE = register_family(Qwen3MoeFamily())

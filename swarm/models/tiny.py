@@ -29,6 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from swarm.dtypes import parse_dtype
@@ -42,12 +43,19 @@ LLAMA_LIKE: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
     "mixtral": MixtralConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 # what a family's tiny config sets beyond LLaMA's arguments: Mistral's default sliding window (4096)
-# would cap sessions; a tiny Mixtral gets 4 experts, 2 per token
+# would cap sessions; a tiny Mixtral or Qwen3-MoE gets 4 experts, 2 per token
 FAMILY_EXTRAS: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "norm_topk_prob": True,
+    },
 }
 # Falcon's architectures: one model_type whose config flags choose the block (comments: the models)
 FALCON_VARIANTS: dict[str, dict] = {
@@ -76,7 +84,7 @@ FALCON_VARIANTS: dict[str, dict] = {
         "bias": True,
     },
 }
-FAMILIES = ("llama", "bloom", "qwen2", "qwen3", "mistral", "mixtral", "falcon")
+FAMILIES = ("llama", "bloom", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "falcon")
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
