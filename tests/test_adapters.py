@@ -208,3 +208,46 @@ def test_hostile_adapter_directories_are_refused_at_start_up(llama_dir, adapters
 def _absent_peer() -> str:
     """Refused adapters stop the server before it needs any peer: a peer that is not there will do."""
     return "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+def _experts_adapter(out_dir, num_blocks: int, hidden: int, intermediate: int, experts: int):
+    """A LoRA adapter of Mixtral's experts (their gate projections `w1`) and of one attention layer,
+    written as peft writes one, with random factors (no transformers version is needed to make it)."""
+    generator = torch.Generator().manual_seed(3)
+    rank, tensors = 4, {}
+    for block in range(num_blocks):
+        layers = {f"block_sparse_moe.experts.{e}.w1": (hidden, intermediate) for e in range(experts)}
+        layers["self_attn.q_proj"] = (hidden, hidden)
+        for path, (inputs, outputs) in layers.items():
+            key = f"base_model.model.model.layers.{block}.{path}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inputs, generator=generator) * 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(outputs, rank, generator=generator) * 0.5
+    out_dir.mkdir()
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 8,
+              "target_modules": ["w1", "q_proj"], "lora_dropout": 0.0, "bias": "none"}  # fmt: skip
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def test_an_adapter_of_a_mixtures_experts_is_refused_by_name(tmp_path):
+    """peft chooses each row's adapter by batch row, but an expert sees the tokens routed to it
+    gathered across rows (and transformers 5 fuses experts into 3-D weights): an adapter of experts
+    is refused at start-up on either transformers version, naming the layer, before anything is
+    injected; the same adapter without its expert factors is served."""
+    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(family="mixtral", num_layers=2, num_kv_heads=2)
+    model_dir = build_tiny_model(tmp_path / "mixtral", spec)
+    config = AutoModelForCausalLM.from_pretrained(model_dir).config
+    adapter_dir = _experts_adapter(
+        tmp_path / "experts", 2, config.hidden_size, config.intermediate_size, config.num_local_experts
+    )
+    span, _ = load_span(model_dir, 0, 1)
+    with pytest.raises(AdapterError, match=r"'block_sparse_moe\.experts\.0\.w1' adapts an expert"):
+        attach_adapters(span, [AdapterSource("experts", adapter_dir)])
+    assert span.adapters is None
+    weights = adapter_dir / "adapter_model.safetensors"
+    save_file({key: value for key, value in load_file(weights).items() if "experts" not in key}, str(weights))
+    attach_adapters(span, [AdapterSource("attention", adapter_dir)])
+    assert span.adapters is not None and span.adapters.names == ("attention",)

@@ -36,7 +36,6 @@ from transformers import PretrainedConfig
 
 from swarm.adapter_names import BASE, AdapterError, check_adapter_name
 from swarm.models.checkpoint import load_config
-from swarm.models.expert_weights import is_fused_experts
 from swarm.models.family import ModelFamily, family_for
 from swarm.models.span import prepare_config
 
@@ -328,13 +327,15 @@ def _linear(block: nn.Module, path: str, what: str) -> nn.Linear:
 
     if isinstance(layer, LoraLayer):  # a reused block (a move) may already carry adapters
         layer = layer.get_base_layer()
+    if ".experts." in f".{path}":
+        # peft picks each row's adapter by batch row, while an expert sees the tokens routed to it
+        # gathered across rows; transformers 5 also fuses experts into 3-D weights (no linear layer)
+        raise AdapterError(
+            f"{what}: {path!r} adapts an expert of a mixture; experts see tokens gathered across the "
+            "batch's rows (and transformers 5 keeps them fused in 3-D weights), which per-session "
+            "adapters cannot follow: LoRA on attention and dense layers is served, not on experts"
+        )
     if not isinstance(layer, nn.Linear):
-        if ".experts." in f".{path}" and any(is_fused_experts(module) for module in block.modules()):
-            raise AdapterError(
-                f"{what}: {path!r} adapts one expert, but this transformers version keeps a block's "
-                "experts fused in 3-D weights, which are served without LoRA (transformers 4.57 keeps "
-                "one linear layer per expert and serves such adapters)"
-            )
         raise AdapterError(f"{what}: {path!r} is not a linear layer of this model's blocks")
     return layer
 
