@@ -149,7 +149,7 @@ class SwarmServer:
 
     def session_limit(self, span: TransformerSpan | None) -> int:
         """The longest session served: `--max-length`, or less where the model's blocks compute what
-        it defines only up to some length (a sliding attention window, `longest_session`)."""
+        it defines only up to some length (the family's `longest_session`)."""
         longest = span.family.longest_session(span.config) if span is not None else None
         return min(self.config.max_length, longest) if longest else self.config.max_length
 

@@ -3,7 +3,7 @@ window), Mixtral and Qwen3-MoE (a mixture of experts in every block). In-process
 servers give local transformers' tokens (greedy, beam search, a padded batch); concurrent sessions
 batched on a server equal each alone; a session survives its server being killed; a sharded
 checkpoint loads only its span's shards; Qwen2's sliding-window layers are refused and a Mistral
-window caps the sessions a server accepts."""
+window is exact past its end, in process and through real servers."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.backend import LocalSpans
-from client.connection import SwarmUnavailable
 from client.model import DistributedModelForCausalLM
 from swarm.dht_keys import default_prefix
 from swarm.errors import UnsupportedModelError
@@ -58,7 +57,10 @@ def test_a_span_loads_only_its_own_shards(family_dir):
     assert span.num_blocks == 1
 
 
-def test_sliding_windows_are_refused_or_cap_sessions(family_dir, tmp_path):
+def test_sliding_windows_are_exact_past_the_window_or_refused(family_dir, tmp_path):
+    """A Mistral/Mixtral window of 4 positions: spans mask the keys outside it, so generating far past
+    it equals local transformers (alone and in a left-padded batch), and a batched decode step of
+    sessions on both sides of it equals each session alone. Qwen's layered windows are refused."""
     copy = tmp_path / "windowed"
     shutil.copytree(family_dir, copy)
     config = json.loads((copy / "config.json").read_text())
@@ -67,9 +69,37 @@ def test_sliding_windows_are_refused_or_cap_sessions(family_dir, tmp_path):
     if config["model_type"].startswith("qwen"):
         with pytest.raises(UnsupportedModelError, match="sliding-window"):
             load_span(copy, 0, 1)
-    else:  # Mistral, Mixtral: served exactly for sessions within the window
-        span, _ = load_span(copy, 0, 1)
-        assert span.family.longest_session(span.config) == 4
+        return
+    reference = AutoModelForCausalLM.from_pretrained(copy).eval()
+    spans = [load_span(copy, 0, 1)[0], load_span(copy, 1, LAYERS)[0]]
+    assert spans[0].family.longest_session(spans[0].config) is None  # no cap on sessions
+    model = DistributedModelForCausalLM.from_local_parts(copy, LocalSpans(spans))
+    expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=16, do_sample=False), expected)
+    unwindowed = AutoModelForCausalLM.from_pretrained(family_dir).eval()
+    assert not torch.allclose(unwindowed(expected).logits, reference(expected).logits)  # the window matters
+    tokenizer = AutoTokenizer.from_pretrained(copy)
+    texts = ["one two", "A cat sat on a mat"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    expected = reference.generate(**batch, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=12, do_sample=False), expected)
+    # sessions of 3 and 9 positions (inside and past the window) take one more step together
+    span = spans[1]
+    generator = torch.Generator().manual_seed(0)
+    prefixes = [torch.randn(1, length, span.hidden_size, generator=generator) for length in (3, 9)]
+    tokens = [torch.randn(1, 1, span.hidden_size, generator=generator) for _ in prefixes]
+    alone, caches = [], []
+    for prefix in prefixes:
+        for destination in (alone, caches):
+            cache = span.new_cache(1, 16)
+            span(prefix, cache, 0)
+            destination.append(cache)
+    expected_steps = [span(token, cache, cache.length) for token, cache in zip(tokens, alone, strict=True)]
+    batched = span.forward_batch(
+        [(token, cache, cache.length, None) for token, cache in zip(tokens, caches, strict=True)]
+    )
+    for output, expected_step in zip(batched, expected_steps, strict=True):
+        torch.testing.assert_close(output, expected_step, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.compat
@@ -114,28 +144,39 @@ def test_real_servers_batching_and_failover(swarm, family_dir):
         model.shutdown()
 
 
-def test_a_mistral_window_caps_the_sessions_a_server_accepts(swarm, tmp_path):
-    """Within its sliding window a Mistral block equals full attention: the server announces the
-    window as its longest session, serves sessions that fit exactly, and no chain takes a longer one."""
+def test_real_servers_serve_sessions_past_a_mistral_window(swarm, tmp_path):
+    """A tiny Mistral with a window of 6 through two real servers: a session of 29 positions equals
+    local transformers, and so do concurrent sessions batched on the servers past the window; the
+    servers do not cap sessions at the window."""
     spec = TinyModelSpec(family="mistral", num_layers=2, num_kv_heads=2)
     model_dir = build_tiny_model(tmp_path / "mistral", spec)
     config = json.loads((model_dir / "config.json").read_text())
-    config["sliding_window"] = 16
+    config["sliding_window"] = 6
     (model_dir / "config.json").write_text(json.dumps(config))
     prefix = default_prefix(str(model_dir))
-    swarm.start_server("windowed", model_dir, "0:2")
-    swarm.wait_online(prefix, 2, ["windowed"])
-    ((_, info),) = swarm.servers(prefix, 2).items()
-    assert info.max_length == 16
+    swarm.start_server("first", model_dir, "0:1")
+    swarm.start_server("second", model_dir, "1:2")
+    swarm.wait_online(prefix, 2, ["first", "second"])
+    assert all(info.max_length > 6 for info in swarm.servers(prefix, 2).values())  # not capped at the window
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    options = ClientOptions(wait_for_room=2.0, request_timeout=20.0)
+    options = ClientOptions(request_timeout=20.0)
     model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, options=options)
     try:
-        expected = reference.generate(PROMPT, max_new_tokens=16 - PROMPT.shape[1], do_sample=False)
-        output = model.generate(PROMPT, max_new_tokens=16 - PROMPT.shape[1], do_sample=False)
-        assert torch.equal(output, expected)
-        with pytest.raises(SwarmUnavailable, match="a session of 17 tokens"):
-            model.generate(PROMPT, max_new_tokens=17 - PROMPT.shape[1], do_sample=False)
+        expected = reference.generate(PROMPT, max_new_tokens=22, do_sample=False)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=22, do_sample=False), expected)
+        prompts = [PROMPT[:, : 2 + 2 * k] for k in range(3)]
+        results: dict[int, torch.Tensor] = {}
+
+        def run(k: int) -> None:
+            results[k] = model.generate(prompts[k], max_new_tokens=14, do_sample=False)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for k, prompt in enumerate(prompts):
+            assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=14, do_sample=False))
     finally:
         model.shutdown()
 

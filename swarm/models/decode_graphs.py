@@ -142,6 +142,8 @@ class DecodeGraphs:
         """Whether this span's decode steps can run from a graph (else: eager, always). bitsandbytes'
         int8 layers pick outlier columns on the host at every step: never capturable (H100 run)."""
         family_ok = bool(getattr(span.family, "decode_graphs", False))
+        # a captured step's masks see a session's whole prefix: no sliding window
+        family_ok = family_ok and span.family.attention_window(span.config) is None
         return family_ok and span.adapters is None and span.quant != "int8"
 
     def run(self, steps: Sequence[Step]) -> list[torch.Tensor] | None:

@@ -57,8 +57,13 @@ class ModelFamily(ABC):
 
     def longest_session(self, config: PretrainedConfig) -> int | None:
         """The most positions a session may hold for the blocks to compute what the model defines
-        (None: no limit of the family's own). Spans attend over the whole cache, so a model with a
-        sliding attention window is served exactly for sessions no longer than the window."""
+        (None: no limit of the family's own)."""
+        return None
+
+    def attention_window(self, config: PretrainedConfig) -> int | None:
+        """How many positions back every block's attention sees (a query at cache position q sees keys
+        at q - window < k <= q, as transformers masks it), or None for attention over the whole
+        prefix. Spans keep the whole cache and mask the rest, so windows are exact at any length."""
         return None
 
     # --- blocks ---------------------------------------------------------------------------------
@@ -86,7 +91,7 @@ class ModelFamily(ABC):
         step = StepTokens(hidden, position, padding_mask)
         return {
             **self.position_inputs(config, helpers, step),
-            "attention_mask": attention_bias(hidden, position, padding_mask),
+            "attention_mask": attention_bias(hidden, position, padding_mask, self.attention_window(config)),
         }
 
     @abstractmethod
@@ -132,21 +137,25 @@ class ModelFamily(ABC):
 
 
 def attention_bias(
-    hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
+    hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None, window: int | None = None
 ) -> torch.Tensor | None:
     """Additive mask `[batch, 1, new, position + new]` for a step of `new = hidden.shape[1]` tokens.
 
     Query i (absolute position `position + i`) sees keys `<= position + i` that are not padding
-    (`padding_mask`: `[batch, position + new]`, 1 = real token, as `transformers` uses it). A single
-    new token without padding may see every cached key, so plain decode steps need no mask at all.
+    (`padding_mask`: `[batch, position + new]`, 1 = real token, as `transformers` uses it) and, with a
+    sliding `window`, only keys `> position + i - window`. A single new token without padding, within
+    the window, may see every cached key, so plain decode steps there need no mask at all.
     """
     batch_size, num_new = hidden.shape[:2]
-    if num_new == 1 and padding_mask is None:
-        return None
     total = position + num_new
+    if num_new == 1 and padding_mask is None and (window is None or total <= window):
+        return None
     query_positions = torch.arange(position, total, device=hidden.device)[:, None]
     key_positions = torch.arange(total, device=hidden.device)[None, :]
-    blocked = (key_positions > query_positions)[None].expand(batch_size, num_new, total)
+    too_new = key_positions > query_positions
+    if window is not None:
+        too_new = too_new | (key_positions <= query_positions - window)
+    blocked = too_new[None].expand(batch_size, num_new, total)
     if padding_mask is not None:
         blocked = blocked | (padding_mask[:, None, :total] == 0)
     bias = torch.zeros(blocked.shape, dtype=hidden.dtype, device=hidden.device)

@@ -6,10 +6,10 @@ the block's own business) and Qwen3-MoE (Qwen3's attention with experts, as Mixt
 needs from the client exactly what a LLaMA block needs: its tokens' positions (rotary embeddings)
 and, for padded batches, the padding mask.
 
-Spans attend over the whole cache. Qwen2's optional sliding-window layers (`use_sliding_window`) are
-refused; a Mistral/Mixtral `sliding_window` caps the sessions served at that many positions
-(`longest_session`), within which the window changes nothing (Mistral-7B v0.1: 4096; later
-versions set no window).
+A Mistral/Mixtral `sliding_window` (Mistral-7B v0.1: 4096; later versions set none) applies to
+every block alike: spans keep the whole cache and mask the keys outside the window
+(`attention_window`), so sessions of any length are exact. Qwen2's optional sliding-window layers
+(`use_sliding_window`: only the blocks from `max_window_layers` on) are refused.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class MistralFamily(Qwen2Family):
     def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
         return self.decoder_layer(config, layer_idx=local_index)
 
-    def longest_session(self, config: PretrainedConfig) -> int | None:
+    def attention_window(self, config: PretrainedConfig) -> int | None:
         window = getattr(config, "sliding_window", None)
         return int(window) if window else None
 

@@ -256,7 +256,11 @@ class TransformerSpan(nn.Module):
             if outputs is not None:
                 return outputs
         total = max(positions) + 1
-        view = BatchedStepCache(caches, positions, total, [mask is not None for *_, mask in steps])
+        # a session past a sliding window masks its keys like a padded one (the window is in the mask)
+        window = self.family.attention_window(self.config)
+        past_window = [window is not None and position + 1 > window for position in positions]
+        masked = [mask is not None or past for (*_, mask), past in zip(steps, past_window, strict=True)]
+        view = BatchedStepCache(caches, positions, total, masked)
         # keys of row r are the last `position + 1` columns (1 = a real key, 0 = padding)
         first_key = [
             total - 1 - position
