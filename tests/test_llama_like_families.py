@@ -2,8 +2,8 @@
 window), Mixtral and Qwen3-MoE (a mixture of experts in every block). In-process spans and real
 servers give local transformers' tokens (greedy, beam search, a padded batch); concurrent sessions
 batched on a server equal each alone; a session survives its server being killed; a sharded
-checkpoint loads only its span's shards; Qwen2's sliding-window layers are refused and a Mistral
-window is exact past its end, in process and through real servers."""
+checkpoint loads only its span's shards; sliding windows are exact past their end, in process and
+through real servers."""
 
 from __future__ import annotations
 
@@ -58,15 +58,19 @@ def test_a_span_loads_only_its_own_shards(family_dir):
 
 
 def test_sliding_windows_are_exact_past_the_window_or_refused(family_dir, tmp_path):
-    """A Mistral/Mixtral window of 4 positions: spans mask the keys outside it, so generating far past
-    it equals local transformers (alone and in a left-padded batch), and a batched decode step of
-    sessions on both sides of it equals each session alone. Qwen's layered windows are refused."""
+    """A window of 4 positions (Mistral and Mixtral: every block; Qwen2 and Qwen3: the blocks their
+    `layer_types` make sliding, here every other one): spans mask the keys outside it, so generating
+    far past it equals local transformers (alone and in a left-padded batch), and a batched decode
+    step of sessions on both sides of it equals each session alone. Qwen3-MoE's windows are refused."""
     copy = tmp_path / "windowed"
     shutil.copytree(family_dir, copy)
     config = json.loads((copy / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=4)
+    if config["model_type"] in ("qwen2", "qwen3"):
+        layer_types = ["full_attention", "sliding_attention"] * (LAYERS // 2)
+        config.update(layer_types=layer_types, max_window_layers=1)
     (copy / "config.json").write_text(json.dumps(config))
-    if config["model_type"].startswith("qwen"):
+    if config["model_type"] == "qwen3_moe":
         with pytest.raises(UnsupportedModelError, match="sliding-window"):
             load_span(copy, 0, 1)
         return

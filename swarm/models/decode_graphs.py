@@ -143,7 +143,7 @@ class DecodeGraphs:
         int8 layers pick outlier columns on the host at every step: never capturable (H100 run)."""
         family_ok = bool(getattr(span.family, "decode_graphs", False))
         # a captured step's masks see a session's whole prefix: no sliding window
-        family_ok = family_ok and span.family.attention_window(span.config) is None
+        family_ok = family_ok and not any(span.windows)
         return family_ok and span.adapters is None and span.quant != "int8"
 
     def run(self, steps: Sequence[Step]) -> list[torch.Tensor] | None:

@@ -95,10 +95,11 @@ class FalconFamily(ModelFamily):
         hidden: torch.Tensor,
         position: int,
         padding_mask: torch.Tensor | None,
+        window: int | None = None,
     ) -> StepInputs:
         """ALiBi models attend with the biases inside the mask, as `FalconModel` builds it: ALiBi
         scaled by 1/sqrt(head_dim), blocked keys (future, padding) at the dtype's minimum."""
-        inputs = super().step_inputs(config, helpers, hidden, position, padding_mask)
+        inputs = super().step_inputs(config, helpers, hidden, position, padding_mask, window)
         if config.alibi:
             batch, total = hidden.shape[0], position + hidden.shape[1]
             biases = inputs["alibi"].reshape(batch, -1, 1, total) / math.sqrt(self.head_dim(config))

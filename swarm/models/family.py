@@ -60,10 +60,11 @@ class ModelFamily(ABC):
         (None: no limit of the family's own)."""
         return None
 
-    def attention_window(self, config: PretrainedConfig) -> int | None:
-        """How many positions back every block's attention sees (a query at cache position q sees keys
-        at q - window < k <= q, as transformers masks it), or None for attention over the whole
-        prefix. Spans keep the whole cache and mask the rest, so windows are exact at any length."""
+    def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
+        """How many positions back the attention of the model's block `index` sees (a query at cache
+        position q sees keys at q - window < k <= q, as transformers masks it), or None for attention
+        over the whole prefix. Spans keep the whole cache and mask the rest, so windows are exact at
+        any length."""
         return None
 
     # --- blocks ---------------------------------------------------------------------------------
@@ -82,16 +83,18 @@ class ModelFamily(ABC):
         hidden: torch.Tensor,
         position: int,
         padding_mask: torch.Tensor | None,
+        window: int | None = None,
     ) -> StepInputs:
-        """Per-step inputs shared by every block of a span for a step of `hidden.shape[1]` tokens:
-        the family's `position_inputs` and the causal and padding `attention_mask` every family uses.
+        """Per-step inputs shared by the blocks of a span with the same attention `window` (None:
+        the whole prefix) for a step of `hidden.shape[1]` tokens: the family's `position_inputs` and
+        the causal, padding and window `attention_mask` every family uses.
 
         `padding_mask` (`[batch, position + new]`, 1 = real token) is given only for padded batches.
         """
         step = StepTokens(hidden, position, padding_mask)
         return {
             **self.position_inputs(config, helpers, step),
-            "attention_mask": attention_bias(hidden, position, padding_mask, self.attention_window(config)),
+            "attention_mask": attention_bias(hidden, position, padding_mask, window),
         }
 
     @abstractmethod

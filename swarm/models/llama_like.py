@@ -7,9 +7,9 @@ needs from the client exactly what a LLaMA block needs: its tokens' positions (r
 and, for padded batches, the padding mask.
 
 A Mistral/Mixtral `sliding_window` (Mistral-7B v0.1: 4096; later versions set none) applies to
-every block alike: spans keep the whole cache and mask the keys outside the window
-(`attention_window`), so sessions of any length are exact. Qwen2's optional sliding-window layers
-(`use_sliding_window`: only the blocks from `max_window_layers` on) are refused.
+every block alike; Qwen2's and Qwen3's (`use_sliding_window`) to the blocks from `max_window_layers`
+on, as their `layer_types` say. Spans keep the whole cache and mask the keys outside each block's
+window (`layer_window`), so sessions of any length are exact.
 """
 
 from __future__ import annotations
@@ -49,12 +49,14 @@ class Qwen2Family(LlamaFamily):
     rotary_embedding: type[nn.Module] = Qwen2RotaryEmbedding
 
     def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
-        if getattr(config, "use_sliding_window", False):
-            raise UnsupportedModelError(
-                f"{config.model_type} with sliding-window attention (use_sliding_window) is not supported: "
-                "spans attend over the whole cache"
-            )
         return self.decoder_layer(config, layer_idx=local_index)
+
+    def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
+        # the blocks from `max_window_layers` on slide when `use_sliding_window`: `layer_types` says which
+        layer_types = getattr(config, "layer_types", None) or ()
+        if index < len(layer_types) and layer_types[index] == "sliding_attention" and config.sliding_window:
+            return int(config.sliding_window)
+        return None
 
     def make_span_helpers(self, config: PretrainedConfig, device) -> nn.ModuleDict:
         return nn.ModuleDict({"rotary": build_rotary_embedding(self.rotary_embedding, config, device)})
@@ -85,8 +87,8 @@ class MistralFamily(Qwen2Family):
     def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
         return self.decoder_layer(config, layer_idx=local_index)
 
-    def attention_window(self, config: PretrainedConfig) -> int | None:
-        window = getattr(config, "sliding_window", None)
+    def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
+        window = getattr(config, "sliding_window", None)  # every block slides alike
         return int(window) if window else None
 
 
@@ -129,6 +131,10 @@ class Qwen3MoeFamily(Qwen3Family):
             raise UnsupportedModelError(
                 "qwen3_moe with dense blocks among the sparse ones (mlp_only_layers, decoder_sparse_step "
                 "other than 1) is not supported: every served block must hold experts"
+            )
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedModelError(
+                "qwen3_moe with sliding-window attention (use_sliding_window) is not supported"
             )
         return super().build_block(with_default_experts_implementation(config), local_index)
 

@@ -102,6 +102,8 @@ class TransformerSpan(nn.Module):
         self.hidden_size = family.hidden_size(config)
         self.num_kv_heads = family.num_kv_heads(config)
         self.head_dim = family.head_dim(config)
+        # each block's sliding attention window (None: the whole prefix), by local index
+        self.windows = [family.layer_window(config, index) for index in range(start, end)]
         self.adapters = None  # LoRA adapters injected into the blocks (swarm.models.adapters), if any
         # captured single-token decode steps (swarm.models.decode_graphs), once `use_decode_graphs` ran
         self.decode_graphs = None
@@ -218,12 +220,21 @@ class TransformerSpan(nn.Module):
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         if padding_mask is not None:
             padding_mask = padding_mask.to(self.device)
-        inputs = self.family.step_inputs(self.config, self.helpers, hidden, position, padding_mask)
+        inputs = self._inputs_by_window(blocks, hidden, position, padding_mask)
         for index, local in enumerate(blocks):
             if prompts is not None:
                 hidden = add_prompt(hidden, prompts[index].to(hidden), position)
-            hidden = self.family.run_block(self.blocks[local], hidden, cache, inputs)
+            hidden = self.family.run_block(self.blocks[local], hidden, cache, inputs[self.windows[local]])
         return hidden
+
+    def _inputs_by_window(
+        self, blocks: range, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
+    ) -> dict[int | None, dict]:
+        """The family's per-step inputs for each attention window among `blocks` (local indices)."""
+        return {
+            window: self.family.step_inputs(self.config, self.helpers, hidden, position, padding_mask, window)
+            for window in {self.windows[local] for local in blocks}
+        }
 
     @torch.inference_mode()
     def forward_batch(self, steps: Sequence[BatchedStep]) -> list[torch.Tensor]:
@@ -257,7 +268,8 @@ class TransformerSpan(nn.Module):
                 return outputs
         total = max(positions) + 1
         # a session past a sliding window masks its keys like a padded one (the window is in the mask)
-        window = self.family.attention_window(self.config)
+        blocks = range(caches[0].block_offset, caches[0].block_offset + caches[0].num_blocks)
+        window = min((self.windows[local] for local in blocks if self.windows[local]), default=None)
         past_window = [window is not None and position + 1 > window for position in positions]
         masked = [mask is not None or past for (*_, mask), past in zip(steps, past_window, strict=True)]
         view = BatchedStepCache(caches, positions, total, masked)
@@ -274,9 +286,9 @@ class TransformerSpan(nn.Module):
                 real = padding_mask[:, : position + 1].to(self.device, key_mask.dtype)
                 key_mask[first:last, total - 1 - position :] = real
         hidden = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for hidden, *_ in steps])
-        inputs = self.family.step_inputs(self.config, self.helpers, hidden, total - 1, key_mask)
-        for local in range(view.block_offset, view.block_offset + view.num_blocks):
-            hidden = self.family.run_block(self.blocks[local], hidden, view, inputs)
+        inputs = self._inputs_by_window(blocks, hidden, total - 1, key_mask)
+        for local in blocks:
+            hidden = self.family.run_block(self.blocks[local], hidden, view, inputs[self.windows[local]])
         for cache in caches:
             cache.end_step()
         return list(hidden.split([cache.batch_size for cache in caches]))
