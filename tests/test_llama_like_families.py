@@ -106,6 +106,25 @@ def test_sliding_windows_are_exact_past_the_window_or_refused(family_dir, tmp_pa
         torch.testing.assert_close(output, expected_step, rtol=1e-5, atol=1e-5)
 
 
+def assert_concurrent_sessions_equal_each_alone(
+    model, reference, prompts: list[torch.Tensor], new: int
+) -> None:
+    """Greedy generations started at once from threads (their decode steps batch on the servers) each
+    equal local transformers' run of that prompt alone."""
+    results: dict[int, torch.Tensor] = {}
+
+    def run(k: int) -> None:
+        results[k] = model.generate(prompts[k], max_new_tokens=new, do_sample=False)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for k, prompt in enumerate(prompts):
+        assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=new, do_sample=False))
+
+
 @pytest.mark.compat
 def test_real_servers_batching_and_failover(swarm, family_dir):
     prefix = default_prefix(str(family_dir))
@@ -121,19 +140,9 @@ def test_real_servers_batching_and_failover(swarm, family_dir):
             expected = reference.generate(PROMPT, max_new_tokens=10, **kwargs)
             assert torch.equal(model.generate(PROMPT, max_new_tokens=10, **kwargs), expected), kwargs
         # concurrent sessions: their decode steps batch on the servers, each equals its own run
-        prompts = [PROMPT[:, : 3 + k] for k in range(4)]
-        results: dict[int, torch.Tensor] = {}
-
-        def run(k: int) -> None:
-            results[k] = model.generate(prompts[k], max_new_tokens=12, do_sample=False)
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for k, prompt in enumerate(prompts):
-            assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=12, do_sample=False))
+        assert_concurrent_sessions_equal_each_alone(
+            model, reference, [PROMPT[:, : 3 + k] for k in range(4)], 12
+        )
         # a failover mid-generation: the first server of the chain is killed between two calls
         expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
         with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
@@ -168,19 +177,9 @@ def test_real_servers_serve_sessions_past_a_mistral_window(swarm, tmp_path):
     try:
         expected = reference.generate(PROMPT, max_new_tokens=22, do_sample=False)
         assert torch.equal(model.generate(PROMPT, max_new_tokens=22, do_sample=False), expected)
-        prompts = [PROMPT[:, : 2 + 2 * k] for k in range(3)]
-        results: dict[int, torch.Tensor] = {}
-
-        def run(k: int) -> None:
-            results[k] = model.generate(prompts[k], max_new_tokens=14, do_sample=False)
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for k, prompt in enumerate(prompts):
-            assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=14, do_sample=False))
+        assert_concurrent_sessions_equal_each_alone(
+            model, reference, [PROMPT[:, : 2 + 2 * k] for k in range(3)], 14
+        )
     finally:
         model.shutdown()
 

@@ -47,9 +47,17 @@ class Qwen2Family(LlamaFamily):
     decoder_layer: type[nn.Module] = Qwen2DecoderLayer
     rms_norm: type[nn.Module] = Qwen2RMSNorm
     rotary_embedding: type[nn.Module] = Qwen2RotaryEmbedding
+    experts: ExpertNames | None = None  # where a mixture keeps its experts (None: one dense MLP)
 
     def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+        if self.experts is not None:
+            config = with_default_experts_implementation(config)
         return self.decoder_layer(config, layer_idx=local_index)
+
+    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.experts is None:
+            return tensors
+        return self.experts.fuse(tensors, {name for name, _ in block.named_parameters()})
 
     def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
         # the blocks from `max_window_layers` on slide when `use_sliding_window`: `layer_types` says which
@@ -84,9 +92,6 @@ class MistralFamily(Qwen2Family):
     rms_norm = MistralRMSNorm
     rotary_embedding = MistralRotaryEmbedding
 
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
-        return self.decoder_layer(config, layer_idx=local_index)
-
     def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
         window = getattr(config, "sliding_window", None)  # every block slides alike
         return int(window) if window else None
@@ -102,12 +107,6 @@ class MixtralFamily(MistralFamily):
     experts = ExpertNames(
         checkpoint_prefix="block_sparse_moe.", module_prefix="mlp.", gate="w1", up="w3", down="w2"
     )
-
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
-        return self.decoder_layer(with_default_experts_implementation(config), layer_idx=local_index)
-
-    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.experts.fuse(tensors, {name for name, _ in block.named_parameters()})
 
 
 class Qwen3MoeFamily(Qwen3Family):
@@ -136,10 +135,7 @@ class Qwen3MoeFamily(Qwen3Family):
             raise UnsupportedModelError(
                 "qwen3_moe with sliding-window attention (use_sliding_window) is not supported"
             )
-        return super().build_block(with_default_experts_implementation(config), local_index)
-
-    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.experts.fuse(tensors, {name for name, _ in block.named_parameters()})
+        return super().build_block(config, local_index)
 
 
 QWEN2 = register_family(Qwen2Family())
