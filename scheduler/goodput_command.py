@@ -1,5 +1,5 @@
 """`swarm-plan goodput`: the placement policy and parameter with the highest simulated goodput under
-SLOs, and how many more servers the SLOs need at a higher rate (issue 38; the search is
+SLOs, and how many more servers the SLOs need at a higher rate (the search is
 `scheduler.sim.goodput_plan`, this module reads the arguments and writes the JSON document).
 
 The swarm is a named scenario (`--scenario`) or, without one, a `swarm-plan` problem document on

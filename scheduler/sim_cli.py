@@ -1,4 +1,4 @@
-"""`swarm-sim`: run the discrete-event swarm simulator (docs/reference.md 1, issue 7) and print the metrics of
+"""`swarm-sim`: run the discrete-event swarm simulator (docs/reference.md 1) and print the metrics of
 docs/reference.md 6.
 
 Example:

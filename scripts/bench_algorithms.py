@@ -1,11 +1,11 @@
-"""Time the placement and routing algorithms on synthetic swarms (issue 5), print a Markdown report.
+"""Time the placement and routing algorithms on synthetic swarms, print a Markdown report.
 
     .venv/bin/python scripts/bench_algorithms.py [--seed 0] [--quick]
 
 Swarms: L = 80 blocks of BLOOM-176B's size in NF4 (s_m = 1.32 GB; s_c = 8.5 MB, the cache of
 l_in + l_out = 148 tokens at d = 14336), so no server holds the whole model and chains have several
 hops; servers are 20 % A100-80GB-like (tau 3.2 ms) and 80 % 24/40 GB cards (tau 8-16 ms), with
-per-token RTTs of 5-200 ms to 10 clients. Targets (issue 5): CG-BP on 1,000
+per-token RTTs of 5-200 ms to 10 clients. Targets: CG-BP on 1,000
 servers < 50 ms; a WS-RR query < 5 ms (p50) with 1,000 servers and 5,000 active sessions; GCA on
 200 servers < 1 s.
 """

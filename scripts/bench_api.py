@@ -1,4 +1,4 @@
-"""What the OpenAI-compatible API costs (issue 22): streaming clients through `swarm-api` against
+"""What the OpenAI-compatible API costs: streaming clients through `swarm-api` against
 calling `generate()` directly, at 1, 4 and 16 concurrent clients.
 
     .venv/bin/python scripts/bench_api.py [--levels 1,4,16] [--requests 3] [--tokens 32] [--write]

@@ -265,7 +265,7 @@ def write_batching_section(table: str, engine: str, args: argparse.Namespace) ->
         f"(alternating which goes first over {args.repeats} round(s)), so that load from elsewhere "
         f"hits both. N concurrent slots each run {args.sessions_per_slot} sessions in turn (prefill "
         f"of 8..32 tokens, then {args.tokens} decode steps) through the real client stream code. "
-        "`off` is `--batch-wait-ms 0` (every step its own forward, as before issue 10); `on` is "
+        "`off` is `--batch-wait-ms 0` (every step its own forward); `on` is "
         f"`--batch-wait-ms {wait}` (decode steps of concurrent sessions run as one batched forward; "
         "prefills scheduled against decoding by paper 004's rule). Throughput is decode tokens per "
         "second of the whole run (prefills included in the time); latencies are per decode step as "

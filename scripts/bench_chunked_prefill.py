@@ -246,7 +246,7 @@ def main() -> None:
         f"generates {args.decode_tokens} greedy tokens alone, then again while the prompter sends "
         f"{args.prompt_tokens}-token prompts {args.prompt_pause:g} s apart (one-token generations: time to "
         f"first token). {args.rounds} rounds, the settings' order rotating; gaps are between consecutive "
-        "decode tokens as the decoder's `generate` streams them. Targets (issue 34): p99 with prompts at "
+        "decode tokens as the decoder's `generate` streams them. Targets: p99 with prompts at "
         "most 1.3x the p99 without; the prompts' first token at most 1.1x unchunked."
     )
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})

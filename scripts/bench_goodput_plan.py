@@ -1,4 +1,4 @@
-"""Goodput planning (issue 38): `swarm-plan goodput` against the fixed policies, and Aladdin's answer.
+"""Goodput planning: `swarm-plan goodput` against the fixed policies, and Aladdin's answer.
 
 On paper 000's clustered scenario (BLOOM-176B on 2 A100s + 7 MIG slices, client in cluster 0,
 l_in 20, l_out 128) and on paper 001's RIPE Atlas scenario (LLaMA-2-7B on 3 + 6 MIG slices, the

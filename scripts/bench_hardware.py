@@ -1,4 +1,4 @@
-"""Real-size blocks on real hardware (issue 11): bytes, decode time vs the memory-bandwidth limit,
+"""Real-size blocks on real hardware: bytes, decode time vs the memory-bandwidth limit,
 cache bytes vs the s_c formula, and per-token latency of a swarm that splits the model.
 
     # on a GPU machine: a LLaMA-2-7B-shaped random checkpoint (32 blocks, hidden 4096, no GQA)

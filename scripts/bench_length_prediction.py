@@ -1,4 +1,4 @@
-"""Output-length prediction (issue 38): how well `swarm.length_prediction` predicts the Azure code
+"""Output-length prediction: how well `swarm.length_prediction` predicts the Azure code
 trace's answer lengths, and what it does to simulated WS-RR waiting.
 
     .venv/bin/python scripts/bench_length_prediction.py [--requests 1000] [--seeds 12] [--write]

@@ -1,4 +1,4 @@
-"""What a new reader's libp2p join costs as the swarm grows (issue 23): the part of a client's start
+"""What a new reader's libp2p join costs as the swarm grows: the part of a client's start
 that our code does not drive.
 
     .venv/bin/python scripts/bench_p2p_join.py [--peers 3,24] [--trials 5] [--write]

@@ -160,7 +160,7 @@ def main() -> None:
         f"a tiny LLaMA ({LAYERS} blocks, two per hop), {args.compute_delay * 1e3:.0f} ms emulated compute "
         "per block per step. One session per history length; for each mode in turn the first server of "
         "its chain is SIGKILLed and the next token timed (detection, routing, a new stream, rebuilding "
-        "the cache, the step). `steps` replays the recorded steps one round trip each (before issue 34), "
+        "the cache, the step). `steps` replays the recorded steps one round trip each, "
         "`exact` sends them in one Replay message (the server reruns them: a bit-identical cache), "
         "`prefill` sends one catch-up prefill. Every output equalled local transformers."
     )

@@ -1,4 +1,4 @@
-"""The scheduler's role planner (issue 37) against colocated serving and operator-chosen roles.
+"""The scheduler's role planner against colocated serving and operator-chosen roles.
 
     .venv/bin/python scripts/bench_role_planning.py [--seeds 3] [--requests 100] [--write]
 
@@ -18,7 +18,7 @@ all:
   built so that roles should pay, for an honest test of the 1.3x target; operator roles there are
   the compute-rich GPUs prefill.
 
-Target (issue 37): where links allow it, roles give >= 1.3x colocated goodput; where they do not,
+Target: where links allow it, roles give >= 1.3x colocated goodput; where they do not,
 the planner keeps colocated serving and goodput is not lower than colocated.
 """
 

@@ -1,4 +1,4 @@
-"""Colocated serving against prefill/decode roles on the emulated swarm (issue 37), beside the simulator.
+"""Colocated serving against prefill/decode roles on the emulated swarm, beside the simulator.
 
 Four servers of a tiny LLaMA (6 blocks, hidden 512, 8 KV heads: a float32 cache of 24 KB per token over
 the span), each holding every block, in four sites joined by `--link-mbps` links (2 ms); the client

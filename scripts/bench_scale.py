@@ -1,4 +1,4 @@
-"""What a large swarm costs a client (issue 23): the same 3-hop chain served by more and more
+"""What a large swarm costs a client: the same 3-hop chain served by more and more
 replicas, then read among 1,000 announced server records.
 
     .venv/bin/python scripts/bench_scale.py [--replicas 1,8,10,14] [--records 1000] [--clients 3]
@@ -351,7 +351,7 @@ def report(
             )
         )
         body = (
-            f"{header}\n\nCommand: `{command}` (issue 23; {cores}, every server a real process on "
+            f"{header}\n\nCommand: `{command}` ({cores}, every server a real process on "
             "loopback, each its own peer; a 24-block tiny LLaMA in spans 0:8, 8:16, 16:24). Each row: the "
             f"median of {clients} new clients; the last row adds stand-in records (signed records "
             "of peers that do not serve, announcing the real servers' speeds) up to "

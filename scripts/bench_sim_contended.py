@@ -1,4 +1,4 @@
-"""The simulator of contended servers (issues 37, 38) against the emulated Table 2, and roles' goodput.
+"""The simulator of contended servers against the emulated Table 2, and roles' goodput.
 
     .venv/bin/python scripts/bench_sim_contended.py [--seeds 2] [--requests 100] [--write]
     .venv/bin/python scripts/bench_sim_contended.py --measure-host   # re-measure the tiny block's CPU cost

@@ -1,4 +1,4 @@
-"""What training through the swarm costs (issue 19): forward+backward of 128 tokens, swarm vs local.
+"""What training through the swarm costs: forward+backward of 128 tokens, swarm vs local.
 
     .venv/bin/python scripts/bench_training.py [--rounds 10] [--tokens 128] [--hidden 512] [--write]
 

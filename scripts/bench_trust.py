@@ -1,4 +1,4 @@
-"""What trust costs: per-token latency and client start-up with signed, validated records (issue 17),
+"""What trust costs: per-token latency and client start-up with signed, validated records,
 against the commit before that change, side by side in one run.
 
     .venv/bin/python scripts/bench_trust.py [--baseline 1a6834b] [--rounds 3] [--tokens 64] [--write]

@@ -1,4 +1,4 @@
-"""What replica verification costs (issue 18): per-token latency and throughput with verify 0, 0.1, 1.0.
+"""What replica verification costs: per-token latency and throughput with verify 0, 0.1, 1.0.
 
     .venv/bin/python scripts/bench_verify.py [--rounds 2] [--tokens 64] [--sessions 4] [--write]
 

@@ -9,7 +9,7 @@ scheduler's slot size, so requests queue in the scheduler's WS-RR admission. The
 recorded, stretched by `--stretch`; prompts divided by `--prompt-divisor`, answers capped at
 `--max-answer`). Each round replays them twice, in alternating order:
 
-- `fixed`: every session tells routing l_in = 20, l_out = 128 (what every client said before issue 34);
+- `fixed`: every session tells routing l_in = 20, l_out = 128 (what a client says that knows neither length);
 - `real`: every session tells routing its own prompt and answer lengths.
 
 Each run has its own swarm and scheduler (what a scheduler learns of sessions' run times stays

@@ -1,4 +1,4 @@
-"""How much honest servers disagree: the calibration of replica verification's tolerance (issue 18).
+"""How much honest servers disagree: the calibration of replica verification's tolerance.
 
     .venv/bin/python scripts/calibrate_verification.py [--layers 3] [--tokens 32] [--write]
 

@@ -26,7 +26,7 @@ emulation's scale; `/k` gives the paper-scale equivalent (`k = 1`: none needed).
 
     sudo .venv/bin/python scripts/experiment.py --requests 0.1:20,0.5:40 --write-benchmarks
 
-A goodput plan (issue 38) runs the same way: `--write-problem P.json` writes the emulated swarm as a
+A goodput plan runs the same way: `--write-problem P.json` writes the emulated swarm as a
 `swarm-plan` problem (no root), `swarm-plan goodput ... < P.json` chooses the plan, and
 `--policies 'cg-bp:R=128'` (or `chains:c=16`, or a default policy) runs it with that parameter fixed
 in the placement and the scheduler. `--slo-ttft/--slo-tpot` (seconds) add SLO attainment (failed

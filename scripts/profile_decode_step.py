@@ -1,4 +1,4 @@
-"""Where a 7B-shaped decode step's GPU time goes, and what a fused step would save (issue 40).
+"""Where a 7B-shaped decode step's GPU time goes, and what a fused step would save.
 
 Loads `--blocks` LLaMA-2-7B-shaped fp16 blocks and times a single-token step at `--context` cached
 tokens, per block:

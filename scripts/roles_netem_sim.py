@@ -1,4 +1,4 @@
-"""The simulator's side of `scripts/bench_roles_netem.py` (issue 37): the emulated swarm as a `Scenario`,
+"""The simulator's side of `scripts/bench_roles_netem.py`: the emulated swarm as a `Scenario`,
 its prediction by the contended model with the same arrivals and lengths, the role planner's choice,
 and the goodput and attainment arithmetic of the measured runs (pure, no processes).
 

@@ -1,4 +1,4 @@
-"""A managed server's role as the scheduler assigns it (`swarm-scheduler --roles auto`, issue 37).
+"""A managed server's role as the scheduler assigns it (`swarm-scheduler --roles auto`).
 
 `Assignment.role` is `prefill`, `decode`, `both` or empty (both: a scheduler without `--roles auto`
 or one older than the field). The server announces the role it adopts; clients route decode steps

@@ -1,5 +1,4 @@
-"""How long this server's sessions keep decoding: the engine's decode-work term from learned lengths
-(issue 38).
+"""How long this server's sessions keep decoding: the engine's decode-work term from learned lengths.
 
 The engine's rule between a waiting prefill and the decode steps (paper 004, `server.step_scheduler`)
 weighs the decode work still ahead of the waiting sessions (`C_d`). Without more, a session's work

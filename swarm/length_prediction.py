@@ -1,4 +1,4 @@
-"""Output-length prediction for routing (issue 38; TetriInfer-style, pure and bounded).
+"""Output-length prediction for routing (TetriInfer-style, pure and bounded).
 
 WS-RR's wait estimate (eq. 20) needs each running session's end, so its output length `l_out`. A
 client rarely knows it: it declares `generate()`'s `max_new_tokens`, a cap that real answers often

@@ -1,4 +1,4 @@
-"""LoRA adapters on servers (issue 36): `swarm-server --adapters`, chosen per session by the client.
+"""LoRA adapters on servers: `swarm-server --adapters`, chosen per session by the client.
 
 Through real servers, generation with an adapter equals a local peft `PeftModel` with that adapter
 (greedy, and sessions with different adapters or none batched together on the same servers); the

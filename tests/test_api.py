@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API (issue 22), called with the official `openai` package, on a real swarm.
+"""The OpenAI-compatible API, called with the official `openai` package, on a real swarm.
 
 A DHT peer, two servers (blocks 0:3 and 3:6) and a `swarm-api` process, all real, on loopback. The
 evaluation and agent clients (lm-eval's `local-completions`, LangChain's `ChatOpenAI`) and the

@@ -1,4 +1,4 @@
-"""`swarm-batch` (issue 38 part 4): input checks, the resumable results file, the planner against its
+"""`swarm-batch`: input checks, the resumable results file, the planner against its
 lower bound and exact optima, work stealing, and a real swarm with two chains where the command is
 killed part-way and restarted: every prompt answered exactly once, token for token as transformers."""
 

@@ -1,4 +1,4 @@
-"""Iteration-level batching (issue 10): concurrent sessions' decode steps run as one forward.
+"""Iteration-level batching: concurrent sessions' decode steps run as one forward.
 
 Batched results must equal unbatched ones (same tokens; outputs within 1e-5 in float32), a failing
 step must fail alone, and the pure prefill-vs-decode rule must do what paper 004's heuristic says.
@@ -139,7 +139,7 @@ def test_chunked_prefills_between_other_sessions_decodes_equal_whole_prefills(sp
 
 
 def test_batched_decode_reads_caches_in_place_and_matches_replayed_caches(span_and_client, monkeypatch):
-    """Issue 20: a batched decode step hands attention views of each session's own cache (same
+    """A batched decode step hands attention views of each session's own cache (same
     storage, nothing gathered), for mixed lengths and a padded session; a session whose cache was
     rebuilt by a failover replay (its history as one prefill into a fresh cache) decodes in the batch
     exactly as the original does alone."""

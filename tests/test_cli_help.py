@@ -1,4 +1,4 @@
-"""Every `swarm-*` command answers --help with status 0 and at least one example (issue 9)."""
+"""Every `swarm-*` command answers --help with status 0 and at least one example."""
 
 from __future__ import annotations
 

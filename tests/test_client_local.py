@@ -90,7 +90,7 @@ def make_generate_calls(model, inputs, max_new_tokens: int, **kwargs) -> torch.T
 @pytest.mark.parametrize("batch", ["single", "padded"])
 @pytest.mark.parametrize("sampling", [False, True])
 def test_petals_generate_calls_in_one_session_equal_one_local_generation(model_dir, models, batch, sampling):
-    """Issue 36: after the first call, PETALS' generate(None) returns only the new tokens, so its
+    """After the first call, PETALS' generate(None) returns only the new tokens, so its
     three-call pattern concatenates to what one local transformers call generates (greedy, and
     seeded sampling: the calls draw from the same generator in the same order)."""
     reference, distributed = models
@@ -260,7 +260,7 @@ class _RecordingSpans(LocalSpans):
 
 
 def test_generate_tells_routing_the_real_prompt_and_answer_lengths(model_dir):
-    """Issue 34: a one-off generate() opens its session with the prompt's real length; routing then
+    """A one-off generate() opens its session with the prompt's real length; routing then
     counts the rest of max_length (max_new_tokens) as generated tokens."""
     from client.remote import session_shape
 

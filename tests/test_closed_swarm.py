@@ -1,4 +1,4 @@
-"""Closed swarms (issue 17): only holders of the swarm secret join the DHT, announce, discover servers,
+"""Closed swarms: only holders of the swarm secret join the DHT, announce, discover servers,
 open sessions or ask the scheduler; holders work as before; the others get a clear refusal."""
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def test_commands_name_the_policies_and_the_merge():
     assert "--policies" not in command_of(default)
 
 
-# -- fixed-parameter plans and SLO attainment (issue 38: a goodput plan on the emulator) ---------------
+# -- fixed-parameter plans and SLO attainment (a goodput plan on the emulator) ---------------
 
 
 @pytest.mark.parametrize(

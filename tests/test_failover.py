@@ -1,4 +1,4 @@
-"""Servers die mid-generation; clients replace them by replaying history, and outputs stay exact (issue 4)."""
+"""Servers die mid-generation; clients replace them by replaying history, and outputs stay exact."""
 
 from __future__ import annotations
 

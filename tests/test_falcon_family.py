@@ -1,4 +1,4 @@
-"""The Falcon family (issue 36), every architecture of its one `model_type`: the new decoder
+"""The Falcon family, every architecture of its one `model_type`: the new decoder
 architecture with grouped KV heads from two LayerNorms (Falcon-40B/180B) or one (Falcon-11B),
 multi-query with parallel attention (Falcon-7B), and ALiBi with sequential attention and biases
 (Falcon-RW). In-process spans give local transformers' tokens (greedy, beam search, a left-padded

@@ -1,4 +1,4 @@
-"""`swarm-generate` proves itself (issue 35): the text streams as it is generated, then it prints the
+"""`swarm-generate` proves itself: the text streams as it is generated, then it prints the
 chain its session used, the speed, and with `--check` whether plain transformers generation on the same
 checkpoint gives the same token ids (exit status 1 if not)."""
 

@@ -1,4 +1,4 @@
-"""Goodput planning and SLO admission (issue 38).
+"""Goodput planning and SLO admission.
 
 The search (`scheduler.sim.goodput_plan`) on pure predicates and on a tiny simulated swarm, the
 `swarm-plan goodput` command (in this process for its error paths, once as the installed command),

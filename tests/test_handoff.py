@@ -1,4 +1,4 @@
-"""Cache hand-offs between servers (issue 37): a server that drains hands its sessions' caches to a
+"""Cache hand-offs between servers: a server that drains hands its sessions' caches to a
 server holding the same blocks, and generation stays equal to local transformers; a hand-off that
 cannot finish falls back to replay; hostile pushes are refused and leave nothing behind."""
 
@@ -81,7 +81,7 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
 
 
 def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama_dir):
-    """Use 1 of issue 37 for a move: a managed server that the scheduler moves to another span while
+    """A hand-off for a move: a managed server that the scheduler moves to another span while
     a session is open on it hands the session's cache to a server holding the session's blocks (the
     only one: `spare`, made slower so that the session starts on the mover), and generation stays
     equal to local transformers; the mover then serves its new span."""
@@ -369,7 +369,7 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
 
 
 def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir, caplog):
-    """WS-RR routes both phases (issue 37): decode chains only through servers that decode, and each
+    """WS-RR routes both phases: decode chains only through servers that decode, and each
     session's prompt to the prefill server the scheduler chose (by queue, prefill and hand-off), whose
     cache then goes to the decode server. Two prefill servers, two sessions at once: one each."""
     prefix = default_prefix(str(llama_dir))

@@ -1,4 +1,4 @@
-"""Real-hardware paths that need no GPU (issue 11): device/dtype resolution, quantization errors and
+"""Real-hardware paths that need no GPU: device/dtype resolution, quantization errors and
 bytes, the memory budget, and the server CLI turning flags into a config."""
 
 from __future__ import annotations

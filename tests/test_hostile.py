@@ -1,4 +1,4 @@
-"""A hostile client throws malformed and abusive requests at a live server (issue 4).
+"""A hostile client throws malformed and abusive requests at a live server.
 
 Each gets a clear error naming what was wrong (or is handled), one case per test against one server
 for the module; the last test checks that the server stayed up, a normal client still generates

@@ -1,4 +1,4 @@
-"""Output-length prediction (issue 38): the pure predictor, what the scheduler learns from end
+"""Output-length prediction: the pure predictor, what the scheduler learns from end
 reports (through `SchedulerCore`, without the network), and the simulator's `--length-info`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Server-to-server link probes (issue 37): servers holding the same blocks measure the links between
+"""Server-to-server link probes: servers holding the same blocks measure the links between
 them and announce the rates (`ServerInfo.links`) before any hand-off; hostile probes are refused and
 cannot hold the probe handler."""
 

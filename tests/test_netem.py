@@ -1,4 +1,4 @@
-"""Geo-distributed emulation with network namespaces (scripts/netem, issue 8).
+"""Geo-distributed emulation with network namespaces (scripts/netem).
 
 The end-to-end tests need root and `ip netns`: as root they run (installing iproute2, iptables,
 ping and the NFQUEUE binding when missing), and they skip only where namespaces cannot work.

@@ -1,4 +1,4 @@
-"""The decode-step experiment of scripts/profile_decode_step.py (issue 40) stays right on the CPU: its
+"""The decode-step experiment of scripts/profile_decode_step.py stays right on the CPU: its
 fused plain-torch step (one QKV and one gate/up product, static caches) equals the span's own blocks,
 with multi-head and grouped-query attention. Only its timings need a GPU."""
 

@@ -1,4 +1,4 @@
-"""Reachability (issue 21): the dial-back check's rules, records that say how to reach a server, and
+"""Reachability: the dial-back check's rules, records that say how to reach a server, and
 a real checker (`swarm-dht`) against an honest asker and a hostile one.
 
 The end-to-end NAT case (a router namespace with masquerading, a relay, a client in a third site)

@@ -1,4 +1,4 @@
-"""What every DHT node of ours accepts (issue 17), checked without a network: signatures bound to
+"""What every DHT node of ours accepts, checked without a network: signatures bound to
 peer identities, envelope and schema bounds, model limits, closed-swarm proofs, scheduler replies."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Failover and session expiry in one round trip per replacement server (issue 34).
+"""Failover and session expiry in one round trip per replacement server.
 
 A killed server's history goes to its replacement in one `Replay` message (`exact`: the recorded
 steps rerun in order, a bit-identical cache) or as one catch-up prefill (`prefill`). Compared with

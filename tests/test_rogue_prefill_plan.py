@@ -1,4 +1,4 @@
-"""A scheduler's prompt plan is checked like its route (issue 37): `RouteReply.prefill` entries that
+"""A scheduler's prompt plan is checked like its route: `RouteReply.prefill` entries that
 name no prefill server, a server for blocks it does not hold, ranges outside the chain or the model,
 or thousands of duplicates are ignored (those hops prefill on their own servers); a good entry among
 them is followed; and every generation stays exactly what local transformers generates.

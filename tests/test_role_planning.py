@@ -1,4 +1,4 @@
-"""The scheduler's placement of prefill/decode roles (issue 37): the pure planner, its simulated
+"""The scheduler's placement of prefill/decode roles: the pure planner, its simulated
 scoring, the scheduler handing roles out, and a managed server adopting them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A swarm of hundreds of servers should cost a client no more than a swarm of three (issue 23)."""
+"""A swarm of hundreds of servers should cost a client no more than a swarm of three."""
 
 from __future__ import annotations
 

@@ -191,7 +191,7 @@ def test_announced_use_blocks_admission_and_leases_expire():
 
 
 def test_a_requests_own_lengths_set_its_predicted_completion():
-    """Routing on real lengths (issue 34): the scheduler's estimate follows the request's prompt and
+    """Routing on real lengths: the scheduler's estimate follows the request's prompt and
     answer, not its configured l_in/l_out (4 and 6 here)."""
     settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
     core = SchedulerCore(SHAPE, settings, 0.0)
@@ -305,7 +305,7 @@ def test_unplaceable_servers_and_spans():
 
 
 def test_an_unreachable_server_is_shown_but_never_routed_to():
-    """A server behind NAT without a relay (issue 21) stays on the status page, marked, and out of
+    """A server behind NAT without a relay stays on the status page, marked, and out of
     every route, even when it is the fastest; one served through a relay is routed as usual."""
     settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
     core = SchedulerCore(SHAPE, settings, 0.0)

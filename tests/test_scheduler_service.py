@@ -1,4 +1,4 @@
-"""The scheduler service with real processes (issue 6): a DHT, `swarm-scheduler`, managed servers
+"""The scheduler service with real processes: a DHT, `swarm-scheduler`, managed servers
 started without --blocks, and clients in this process.
 
 Three swarms: five servers of different memory budgets and emulated speeds (placement, generation,

@@ -1,4 +1,4 @@
-"""Managed servers (issue 6, server side): spans from the scheduler, PETALS-style fallback, moves.
+"""Managed servers (server side): spans from the scheduler, PETALS-style fallback, moves.
 
 - `rebuild_span` (a move keeps the blocks both spans share) computes exactly what a fresh load does;
 - the PETALS-style block choice on hand-made inputs;

@@ -1,5 +1,5 @@
-"""The draft-length cost model of speculative decoding (issue 33), and the pure pieces of rewinding
-and of replaying a history (issue 34)."""
+"""The draft-length cost model of speculative decoding, and the pure pieces of rewinding
+and of replaying a history."""
 
 from __future__ import annotations
 

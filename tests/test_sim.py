@@ -1,4 +1,4 @@
-"""Simulator (issue 7): conservation, memory (eq. 2), a hand-computed case, determinism, eq. 1, CLI."""
+"""Simulator: conservation, memory (eq. 2), a hand-computed case, determinism, eq. 1, CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulator's contended servers (issues 37, 38): hand-computed timelines of the servers' loops,
+"""The simulator's contended servers: hand-computed timelines of the servers' loops,
 hand-offs, the live rule mirrored, determinism, and paper 000's model left as the default."""
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def test_prefill_servers_too_small_for_the_model_pair_with_the_placed_decode_spa
 
 
 def test_the_scheduler_s_queue_aware_prompt_plan_beats_each_client_s_own_rule_under_load():
-    """Issue 37, WS-RR routing both phases: at 3 requests/s the two prefill servers of the hetero swarm
+    """WS-RR routing both phases: at 3 requests/s the two prefill servers of the hetero swarm
     are oversubscribed; clients alone (spread over the two by their session ids) still send every
     prompt there, the scheduler's plan keeps some on the decode servers (simulated, deterministic:
     mean TTFT 5.4 s against 6.1 s)."""

@@ -1,4 +1,4 @@
-"""Speculative decoding through real servers equals local transformers token for token (issue 33).
+"""Speculative decoding through real servers equals local transformers token for token.
 
 One swarm per family (BLOOM, LLaMA with grouped-query attention): two servers for blocks 0:3 and
 two for 3:6, so that replicas can verify and a killed server has a replacement. The kill runs last.

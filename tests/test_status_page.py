@@ -1,4 +1,4 @@
-"""Operating a swarm (issue 9): the status page in a real browser, JSON status, Prometheus metrics."""
+"""Operating a swarm: the status page in a real browser, JSON status, Prometheus metrics."""
 
 from __future__ import annotations
 

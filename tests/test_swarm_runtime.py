@@ -1,4 +1,4 @@
-"""A real swarm on loopback: DHT + server processes, clients in this process (issue 3)."""
+"""A real swarm on loopback: DHT + server processes, clients in this process."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def test_a_chain_opened_at_once_reports_the_full_hop_and_leaves_no_session_behin
 
 def test_generate_none_and_inputs_embeds_through_the_swarm(client, reference):
     """PETALS' `generate(None)` continues the active session; a prompt as `inputs_embeds` generates
-    what the same prompt as ids generates (issue 19)."""
+    what the same prompt as ids generates."""
     model, tokenizer = reference
     prompt = tokenizer("Once upon a time", return_tensors="pt").input_ids
     with client.inference_session(max_length=prompt.shape[1] + 16):
@@ -270,7 +270,7 @@ def test_generate_none_and_inputs_embeds_through_the_swarm(client, reference):
 
 
 def test_a_script_without_shutdown_exits_cleanly(swarm, model_dir):
-    """No `model.shutdown()`: the client still leaves at exit, with nothing on stderr (issue 19)."""
+    """No `model.shutdown()`: the client still leaves at exit, with nothing on stderr."""
     script = (
         "import torch\n"
         "from client import AutoDistributedModelForCausalLM\n"
@@ -294,7 +294,7 @@ def test_beam_search_through_the_swarm(client, reference):
     assert torch.equal(client.generate(prompt, max_new_tokens=12, num_beams=5, do_sample=False), expected)
 
 
-# --- training through the swarm and the block-level API (issue 19) -----------------------------------
+# --- training through the swarm and the block-level API -----------------------------------
 @pytest.fixture(scope="module")
 def local_blocks(model_dir):
     """The same blocks in this process: the reference for outputs and gradients."""

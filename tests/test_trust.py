@@ -1,4 +1,4 @@
-"""Trust (issue 17): a hostile peer that joined the DHT cannot take down, hijack or poison the swarm.
+"""Trust: a hostile peer that joined the DHT cannot take down, hijack or poison the swarm.
 
 The attacker is a plain hivemind DHT peer using only `DHT.store` / `DHT.get` (and, for records it
 signs as itself, hivemind's own `RSASignatureValidator`). After each attack a client started during
@@ -261,7 +261,7 @@ def test_a_route_no_chain_can_hold_is_refused_and_blocks_nobody(attacked_swarm, 
                 pb.RouteRequest(client_id="x", rtts=too_many, l_in=1, l_out=1, batch_size=1, max_length=8)
             )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        # task labels (issue 38) that are long, unprintable or huge: refused, nothing learned (a
+        # task labels that are long, unprintable or huge: refused, nothing learned (a
         # megabyte does not even get read: the server's message limit refuses it, RESOURCE_EXHAUSTED)
         for task in ("t" * 65, "code\x00", "chat\n", "x" * (100 << 10)):
             with pytest.raises(grpc.RpcError) as refused:

@@ -1,4 +1,4 @@
-"""Verified outputs (issue 18): a server returning wrong hidden states is caught and banned.
+"""Verified outputs: a server returning wrong hidden states is caught and banned.
 
 The liars are real servers started through `tests/lying_server.py` (a test-only wrapper): one adds
 noise of half the output's norm, one returns NaN; both announce themselves as the fastest servers of

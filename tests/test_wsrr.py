@@ -105,7 +105,7 @@ def test_waiting_penalty_steers_to_a_free_but_slower_chain():
 
 
 def test_the_prompts_real_length_decides_between_fast_prefill_and_fast_decoding():
-    """Routing on real lengths (issue 34): `prefill_scale` scales the servers' measured prefill time
+    """Routing on real lengths: `prefill_scale` scales the servers' measured prefill time
     to the request's own prompt, so a long prompt goes to the server that prefills fast and a short
     one to the server that decodes fast."""
     decoder = ServerSpec(

@@ -1,4 +1,4 @@
-"""Where prefill servers' blocks go once the roles are chosen (issue 37), pure.
+"""Where prefill servers' blocks go once the roles are chosen, pure.
 
 With roles, the servers that decode form the chains (the policy, e.g. CG-BP, places them among
 themselves: a prefill server never carries a session's tokens), and each prefill server holds the

@@ -1,4 +1,4 @@
-"""Which servers take prompts only: the scheduler's placement of prefill/decode roles (issue 37), pure.
+"""Which servers take prompts only: the scheduler's placement of prefill/decode roles, pure.
 
 Servers may run as `prefill` (prompts only, their caches handed to decode servers), `decode` or
 `both` (colocated). A prefill role pays where a server prefills fast for its decode speed and its

@@ -1,4 +1,4 @@
-"""Roles for the managed servers (`swarm-scheduler --roles auto`, issue 37): the role planner
+"""Roles for the managed servers (`swarm-scheduler --roles auto`): the role planner
 (`scheduler.algorithms.roles`) on the swarm the scheduler sees, scored by the contended simulator.
 
 The simulated swarm is built from the announcements: each server's memory, `tau` and `tau_prefill`

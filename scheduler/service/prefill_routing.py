@@ -1,4 +1,4 @@
-"""The prompt phase of a session the scheduler routes (issue 37: WS-RR routes a session's two phases).
+"""The prompt phase of a session the scheduler routes (WS-RR routes a session's two phases).
 
 WS-RR picks the decode chain; then, per hop of it, this picks where the prompt runs: a server started
 with `--role prefill` that holds the hop's blocks (its cache is then handed to the hop's decode

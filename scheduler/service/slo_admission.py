@@ -1,4 +1,4 @@
-"""Admission by SLO (issue 38): does a routed session meet its TTFT and TPOT targets? (pure)
+"""Admission by SLO: does a routed session meet its TTFT and TPOT targets? (pure)
 
 With `swarm-scheduler --slo-ttft S --slo-tpot S` every route is checked as it is made: the session's
 first token is expected after its wait (WS-RR's eq. 20, or JFFC's queue) plus the prefill of its

@@ -1,4 +1,4 @@
-"""CPU-only discrete-event simulator of a swarm (docs/reference.md 1, issue 7).
+"""CPU-only discrete-event simulator of a swarm (docs/reference.md 1).
 
 Modules, one job each:
 

@@ -1,4 +1,4 @@
-"""Contended servers (issues 37, 38): sessions advance token by token through the servers' own loops.
+"""Contended servers: sessions advance token by token through the servers' own loops.
 
 Paper 000's model (`scheduler.sim.engine` without a service) fixes a request's timeline by eq. 1 the
 moment it starts: a server's per-block time never depends on what else it runs. Here every server

@@ -20,7 +20,7 @@ Modelling choices (paper 000 section 4.1, following its simulator):
 Events at equal times run completions first, then deferred starts, then arrivals/retries, each in
 creation order, so runs are deterministic.
 
-With a `service` (`scheduler.sim.contended`, issues 37-38) the timeline is not fixed at the start:
+With a `service` (`scheduler.sim.contended`) the timeline is not fixed at the start:
 the service advances the request through the servers' loops on the same event queue (its events
 run after completions and before starts at equal times) and reports its first token and end. A
 start the policy asked for that finds no cache room (sessions run longer than eq. 1 said) then

@@ -1,4 +1,4 @@
-"""Goodput planning (issue 38): the placement policy and parameter that serve the most requests per
+"""Goodput planning: the placement policy and parameter that serve the most requests per
 second within the SLOs on one swarm, found by simulation (DistServe's algorithm 1 over our policies).
 
 Candidates (`candidate_grid`):

@@ -1,4 +1,4 @@
-"""`hetero`: a heterogeneous swarm for prefill/decode roles (issue 37), and Poisson arrivals with
+"""`hetero`: a heterogeneous swarm for prefill/decode roles, and Poisson arrivals with
 the Azure code trace's lengths.
 
 Two A100-80GB and six 24 GB GPUs of an older generation (a Tesla P40's figures) serve a

@@ -1,9 +1,9 @@
-"""What the simulator's WS-RR knows of a request's output length (`--length-info`, issue 38).
+"""What the simulator's WS-RR knows of a request's output length (`--length-info`).
 
 The engine always runs a request for its true `l_out`; this only sets the `l_out` routing and the
 wait estimates (eq. 20) use, so the simulator can be given what a live client has:
 
-- `oracle`: the true length (the papers' simulator; what the simulator did before issue 38);
+- `oracle`: the true length (the papers' simulator assumes it);
 - `constant:N`: N for every request (a scheduler told nothing: its `--l-out`, default 128);
 - `max-new-tokens`: what the client declares, its cap on the answer: `--max-l-out` when given,
   else `TRACE_MAX_NEW_TOKENS` for a trace replay; a Poisson request's `l_out` (it asks for exactly
@@ -93,7 +93,7 @@ def check_length_info(spec: str) -> None:
 
 
 def length_source(spec: str, default_l_out: int, cap: int | None) -> LengthSource | None:
-    """The source `spec` names; None for `oracle` (WS-RR then runs exactly as before issue 38).
+    """The source `spec` names; None for `oracle` (WS-RR then knows every length exactly).
 
     `default_l_out`: the scheduler's `--l-out` (the predictor's answer until it learned enough);
     `cap`: what clients declare as max_new_tokens (None: each request's own `l_out`).

@@ -1,4 +1,4 @@
-"""Simulating a goodput plan's candidates (issue 38): one candidate (a policy and its parameter) on
+"""Simulating a goodput plan's candidates: one candidate (a policy and its parameter) on
 one swarm at one Poisson rate, averaged over seeds, as `scheduler.sim.goodput_plan` asks for it.
 
 A default policy is built as `policies.build_dispatcher` builds it (so its numbers are

@@ -1,4 +1,4 @@
-"""The swarm a goodput plan is searched on (issue 38), as the simulator's `Scenario`.
+"""The swarm a goodput plan is searched on, as the simulator's `Scenario`.
 
 Two sources:
 

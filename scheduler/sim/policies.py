@@ -111,11 +111,11 @@ class PetalsRouting:
 class WsRrRouting:
     """The scheduler's WS-RR (`RoutingState`): start when eq. 20 says every hop has room.
 
-    With `lengths` (`scheduler.sim.length_info`, issue 38) routing and the waits use the `l_out` it
+    With `lengths` (`scheduler.sim.length_info`) routing and the waits use the `l_out` it
     estimates, not the request's true one, and a request starts as the live scheduler admits it
     (`scheduler.service.sessions`): as soon as its chain has room, waiting ones in predicted order,
     none overtaking an earlier one on a shared server. Without `lengths` (the oracle) eq. 20's
-    start is exact, so a request starts at it (as before issue 38).
+    start is exact, so a request starts at it.
 
     `cache_units` (the engine's, `scheduler.sim.engine.simulate`): each request is routed for the
     room its own lengths need and recorded with it, and a request running past its expected end

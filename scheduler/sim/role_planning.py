@@ -1,5 +1,5 @@
 """The role planner (`scheduler.algorithms.roles`) on a simulated swarm: its inputs from a `Scenario`,
-and its candidates scored by goodput in the contended simulator (issue 37).
+and its candidates scored by goodput in the contended simulator.
 
 A candidate's score is its goodput: the highest Poisson rate at which >= 90% of requests meet both
 SLOs (`goodput_plan.search_goodput`), the servers running the live loop (`--contended serial`), the

@@ -1,4 +1,4 @@
-"""Prefill and decode roles, and cache hand-offs between servers, in the contended model (issue 37).
+"""Prefill and decode roles, and cache hand-offs between servers, in the contended model.
 
 A scenario may give each server a role (`swarm.server_info.ServerRole`: prefill, decode or both) and
 the links between servers (round trip, bandwidth). Chains route only through servers that decode

@@ -1,4 +1,4 @@
-"""Goodput of colocated serving against prefill/decode roles on the `hetero` swarm (issue 37), pure.
+"""Goodput of colocated serving against prefill/decode roles on the `hetero` swarm, pure.
 
 Each configuration is a `CellConfig` of the contended model (serial accelerators, the live server's
 loop) on `scheduler.sim.hetero` with Poisson arrivals whose lengths are the Azure code trace's;
