@@ -472,7 +472,7 @@ class SwarmServer:
         await self.served.install(p2p, config.dht_prefix, self._new_servicer)
         self.state = ServerState.ONLINE
         self.metrics.span_changes.inc()
-        await self.announce_quietly()
+        # logged before announcing: whoever sees the new span online finds the move already recorded
         logger.info(
             "moved blocks %s -> %d:%d (%s): %d blocks reused, %d loaded; drain %.0f ms "
             "(%d sessions cut), switch %.0f ms",
@@ -486,6 +486,7 @@ class SwarmServer:
             unfinished,
             (loop.time() - switch_began) * 1e3,
         )
+        await self.announce_quietly()
         return True
 
     def shutdown(self) -> None:
