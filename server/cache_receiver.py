@@ -59,7 +59,7 @@ async def receive_cache(
         session = _claim(find_session(header.session_id), header, str(context.remote_id))
         # a chunk holds at least one position: with a very wide cache that alone may pass CHUNK_BYTES
         cache = session.cache
-        one_position = 2 * cache.batch_size * cache.keys[0].shape[1] * cache.keys[0].shape[3] * 4
+        one_position = cache.position_bytes * 4 // cache.keys[0].element_size()  # as float32 on the wire
         limit.max_bytes = max(CHUNK_MESSAGE_LIMIT, one_position + 64 * 1024)
         started, deadline = time.monotonic(), time.monotonic() + PUSH_TOTAL_TIMEOUT
         writer = _CacheWriter(session, header.length)
@@ -127,7 +127,7 @@ class _CacheWriter:
     def __init__(self, session: Session, length: int):
         self.session, self.length = session, length
         cache = session.cache
-        self.shape = (cache.batch_size, cache.keys[0].shape[1], cache.keys[0].shape[3])  # batch, heads, dim
+        self.shapes = cache.position_shapes  # (batch, heads, width) of keys and of values
         self.held = [0] * cache.num_blocks  # positions each block holds so far
         self.left = cache.num_blocks  # blocks not yet at the pushed length
 
@@ -147,21 +147,20 @@ class _CacheWriter:
         if len(tensors) != 2:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"a chunk carries keys and values, got {len(tensors)}")
         keys, values = tensors
-        batch, heads, dim = self.shape
-        for tensor in (keys, values):
+        for tensor, (batch, heads, width) in zip(tensors, self.shapes, strict=True):
             fits = tensor.ndim == 4 and (tensor.shape[0], tensor.shape[1], tensor.shape[3]) == (
                 batch,
                 heads,
-                dim,
+                width,
             )
             if tensor.dtype not in FLOAT_DTYPES or not fits or tensor.shape[2] < 1:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST,
-                    f"a chunk holds float [{batch}, {heads}, n, {dim}] tensors, got {tensor.dtype} "
+                    f"a chunk holds float [{batch}, {heads}, n, {width}] keys and values, got {tensor.dtype} "
                     f"{tuple(tensor.shape)}",
                 )
         count = keys.shape[2]
-        if values.shape != keys.shape or self.position + count > self.length:
+        if values.shape[2] != count or self.position + count > self.length:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
                 f"chunk of {count} positions at {self.position} passes the pushed length {self.length}",

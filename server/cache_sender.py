@@ -60,8 +60,7 @@ async def push_cache(
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"cannot hand off {order.length} positions: the cache holds {cache.length}"
         )
-    per_position = 2 * cache.batch_size * cache.keys[0].shape[1] * cache.keys[0].shape[3]
-    per_position *= cache.keys[0].element_size()
+    per_position = cache.position_bytes
     positions = max(1, CHUNK_BYTES // per_position)
     total = per_position * order.length * cache.num_blocks
     peer = PeerID.from_base58(order.target_peer)

@@ -148,7 +148,7 @@ class SpanManager:
             num_blocks=server.model_blocks,
             block_bytes=server.block_bytes,
             hidden_size=family.hidden_size(span.config),
-            kv_dim=family.num_kv_heads(span.config) * family.head_dim(span.config),
+            kv_dim=family.kv_dim(span.config),
             dtype_bytes=dtype_bytes(span.dtype),
             cache_bytes=server.cache_token_bytes * config.slot_tokens,
         )

@@ -34,6 +34,7 @@ from swarm.dht_records import announce
 from swarm.model_limits import ModelLimits
 from swarm.models.adapters import attach_adapters
 from swarm.models.checkpoint import load_config
+from swarm.models.family import family_for
 from swarm.models.span import TransformerSpan, load_span, rebuild_span
 from swarm.reachability import DialBackService
 from swarm.server_info import Reachability, ServerInfo, ServerState
@@ -58,7 +59,7 @@ class SwarmServer:
         self.block_bytes = 0
         self.cache_token_bytes = 0
         self.manager: SpanManager | None = None  # managed servers: where to serve, from the scheduler
-        self._probe: TransformerSpan | None = None  # managed: block 0, measured, until a span is loaded
+        self._probe: TransformerSpan | None = None  # managed: one block, measured, until a span is loaded
         self._failure: BaseException | None = None
         self.metrics = ServerMetrics()  # one per server: counters survive moves between spans
         self.metrics.watch_cache(
@@ -192,12 +193,15 @@ class SwarmServer:
             self._load_pinned_span()
 
     def _load_probe(self) -> None:
-        """Managed: measure on block 0 alone what the scheduler needs to place us (tau, tau_prefill,
-        s_m, cache bytes per token); blocks are alike, so one block tells it for any span."""
+        """Managed: measure on one block alone what the scheduler needs to place us (tau,
+        tau_prefill, s_m, cache bytes per token): a block of the model's largest kind, which prices
+        any span (blocks are alike but for DeepSeek's first, dense ones)."""
         config = self.config
         started = time.perf_counter()
+        model_config = load_config(config.model_dir)
+        block = family_for(model_config).representative_block(model_config)
         self._probe, _files = load_span(
-            config.model_dir, 0, 1, dtype=config.dtype, device=config.device, quant=config.quant
+            config.model_dir, block, block + 1, dtype=config.dtype, device=config.device, quant=config.quant
         )
         self.block_bytes = self._probe.block_bytes
         self.cache_token_bytes = self._probe.cache_bytes(num_tokens=1)
@@ -205,8 +209,9 @@ class SwarmServer:
         self.timings = self._measure_timings(self._probe)
         self._announce()  # JOINING without blocks: the scheduler can place us from now on
         logger.info(
-            "managed: probe on block 0 in %.0f ms: %d bytes per block, tau %.2f ms/block/token, "
+            "managed: probe on block %d in %.0f ms: %d bytes per block, tau %.2f ms/block/token, "
             "tau_prefill(%d) %.2f ms/block, memory %d bytes; waiting for a span",
+            block,
             (time.perf_counter() - started) * 1e3,
             self.block_bytes,
             self.timings.tau * 1e3,
@@ -216,8 +221,8 @@ class SwarmServer:
         )
 
     async def _load_assigned_span(self, start: int, end: int) -> None:
-        """Managed: load the span, keeping the probe's block 0 if the span holds it (timings stay the
-        probe's: blocks are alike)."""
+        """Managed: load the span, keeping the probe's block if the span holds it (timings stay the
+        probe's: it is of the largest kind)."""
         started = time.perf_counter()
         model_dir = self.config.model_dir
         span, reused, loaded = await asyncio.to_thread(rebuild_span, self._probe, model_dir, start, end)

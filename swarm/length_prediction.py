@@ -247,7 +247,6 @@ class OutputLengthPredictor:
         length = min(self.default, limit)
         return LengthPrediction(length, output_bucket(length), "constant", 0.0)
 
-
     def predict_remaining(
         self, l_in: int, generated: int, label: str | None = None, cap: int | None = None
     ) -> int:

@@ -79,9 +79,7 @@ def scheduler_argv(
     ]  # fmt: skip
 
 
-def wait_for_file(
-    path: Path, process: Process, what: str, log: Callable[[], str], timeout: float
-) -> str:
+def wait_for_file(path: Path, process: Process, what: str, log: Callable[[], str], timeout: float) -> str:
     """The text a starting process writes to `path` when it is ready (its addresses); raises with the
     end of its log if it exits or takes longer than `timeout`."""
     deadline = time.monotonic() + timeout

@@ -32,11 +32,11 @@ class ModelLimits:
     def from_config(cls, config: PretrainedConfig) -> ModelLimits:
         family = family_for(config)
         with torch.device("meta"):  # shapes only: no memory, no weights
-            block = family.build_block(prepare_config(config), 0)
+            block = family.build_block(prepare_config(config), family.representative_block(config))
         return cls(
             num_blocks=family.num_blocks(config),
             block_params=sum(parameter.numel() for parameter in block.parameters()),
-            kv_dim=family.num_kv_heads(config) * family.head_dim(config),
+            kv_dim=family.kv_dim(config),
         )
 
     def problem(self, info: ServerInfo) -> str | None:

@@ -50,7 +50,8 @@ def fused_layout_problem(module: nn.Module) -> str | None:
         return "its expert weights are stored transposed"
     if not getattr(module, "is_concatenated", True):
         return "its gate and up projections are interleaved"
-    if getattr(module, "has_bias", False):
+    # 4.57's GPT-OSS experts declare no layout flags: their bias parameters tell
+    if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
         return "its experts have biases"
     if getattr(module, "has_post_expert_norm", False):
         return "its experts have a norm after each expert"

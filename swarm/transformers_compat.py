@@ -71,3 +71,35 @@ def with_default_experts_implementation(config):
     config = copy.copy(config)
     config._experts_implementation = "grouped_mm"
     return config
+
+
+@functools.cache
+def forward_takes(module_class: type[nn.Module], argument: str) -> bool:
+    """Whether a module class's forward takes `argument` (4.57's Gemma 3 layers take both rotary
+    tables, global and local, where 5.x's take the one of their layer type)."""
+    return argument in inspect.signature(module_class.forward).parameters
+
+
+def gemma3_rotary_embeddings(rotary_class: type[nn.Module], config, device: torch.device) -> nn.ModuleDict:
+    """Gemma 3's rotary tables: 5.x builds one module that takes the layer type in its forward
+    (`rotary`); 4.57 builds one per layer type, the local one from a copy of the config with
+    `rope_local_base_freq` as its base and no scaling (`rotary_full_attention`,
+    `rotary_sliding_attention`)."""
+    if forward_takes(rotary_class, "layer_type"):
+        return nn.ModuleDict({"rotary": build_rotary_embedding(rotary_class, config, device)})
+    local = copy.deepcopy(config)
+    local.rope_theta = config.rope_local_base_freq
+    local.rope_scaling = {"rope_type": "default"}
+    return nn.ModuleDict(
+        {
+            "rotary_full_attention": build_rotary_embedding(rotary_class, config, device),
+            "rotary_sliding_attention": build_rotary_embedding(rotary_class, local, device),
+        }
+    )
+
+
+def gemma3_rotary(helpers: nn.ModuleDict, hidden: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
+    """The (cos, sin) of `layer_type`'s rotary table, from what `gemma3_rotary_embeddings` built."""
+    if "rotary" in helpers:
+        return helpers["rotary"](hidden, position_ids, layer_type)
+    return helpers[f"rotary_{layer_type}"](hidden, position_ids)

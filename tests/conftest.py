@@ -24,6 +24,7 @@ def _stop_the_zygote():
     yield
     preloaded_launcher.shutdown()
 
+
 NUM_BLOCKS = 6
 
 

@@ -126,6 +126,15 @@ def test_a_mixture_of_experts_block_quantizes_its_experts_too(tmp_path, quant, f
     assert relative < (0.05 if quant == "int8" else 0.3), relative
 
 
+def test_gpt_oss_experts_are_refused_by_quantization_with_the_reason(tmp_path):
+    """GPT-OSS's experts have biases and interleaved gate/up rows, which the per-expert quantized
+    layers do not compute: quantizing says so rather than computing something else."""
+    model_dir = build_tiny_model(tmp_path / "gpt_oss", TinyModelSpec(family="gpt_oss", num_layers=1))
+    span, _ = load_span(model_dir, 0, 1)
+    with pytest.raises(SwarmUserError, match="cannot quantize this model's experts: .*"):
+        quantize_block(span.blocks[0], "int8", torch.float32, torch.device("cpu"))
+
+
 def test_memory_budget_keeps_headroom_and_rejects_what_does_not_fit():
     total, free = 80 * GIB, 78 * GIB  # ~2 GB: CUDA context and other processes
     headroom = headroom_bytes(total)

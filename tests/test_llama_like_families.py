@@ -1,9 +1,13 @@
 """Families with LLaMA's layout: Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral (a sliding
-window), Mixtral and Qwen3-MoE (a mixture of experts in every block). In-process spans and real
-servers give local transformers' tokens (greedy, beam search, a padded batch); concurrent sessions
-batched on a server equal each alone; a session survives its server being killed; a sharded
-checkpoint loads only its span's shards; sliding windows are exact past their end, in process and
-through real servers."""
+window), Mixtral and Qwen3-MoE (a mixture of experts in every block), Gemma 2 and 3 (sliding and
+full layers alternating, soft-capped logits, scaled embeddings; Gemma 3 a local rotary table),
+GPT-OSS (alternating layers, attention sinks, biased experts) and DeepSeek-V2 and V3 (latent
+attention caching its compressed latent, dense first blocks, routed and shared experts).
+
+In-process spans and real servers give local transformers' tokens (greedy, beam search, a padded
+batch); concurrent sessions batched on a server equal each alone; a session survives its server
+being killed; a sharded checkpoint loads only its span's shards; sliding windows are exact past
+their end, in process and through real servers."""
 
 from __future__ import annotations
 
@@ -14,23 +18,41 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.backend import LocalSpans
 from client.model import DistributedModelForCausalLM
+from swarm.cost import module_parameter_bytes
 from swarm.dht_keys import default_prefix
 from swarm.errors import UnsupportedModelError
 from swarm.models import load_span
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
 
 LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
+FAMILIES = [
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+]
+LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")  # no grouped heads, no sliding window
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory):
-    spec = TinyModelSpec(family=request.param, num_layers=LAYERS, num_kv_heads=2)
+    kv_heads = None if request.param in LATENT_ATTENTION else 2
+    spec = TinyModelSpec(family=request.param, num_layers=LAYERS, num_kv_heads=kv_heads)
     return build_tiny_model(tmp_path_factory.mktemp(request.param) / "model", spec, max_shard_size="60KB")
 
 
@@ -59,12 +81,15 @@ def test_a_span_loads_only_its_own_shards(family_dir):
 
 def test_sliding_windows_are_exact_past_the_window_or_refused(family_dir, tmp_path):
     """A window of 4 positions (Mistral and Mixtral: every block; Qwen2 and Qwen3: the blocks their
-    `layer_types` make sliding, here every other one): spans mask the keys outside it, so generating
+    `layer_types` make sliding, here every other one, as Gemma's and GPT-OSS's tiny configs have
+    them): spans mask the keys outside it, so generating
     far past it equals local transformers (alone and in a left-padded batch), and a batched decode
     step of sessions on both sides of it equals each session alone. Qwen3-MoE's windows are refused."""
     copy = tmp_path / "windowed"
     shutil.copytree(family_dir, copy)
     config = json.loads((copy / "config.json").read_text())
+    if config["model_type"] in LATENT_ATTENTION:
+        pytest.skip(f"{config['model_type']} has no sliding attention")
     config.update(use_sliding_window=True, sliding_window=4)
     if config["model_type"] in ("qwen2", "qwen3"):
         layer_types = ["full_attention", "sliding_attention"] * (LAYERS // 2)
@@ -182,6 +207,77 @@ def test_real_servers_serve_sessions_past_a_mistral_window(swarm, tmp_path):
         )
     finally:
         model.shutdown()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_spans_cache_what_its_attention_caches(family, tmp_path):
+    """A span caches per position what transformers' DeepSeek attention caches (5.x: the compressed
+    latent and the rotary key, one row each; 4.57: every head's keys and values); its dense first
+    block is smaller than the expert blocks, and a span is priced at its largest; V3's routing
+    correction comes from the checkpoint; sessions on both sides of a batched decode step (their
+    latents gathered into one batch) equal each alone."""
+    model_dir = build_tiny_model(tmp_path / family, TinyModelSpec(family=family, num_layers=3))
+    config = AutoConfig.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    cache = DynamicCache(config=config)
+    reference(PROMPT, use_cache=True, **{GENERATE_CACHE_ARGUMENT: cache})
+    span = load_span(model_dir, 0, 3)[0]
+    session = span.new_cache(1, 16)
+    span(torch.randn(1, PROMPT.shape[1], span.hidden_size), session, 0)
+    for block in range(3):
+        for ours, theirs in (
+            (session.keys[block], cache.layers[block].keys),
+            (session.values[block], cache.layers[block].values),
+        ):
+            assert (ours.shape[1], ours.shape[3]) == (theirs.shape[1], theirs.shape[3])
+    dense, sparse = (module_parameter_bytes(block) for block in span.blocks[:2])
+    assert dense < sparse == span.block_bytes and span.family.representative_block(config) == 1
+    if family == "deepseek_v3":
+        expected = reference.model.layers[1].mlp.gate.e_score_correction_bias
+        assert expected.abs().sum() > 0
+        assert torch.equal(span.blocks[1].mlp.gate.e_score_correction_bias, expected)
+    generator = torch.Generator().manual_seed(0)
+    prefixes = [torch.randn(1, length, span.hidden_size, generator=generator) for length in (3, 9)]
+    tokens = [torch.randn(1, 1, span.hidden_size, generator=generator) for _ in prefixes]
+    alone, caches = [], []
+    for prefix in prefixes:
+        for destination in (alone, caches):
+            cache = span.new_cache(1, 16)
+            span(prefix, cache, 0)
+            destination.append(cache)
+    expected_steps = [span(token, cache, cache.length) for token, cache in zip(tokens, alone, strict=True)]
+    batched = span.forward_batch(
+        [(token, cache, cache.length, None) for token, cache in zip(tokens, caches, strict=True)]
+    )
+    for output, expected_step in zip(batched, expected_steps, strict=True):
+        torch.testing.assert_close(output, expected_step, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_soft_caps_are_the_models_own(family, tmp_path):
+    """Caps small enough to change the logits: the final one (the client's head) and Gemma 2's
+    attention one (the blocks' kernel, which transformers 5 applies and 4.57's SDPA does not) give
+    transformers' tokens, alone and in a padded batch."""
+    model_dir = build_tiny_model(
+        tmp_path / family, TinyModelSpec(family=family, num_layers=2, num_kv_heads=2)
+    )
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(final_logit_softcapping=2.0, attn_logit_softcapping=0.5)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = DistributedModelForCausalLM.from_local_parts(
+        model_dir, LocalSpans([load_span(model_dir, 0, 1)[0], load_span(model_dir, 1, 2)[0]])
+    )
+    expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=16, do_sample=False), expected)
+    assert not torch.allclose(reference(expected).logits, plain(expected).logits)  # the caps matter
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = tokenizer(
+        ["one two", "A cat sat on a mat"], return_tensors="pt", padding=True, padding_side="left"
+    )
+    expected = reference.generate(**batch, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=12, do_sample=False), expected)
 
 
 def test_llama3_rope_scaling_is_the_models_own(tmp_path):

@@ -47,7 +47,7 @@ class ModelShape:
         return cls(
             num_blocks=family.num_blocks(config),
             hidden_size=family.hidden_size(config),
-            kv_dim=family.num_kv_heads(config) * family.head_dim(config),
+            kv_dim=family.kv_dim(config),
         )
 
 

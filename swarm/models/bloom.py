@@ -22,8 +22,8 @@ class BloomFamily(ModelFamily):
     embedding_weight = "embed.0.weight"
     blocks_attribute = "h."
 
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
-        block = BloomBlock(config, layer_idx=local_index)
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
+        block = BloomBlock(config, layer_idx=index)
         use_inplace_bloom_attention(block.self_attention)  # batched decode reads caches in place
         return block
 

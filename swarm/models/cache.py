@@ -21,7 +21,10 @@ _SERIALS = itertools.count()
 
 
 class SpanCache:
-    """Keys and values of one session for every block of a span: `[batch, kv_heads, max_length, head_dim]`."""
+    """Keys and values of one session for every block of a span: `[batch, kv_heads, max_length,
+    head_dim]` and `[batch, kv_heads, max_length, value_dim]`. What a family's attention caches as
+    its "keys" and "values" may be other tensors of other widths: DeepSeek's latent attention caches
+    its compressed latent and its shared rotary key, one "head" each."""
 
     def __init__(
         self,
@@ -33,12 +36,15 @@ class SpanCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         block_offset: int = 0,
+        value_dim: int | None = None,  # None: head_dim
     ):
         if min(num_blocks, batch_size, max_length) <= 0:
             raise ValueError("a cache needs at least one block, one sequence and one position")
-        shape = (batch_size, num_kv_heads, max_length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_blocks)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_blocks)]
+        value_dim = head_dim if value_dim is None else value_dim
+        key_shape = (batch_size, num_kv_heads, max_length, head_dim)
+        value_shape = (batch_size, num_kv_heads, max_length, value_dim)
+        self.keys = [torch.zeros(key_shape, dtype=dtype, device=device) for _ in range(num_blocks)]
+        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(num_blocks)]
         # the cache serves span-local blocks [block_offset, block_offset + num_blocks): a session may
         # enter a server's span in the middle, where its predecessor on the chain stopped
         self.block_offset = block_offset
@@ -54,6 +60,18 @@ class SpanCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @property
+    def position_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """`(batch, heads, width)` of one block's keys and of its values, per position."""
+        key, value = self.keys[0], self.values[0]
+        return (key.shape[0], key.shape[1], key.shape[3]), (value.shape[0], value.shape[1], value.shape[3])
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one position takes in one block, keys and values together."""
+        keys, values = self.position_shapes
+        return (keys[0] * keys[1] * keys[2] + values[0] * values[1] * values[2]) * self.keys[0].element_size()
 
     def begin_step(self, position: int, num_tokens: int) -> None:
         """Prepare to write `num_tokens` new positions starting at absolute `position`."""
@@ -110,7 +128,12 @@ class BatchedStepCache:
     batched_view = True  # what BLOOM's attention override looks for
 
     def __init__(
-        self, caches: list[SpanCache], positions: list[int], total: int, masked: list[bool] | None = None
+        self,
+        caches: list[SpanCache],
+        positions: list[int],
+        total: int,
+        masked: list[bool] | None = None,
+        gathered: bool = False,
     ):
         if not caches or len(caches) != len(positions):
             raise ValueError("a batched step needs one position per cache, and at least one cache")
@@ -121,6 +144,9 @@ class BatchedStepCache:
             raise ValueError("the batched view is shorter than a member's prefix")
         self.caches, self.positions, self.total = caches, positions, total
         self.masked = masked if masked is not None else [False] * len(caches)
+        # gathered: `update` returns every session's keys and values copied into one batch, each
+        # right-aligned to `total` with zeros before (the batch's mask hides them)
+        self.gathered = gathered
         self.block_offset, self.num_blocks = first.block_offset, first.num_blocks
         bounds, row = [], 0
         for cache in caches:
@@ -150,8 +176,21 @@ class BatchedStepCache:
                     masked=masked,
                 )
             )
+        if self.gathered:
+            return self._gather(sessions, key_states, value_states)
         views = SessionKeyValues(tuple(sessions))
         return views, views
+
+    def _gather(
+        self, sessions: list[SessionView], key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gathered = []
+        for states, field in ((key_states, "keys"), (value_states, "values")):
+            batch = states.new_zeros(self.num_rows, states.shape[1], self.total, states.shape[3])
+            for session in sessions:
+                batch[session.rows, :, session.first_column :] = getattr(session, field)
+            gathered.append(batch)
+        return gathered[0], gathered[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.total - 1

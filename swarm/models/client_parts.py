@@ -51,7 +51,12 @@ class ClientParts(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(device=self.lm_head.weight.device, dtype=self.dtype)
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        # Gemma 2 and 3 soft-cap the final logits: cap * tanh(logits / cap), as their models do
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def load_client_parts(

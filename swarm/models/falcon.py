@@ -57,12 +57,12 @@ class FalconFamily(ModelFamily):
             return int(config.num_kv_heads)
         return 1 if config.multi_query else self.num_heads(config)
 
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
         # FalconDecoderLayer picks its attention class by the config's kernel name and knows only
         # transformers' own; "sdpa" builds the class whose forward `use_falcon_attention` replaces
         block_config = copy.copy(config)
         block_config._attn_implementation = "sdpa"
-        block = FalconDecoderLayer(block_config, layer_idx=local_index)
+        block = FalconDecoderLayer(block_config, layer_idx=index)
         use_falcon_attention(block.self_attention)
         return block
 

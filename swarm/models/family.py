@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from swarm.errors import UnsupportedModelError
+from swarm.models.inplace_attention import ATTENTION_NAME
 
 StepInputs = dict[str, Any]
 
@@ -28,6 +29,25 @@ class StepTokens:
     hidden: torch.Tensor  # [batch, new, hidden] at absolute positions position .. position + new - 1
     position: int
     padding_mask: torch.Tensor | None  # [batch, position + new], 1 = real token; only for padded batches
+    window: int | None = None  # the sliding window of the blocks these inputs are for (None: full)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a block caches per position of one sequence: `heads` rows of `key_dim` ("keys") and of
+    `value_dim` ("values") elements. Usually attention's key/value heads; DeepSeek's latent attention
+    caches its compressed latent as the "keys" and its shared rotary key as the "values", one row
+    each."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def kv_dim(self) -> int:
+        """`d_kv` of the cost model (`s_c = 2 * d_kv * tokens * dtype_bytes`): half the elements a
+        block caches per position, rounded up."""
+        return (self.heads * (self.key_dim + self.value_dim) + 1) // 2
 
 
 class ModelFamily(ABC):
@@ -35,6 +55,9 @@ class ModelFamily(ABC):
     base_prefixes: tuple[str, ...]  # candidate name prefixes of the base model in a checkpoint
     blocks_attribute: str  # e.g. "h." for BLOOM: block i's tensors are "{base}{blocks_attribute}{i}."
     embedding_weight: str  # local name of the token embedding matrix in the client modules (tied LM heads)
+    # the attention kernel the blocks call through transformers' interface: SDPA, what transformers
+    # picks on load for most families (swarm.models.inplace_attention)
+    attention_implementation: str = ATTENTION_NAME
 
     # --- shapes ---------------------------------------------------------------------------------
     @staticmethod
@@ -55,6 +78,20 @@ class ModelFamily(ABC):
     def head_dim(self, config: PretrainedConfig) -> int:
         return self.hidden_size(config) // self.num_heads(config)
 
+    def cache_layout(self, config: PretrainedConfig) -> CacheLayout:
+        """What one block caches per position (default: its key/value heads of `head_dim` each)."""
+        head_dim = self.head_dim(config)
+        return CacheLayout(self.num_kv_heads(config), head_dim, head_dim)
+
+    def kv_dim(self, config: PretrainedConfig) -> int:
+        return self.cache_layout(config).kv_dim
+
+    def representative_block(self, config: PretrainedConfig) -> int:
+        """A block of the model's largest kind: what a server measures before it holds a span and
+        what a record's block size is checked against (blocks of a span are priced at their largest:
+        DeepSeek's first, dense blocks are smaller than its mixture-of-experts ones)."""
+        return 0
+
     def longest_session(self, config: PretrainedConfig) -> int | None:
         """The most positions a session may hold for the blocks to compute what the model defines
         (None: no limit of the family's own)."""
@@ -69,8 +106,9 @@ class ModelFamily(ABC):
 
     # --- blocks ---------------------------------------------------------------------------------
     @abstractmethod
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
-        """A block whose attention addresses cache layer `local_index` (its index inside the span)."""
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
+        """Block `index` of the model (its kind, window and rotary follow that index); the span
+        renumbers its cache layer to the block's place inside the span (`set_block_local_index`)."""
 
     def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
         """Modules a span needs besides its blocks (e.g. LLaMA's rotary embedding), not in the checkpoint."""
@@ -91,7 +129,7 @@ class ModelFamily(ABC):
 
         `padding_mask` (`[batch, position + new]`, 1 = real token) is given only for padded batches.
         """
-        step = StepTokens(hidden, position, padding_mask)
+        step = StepTokens(hidden, position, padding_mask, window)
         return {
             **self.position_inputs(config, helpers, step),
             "attention_mask": attention_bias(hidden, position, padding_mask, window),
@@ -102,6 +140,11 @@ class ModelFamily(ABC):
         self, config: PretrainedConfig, helpers: nn.ModuleDict, step: StepTokens
     ) -> StepInputs:
         """The inputs that tell a block where the step's tokens stand (ALiBi, rotary embeddings)."""
+
+    # whether the blocks' attention reads each session's cache in place in a batched decode step
+    # (swarm.models.inplace_attention); otherwise the step gathers the sessions' caches into one
+    # right-aligned batch, which a family whose attention transforms the whole cache needs
+    reads_cache_in_place = True
 
     # whether a single-token decode step of this family's blocks can be captured as a CUDA graph
     # (swarm.models.decode_graphs): no host synchronization inside, attention through `swarm_sdpa`
@@ -124,6 +167,19 @@ class ModelFamily(ABC):
     ) -> torch.Tensor:
         """One block's forward; `cache` follows the `transformers` cache protocol."""
 
+    # the model class whose `_keep_in_fp32_modules(_strict)` say which tensors stay in float32
+    pretrained_class: type | None = None
+
+    def float32_tensors(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """Name parts of the block tensors transformers keeps in float32 when the model loads in
+        `dtype`: the strict list in any 16-bit dtype, the other one in float16 only."""
+        if self.pretrained_class is None:
+            return ()
+        names = list(getattr(self.pretrained_class, "_keep_in_fp32_modules_strict", None) or ())
+        if dtype == torch.float16:
+            names += getattr(self.pretrained_class, "_keep_in_fp32_modules", None) or ()
+        return tuple(names)
+
     def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A block's checkpoint tensors (block-local names) in the layout of `block`, the module this
         transformers version builds (a family whose layout differs between versions converts here)."""
@@ -137,6 +193,16 @@ class ModelFamily(ABC):
     @abstractmethod
     def client_tensor_names(self, base_prefix: str) -> dict[str, str]:
         """Map from checkpoint tensor name to the name inside `build_client_modules`' ModuleDict."""
+
+
+def layer_types_window(config: PretrainedConfig, index: int) -> int | None:
+    """The window of block `index` when a config's `layer_types` make it "sliding_attention" (Qwen2 and
+    Qwen3 with `use_sliding_window`, Gemma 2 and 3, GPT-OSS), else None."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    if index < len(layer_types) and layer_types[index] == "sliding_attention" and window:
+        return int(window)
+    return None
 
 
 def attention_bias(

@@ -10,13 +10,16 @@ on those views, exactly the computation of that session's unbatched step (same s
 same kernel), and the outputs are concatenated for the batched output projection.
 
 - LLaMA calls attention through `transformers`' attention interface: `swarm_sdpa` (registered here)
-  is `sdpa_attention_forward` for ordinary tensors and the per-session loop for `SessionKeyValues`.
+  is `sdpa_attention_forward` for ordinary tensors and the per-session loop for `SessionKeyValues`;
+  `register_session_attention` does the same for another kernel (Gemma 2's soft-capped eager
+  attention, GPT-OSS's attention with sinks).
 - BLOOM computes attention inline, so its attention modules get `bloom_attention_forward`, which
   delegates to the library's own forward unless the cache is a batched view.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MethodType
 
@@ -65,29 +68,39 @@ class StaticSessions:
     sessions: tuple[StaticSession, ...]
 
 
-def swarm_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """`sdpa_attention_forward`, per session when the keys are a batched step's `SessionKeyValues`
-    or a captured step's `StaticSessions`."""
-    if isinstance(key, StaticSessions):
-        outputs = [
-            sdpa_attention_forward(module, query[s.rows], s.keys, s.values, s.mask, **kwargs)[0]
-            for s in key.sessions
-        ]
+def session_attention(kernel: Callable) -> Callable:
+    """`kernel` (an attention function of transformers' interface), run per session when the keys are
+    a batched step's `SessionKeyValues` or a captured step's `StaticSessions`."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if isinstance(key, StaticSessions):
+            outputs = [
+                kernel(module, query[s.rows], s.keys, s.values, s.mask, **kwargs)[0] for s in key.sessions
+            ]
+            return torch.cat(outputs), None
+        if not isinstance(key, SessionKeyValues):
+            return kernel(module, query, key, value, attention_mask, **kwargs)
+        outputs = []
+        for session in key.sessions:
+            mask = None
+            if session.masked and attention_mask is not None:
+                mask = attention_mask[session.rows, :, :, session.first_column :]
+            output, _ = kernel(module, query[session.rows], session.keys, session.values, mask, **kwargs)
+            outputs.append(output)
         return torch.cat(outputs), None
-    if not isinstance(key, SessionKeyValues):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outputs = []
-    for session in key.sessions:
-        mask = None
-        if session.masked and attention_mask is not None:
-            mask = attention_mask[session.rows, :, :, session.first_column :]
-        output, _ = sdpa_attention_forward(
-            module, query[session.rows], session.keys, session.values, mask, **kwargs
-        )
-        outputs.append(output)
-    return torch.cat(outputs), None
+
+    return attention
 
 
+def register_session_attention(name: str, kernel: Callable) -> str:
+    """Register `kernel`, run per session in batched steps, as attention implementation `name`."""
+    AttentionInterface.register(name, session_attention(kernel))
+    return name
+
+
+# what transformers picks for most families on load; a family whose model computes attention its
+# own way (soft-capped logits, attention sinks) registers that model's eager kernel instead
+swarm_sdpa = session_attention(sdpa_attention_forward)
 AttentionInterface.register(ATTENTION_NAME, swarm_sdpa)
 
 

@@ -25,8 +25,8 @@ class LlamaFamily(ModelFamily):
     def head_dim(self, config: PretrainedConfig) -> int:
         return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
-        return LlamaDecoderLayer(config, layer_idx=local_index)
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
+        return LlamaDecoderLayer(config, layer_idx=index)
 
     def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
         # the rotary tables are computed from the config, not stored in checkpoints
@@ -73,7 +73,7 @@ class LlamaFamily(ModelFamily):
 
     def client_tensor_names(self, base_prefix: str) -> dict[str, str]:
         return {
-            f"{base_prefix}embed_tokens.weight": "embed.weight",
+            f"{base_prefix}embed_tokens.weight": self.embedding_weight,
             f"{base_prefix}norm.weight": "norm.weight",
             "lm_head.weight": "lm_head.weight",
         }

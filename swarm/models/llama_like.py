@@ -37,7 +37,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from swarm.errors import UnsupportedModelError
 from swarm.models.expert_weights import ExpertNames
-from swarm.models.family import register_family
+from swarm.models.family import layer_types_window, register_family
 from swarm.models.llama import LlamaFamily
 from swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
 
@@ -49,10 +49,10 @@ class Qwen2Family(LlamaFamily):
     rotary_embedding: type[nn.Module] = Qwen2RotaryEmbedding
     experts: ExpertNames | None = None  # where a mixture keeps its experts (None: one dense MLP)
 
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
         if self.experts is not None:
             config = with_default_experts_implementation(config)
-        return self.decoder_layer(config, layer_idx=local_index)
+        return self.decoder_layer(config, layer_idx=index)
 
     def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.experts is None:
@@ -61,10 +61,7 @@ class Qwen2Family(LlamaFamily):
 
     def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
         # the blocks from `max_window_layers` on slide when `use_sliding_window`: `layer_types` says which
-        layer_types = getattr(config, "layer_types", None) or ()
-        if index < len(layer_types) and layer_types[index] == "sliding_attention" and config.sliding_window:
-            return int(config.sliding_window)
-        return None
+        return layer_types_window(config, index)
 
     def make_span_helpers(self, config: PretrainedConfig, device) -> nn.ModuleDict:
         return nn.ModuleDict({"rotary": build_rotary_embedding(self.rotary_embedding, config, device)})
@@ -123,7 +120,7 @@ class Qwen3MoeFamily(Qwen3Family):
         checkpoint_prefix="mlp.", module_prefix="mlp.", gate="gate_proj", up="up_proj", down="down_proj"
     )
 
-    def build_block(self, config: PretrainedConfig, local_index: int) -> nn.Module:
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
         # a block's kind (experts or one dense MLP) follows its index in the model; every served
         # block must be alike, since blocks are priced as one size and addressed by span position
         if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
@@ -135,7 +132,7 @@ class Qwen3MoeFamily(Qwen3Family):
             raise UnsupportedModelError(
                 "qwen3_moe with sliding-window attention (use_sliding_window) is not supported"
             )
-        return super().build_block(config, local_index)
+        return super().build_block(config, index)
 
 
 QWEN2 = register_family(Qwen2Family())

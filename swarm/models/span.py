@@ -21,7 +21,10 @@ from swarm.dtypes import parse_dtype
 from swarm.errors import CheckpointError, SpanError
 from swarm.hardware import prepare_attention_kernels
 from swarm.models import bloom as _bloom  # noqa: F401  (registers the family)
+from swarm.models import deepseek as _deepseek  # noqa: F401  (registers the families)
 from swarm.models import falcon as _falcon  # noqa: F401  (registers the family)
+from swarm.models import gemma as _gemma  # noqa: F401  (registers the families)
+from swarm.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the family)
 from swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
 from swarm.models.cache import BatchedStepCache, SpanCache
@@ -29,20 +32,17 @@ from swarm.models.checkpoint import CheckpointReader, load_config
 from swarm.models.decode_graphs import MAX_TOKENS as MAX_GRAPH_TOKENS
 from swarm.models.decode_graphs import DecodeGraphs
 from swarm.models.family import ModelFamily, family_for
-from swarm.models.inplace_attention import ATTENTION_NAME as INPLACE_ATTENTION
 from swarm.quantization import check_quant_device, quantize_block
 
 # one session's single-token step, as `TransformerSpan.forward` takes it: (hidden, cache, position, mask)
 BatchedStep = tuple[torch.Tensor, SpanCache, int, torch.Tensor | None]
 
-# transformers' own SDPA attention (what it picks for these models on load, so results match it), with
-# batched decode steps reading every session's cache in place (swarm.models.inplace_attention)
-ATTENTION_IMPLEMENTATION = INPLACE_ATTENTION
-
 
 def prepare_config(config: PretrainedConfig) -> PretrainedConfig:
-    """Fix the attention kernel choice that `from_pretrained` would otherwise make implicitly."""
-    config._attn_implementation = ATTENTION_IMPLEMENTATION
+    """Fix the attention kernel choice that `from_pretrained` would otherwise make implicitly: the
+    family's kernel (SDPA, or the model's own eager attention where SDPA cannot compute it), read
+    each session's cache in place in batched steps."""
+    config._attn_implementation = family_for(config).attention_implementation
     return config
 
 
@@ -60,22 +60,28 @@ def materialize(
     dtype: torch.dtype,
     device: torch.device,
     what: str,
+    float32_names: Sequence[str] = (),
 ) -> None:
-    """Move a meta-device module's parameters to `device`, filled from `tensors` (local names)."""
+    """Move a meta-device module's parameters to `device`, filled from `tensors` (local names), and
+    its persistent buffers the checkpoint holds (DeepSeek's router score correction). Tensors whose
+    name contains one of `float32_names` stay in float32, as transformers keeps them."""
     expected = {name for name, _ in module.named_parameters()}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise CheckpointError(f"{what} is missing tensors in the checkpoint: {', '.join(missing[:5])}")
+    buffers = dict(module.named_buffers())
     for name, tensor in tensors.items():
-        if name not in expected:
+        current = module.get_parameter(name) if name in expected else buffers.get(name)
+        if current is None:
             continue  # e.g. a bias the checkpoint keeps but this transformers version does not use
-        current = module.get_parameter(name)
         if tuple(current.shape) != tuple(tensor.shape):
             raise CheckpointError(
                 f"{what}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint, "
                 f"the config implies {tuple(current.shape)}"
             )
-        set_module_tensor_to_device(module, name, device, value=tensor, dtype=dtype)
+        kept = any(part in name for part in float32_names) and dtype in (torch.float16, torch.bfloat16)
+        target = torch.float32 if kept else (dtype if name in expected else current.dtype)
+        set_module_tensor_to_device(module, name, device, value=tensor, dtype=target)
 
 
 class TransformerSpan(nn.Module):
@@ -100,8 +106,9 @@ class TransformerSpan(nn.Module):
         self.dtype, self.device = dtype, device  # dtype: of activations and caches (compute dtype)
         self.quant = quant  # "none", "int8" or "nf4": how the blocks' linear layers are stored
         self.hidden_size = family.hidden_size(config)
-        self.num_kv_heads = family.num_kv_heads(config)
-        self.head_dim = family.head_dim(config)
+        self.cache_layout = family.cache_layout(config)
+        self.num_kv_heads = self.cache_layout.heads
+        self.head_dim = self.cache_layout.key_dim
         # each block's sliding attention window (None: the whole prefix), by local index
         self.windows = [family.layer_window(config, index) for index in range(start, end)]
         self.adapters = None  # LoRA adapters injected into the blocks (swarm.models.adapters), if any
@@ -126,14 +133,17 @@ class TransformerSpan(nn.Module):
 
     @property
     def block_bytes(self) -> int:
-        """`s_m`: bytes of one block's parameters (blocks of a model are identical in size), without
-        adapters (counted apart: `adapters.total_bytes`)."""
-        adapter_bytes = self.adapters.bytes_by_block[0] if self.adapters is not None else 0
-        return module_parameter_bytes(self.blocks[0]) - adapter_bytes
+        """`s_m`: bytes of one block's parameters, without adapters (counted apart:
+        `adapters.total_bytes`); the largest of the span's blocks where their kinds differ."""
+        adapter_bytes = self.adapters.bytes_by_block if self.adapters is not None else [0] * len(self.blocks)
+        return max(
+            module_parameter_bytes(block) - adapters
+            for block, adapters in zip(self.blocks, adapter_bytes, strict=True)
+        )
 
     def cache_bytes(self, num_tokens: int, batch_size: int = 1) -> int:
         """`s_c` for a session of `num_tokens` positions and `batch_size` sequences, per block."""
-        d_kv = self.num_kv_heads * self.head_dim
+        d_kv = self.cache_layout.kv_dim
         return batch_size * cache_bytes_per_block(d_kv, num_tokens, dtype_bytes(self.dtype))
 
     def new_cache(self, batch_size: int, max_length: int, first: int | None = None, last: int | None = None):
@@ -142,12 +152,13 @@ class TransformerSpan(nn.Module):
         return SpanCache(
             num_blocks=last - first,
             batch_size=batch_size,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
+            num_kv_heads=self.cache_layout.heads,
+            head_dim=self.cache_layout.key_dim,
             max_length=max_length,
             dtype=self.dtype,
             device=self.device,
             block_offset=first - self.start,
+            value_dim=self.cache_layout.value_dim,
         )
 
     def _check_range(self, first: int | None, last: int | None) -> tuple[int, int]:
@@ -272,7 +283,10 @@ class TransformerSpan(nn.Module):
         window = min((self.windows[local] for local in blocks if self.windows[local]), default=None)
         past_window = [window is not None and position + 1 > window for position in positions]
         masked = [mask is not None or past for (*_, mask), past in zip(steps, past_window, strict=True)]
-        view = BatchedStepCache(caches, positions, total, masked)
+        gathered = not self.family.reads_cache_in_place
+        if gathered:  # every session's keys are its columns of one padded batch: all masked
+            masked = [True] * len(steps)
+        view = BatchedStepCache(caches, positions, total, masked, gathered)
         # keys of row r are the last `position + 1` columns (1 = a real key, 0 = padding)
         first_key = [
             total - 1 - position
@@ -364,17 +378,19 @@ def _load_blocks(
         base = find_base_prefix(family, reader)
         for index in indices:
             with init_empty_weights():
-                block = family.build_block(config, local_index=index - span_start)
+                block = family.build_block(config, index)
+            set_block_local_index(block, index - span_start)
             prefix = f"{base}{family.blocks_attribute}{index}."
             names = reader.names_with_prefix(prefix)
             if not names:
                 raise CheckpointError(f"checkpoint {reader.model_dir} has no tensors for block {index}")
             tensors = {name[len(prefix) :]: tensor for name, tensor in reader.read(names).items()}
             tensors = family.block_tensors(block, tensors)
+            float32_names = family.float32_tensors(dtype)
             if quant == "none":
-                materialize(block, tensors, dtype, device, what=f"block {index}")
+                materialize(block, tensors, dtype, device, f"block {index}", float32_names)
             else:  # fill on the CPU, then bitsandbytes quantizes while moving to the GPU
-                materialize(block, tensors, dtype, torch.device("cpu"), what=f"block {index}")
+                materialize(block, tensors, dtype, torch.device("cpu"), f"block {index}", float32_names)
                 quantize_block(block, quant, dtype, device)
             blocks[index] = block.eval()
             if on_block_loaded is not None:
@@ -431,7 +447,7 @@ def rebuild_span(
         family is old_span.family
         and family.num_blocks(config) == family.num_blocks(old_config)
         and family.hidden_size(config) == family.hidden_size(old_config)
-        and family.num_kv_heads(config) == family.num_kv_heads(old_config)
+        and family.cache_layout(config) == family.cache_layout(old_config)
     )
     if not same_model:
         raise SpanError(f"the span to rebuild does not hold blocks of the model in {model_dir}")

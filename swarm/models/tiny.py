@@ -21,7 +21,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
+    DeepseekV2Config,
+    DeepseekV3Config,
     FalconConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -44,6 +49,9 @@ LLAMA_LIKE: dict[str, type[PretrainedConfig]] = {
     "mistral": MistralConfig,
     "mixtral": MixtralConfig,
     "qwen3_moe": Qwen3MoeConfig,
+    "gemma2": Gemma2Config,
+    "gemma3_text": Gemma3TextConfig,
+    "gpt_oss": GptOssConfig,
 }
 # what a family's tiny config sets beyond LLaMA's arguments: Mistral's default sliding window (4096)
 # would cap sessions; a tiny Mixtral or Qwen3-MoE gets 4 experts, 2 per token
@@ -56,7 +64,38 @@ FAMILY_EXTRAS: dict[str, dict] = {
         "moe_intermediate_size": 96,
         "norm_topk_prob": True,
     },
+    # Gemma ties its LM head to the embeddings; a tiny GPT-OSS gets 4 experts, 2 per token, and the
+    # positions its YaRN rotary scaling is made for
+    "gemma2": {"tie_word_embeddings": True},
+    "gemma3_text": {"tie_word_embeddings": True},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 131072},
 }
+# families whose layers alternate between sliding and full attention: a tiny model alternates from
+# its first block with a window this short, so tests pass it within a few tokens
+ALTERNATING_WINDOWS = ("gemma2", "gemma3_text", "gpt_oss")
+TINY_WINDOW = 8
+# DeepSeek's latent attention and routed experts at a tiny width: a compressed latent of 32 and a
+# rotary key of 8 per position (what spans cache), 8 routed experts in 4 groups of which 2 are
+# searched, 2 experts per token beside one shared expert; block 0 is dense (`first_k_dense_replace`)
+DEEPSEEK: dict[str, dict] = {
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+}
+DEEPSEEK_VERSIONS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "deepseek_v3": (DeepseekV3Config, {"q_lora_rank": 48}),  # V3 compresses its queries too
+    "deepseek_v2": (DeepseekV2Config, {"q_lora_rank": None, "topk_method": "group_limited_greedy"}),
+}
+
 # Falcon's architectures: one model_type whose config flags choose the block (comments: the models)
 FALCON_VARIANTS: dict[str, dict] = {
     # Falcon-40B/180B: grouped KV heads, rotary, attention and MLP in parallel from two LayerNorms
@@ -84,7 +123,21 @@ FALCON_VARIANTS: dict[str, dict] = {
         "bias": True,
     },
 }
-FAMILIES = ("llama", "bloom", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "falcon")
+FAMILIES = (
+    "llama",
+    "bloom",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "falcon",
+)
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -139,26 +192,54 @@ class TinyModelSpec:
                 bos_token_id=BOS_ID,
                 eos_token_id=EOS_ID,
             )
-        if self.family in LLAMA_LIKE:
-            kv_heads = self.num_kv_heads or self.num_heads
-            if self.num_heads % kv_heads:
-                raise SwarmUserError("--heads must be a multiple of --kv-heads")
-            return LLAMA_LIKE[self.family](
+        if self.family in DEEPSEEK_VERSIONS:
+            config_class, version = DEEPSEEK_VERSIONS[self.family]
+            if self.num_kv_heads not in (None, self.num_heads):
+                raise SwarmUserError(
+                    "DeepSeek's latent attention has no grouped KV heads: leave --kv-heads unset"
+                )
+            return config_class(
                 vocab_size=self.vocab_size,
                 hidden_size=self.hidden_size,
                 intermediate_size=self.intermediate_size or 2 * self.hidden_size,
                 num_hidden_layers=self.num_layers,
                 num_attention_heads=self.num_heads,
-                num_key_value_heads=kv_heads,
-                head_dim=self.hidden_size // self.num_heads,  # Qwen3's default is 128 whatever the width
+                num_key_value_heads=self.num_heads,
                 max_position_embeddings=2048,
                 initializer_range=self.initializer_range,
                 tie_word_embeddings=False,
                 pad_token_id=PAD_ID,
                 bos_token_id=BOS_ID,
                 eos_token_id=EOS_ID,
-                **FAMILY_EXTRAS.get(self.family, {}),
+                **DEEPSEEK,
+                **version,
             )
+        if self.family in LLAMA_LIKE:
+            kv_heads = self.num_kv_heads or self.num_heads
+            if self.num_heads % kv_heads:
+                raise SwarmUserError("--heads must be a multiple of --kv-heads")
+            arguments = {
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size or 2 * self.hidden_size,
+                "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads,
+                "num_key_value_heads": kv_heads,
+                # Qwen3's and Gemma's defaults are 128 and 256 whatever the width
+                "head_dim": self.hidden_size // self.num_heads,
+                "max_position_embeddings": 2048,
+                "initializer_range": self.initializer_range,
+                "tie_word_embeddings": False,
+                "pad_token_id": PAD_ID,
+                "bos_token_id": BOS_ID,
+                "eos_token_id": EOS_ID,
+                **FAMILY_EXTRAS.get(self.family, {}),
+            }
+            if self.family in ALTERNATING_WINDOWS:
+                kinds = ("sliding_attention", "full_attention")
+                arguments["layer_types"] = [kinds[index % 2] for index in range(self.num_layers)]
+                arguments["sliding_window"] = TINY_WINDOW
+            return LLAMA_LIKE[self.family](**arguments)
         raise SwarmUserError(f"unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}")
 
     def falcon_config(self) -> FalconConfig:
@@ -226,6 +307,9 @@ def build_tiny_model(
     config = spec.config()
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing correction starts at 0
+            buffer.normal_(0.0, 0.5)
     if spec.dtype != "float32":  # initialised in float32 (same weights for every dtype), stored smaller
         model = model.to(parse_dtype(spec.dtype))
     save_kwargs = {"safe_serialization": True}

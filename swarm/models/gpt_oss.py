@@ -1,0 +1,57 @@
+"""GPT-OSS (gpt-oss-20b, gpt-oss-120b): LLaMA's layout with sliding (128 positions) and full layers
+alternating as the config's `layer_types` say, a learned attention sink per head (a softmax column
+that takes weight and gives no value), biased q/k/v/o projections, and a mixture of experts in every
+block: a biased top-k router, experts with biases whose gate and up rows interleave, and a clamped
+gated activation (`swiglu_limit`). The experts are fused 3-D tensors in checkpoints and modules
+alike, in both transformers versions; a block holds all its experts and routes its own tokens.
+
+SDPA has no sinks: transformers runs GPT-OSS with its eager kernel, and so do spans (per session in
+batched steps). Spans keep the whole cache and mask the keys outside each sliding layer's window.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.gpt_oss import modeling_gpt_oss
+from transformers.models.gpt_oss.modeling_gpt_oss import (
+    GptOssDecoderLayer,
+    GptOssRMSNorm,
+    GptOssRotaryEmbedding,
+)
+
+from swarm.models.family import layer_types_window, register_family
+from swarm.models.inplace_attention import register_session_attention
+from swarm.models.llama import LlamaFamily
+from swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
+
+
+class GptOssFamily(LlamaFamily):
+    model_types = ("gpt_oss",)
+    # experts chosen with a host-synchronizing nonzero(), and an eager kernel that adds masks
+    decode_graphs = False
+    attention_implementation = register_session_attention(
+        "swarm_gpt_oss_eager", modeling_gpt_oss.eager_attention_forward
+    )
+
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
+        return GptOssDecoderLayer(with_default_experts_implementation(config), layer_idx=index)
+
+    def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
+        return layer_types_window(config, index)
+
+    def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
+        return nn.ModuleDict({"rotary": build_rotary_embedding(GptOssRotaryEmbedding, config, device)})
+
+    def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
+        return nn.ModuleDict(
+            {
+                "embed": nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id),
+                "norm": GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+                "lm_head": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+            }
+        )
+
+
+GPT_OSS = register_family(GptOssFamily())
