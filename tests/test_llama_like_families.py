@@ -18,14 +18,16 @@ import threading
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.integrations.mxfp4 import FP4_VALUES
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.backend import LocalSpans
 from client.model import DistributedModelForCausalLM
 from swarm.cost import module_parameter_bytes
 from swarm.dht_keys import default_prefix
-from swarm.errors import UnsupportedModelError
+from swarm.errors import CheckpointError, UnsupportedModelError
 from swarm.models import load_span
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
@@ -251,6 +253,91 @@ def test_deepseek_spans_cache_what_its_attention_caches(family, tmp_path):
     )
     for output, expected_step in zip(batched, expected_steps, strict=True):
         torch.testing.assert_close(output, expected_step, rtol=1e-5, atol=1e-5)
+
+
+def pack_mxfp4(
+    weight: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Experts `[experts, rows, columns]` in the module's layout as an MXFP4 checkpoint stores them
+    (blocks `[experts, columns, rows / 32, 16]` of two 4-bit codes a byte, scales `[experts, columns,
+    rows / 32]` biased by 127), with values every code can hold exactly: random codes, a random
+    power of two per 32. Returns (blocks, scales, the weight they decode to)."""
+    experts, rows, columns = weight.shape
+    codes = torch.randint(0, 16, (experts, columns, rows // 32, 32), generator=generator)
+    exponents = torch.randint(-4, 1, (experts, columns, rows // 32), generator=generator)
+    table = torch.tensor(FP4_VALUES)
+    values = torch.ldexp(table[codes], exponents[..., None].float())
+    decoded = values.reshape(experts, columns, rows).transpose(1, 2).contiguous()
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponents + 127).to(torch.uint8), decoded
+
+
+def test_gpt_oss_loads_its_published_mxfp4_experts(tmp_path):
+    """GPT-OSS is published with its experts in MXFP4: spans dequantize them on load and generate
+    what transformers generates from the same (exactly representable) weights in full precision."""
+    model_dir = build_tiny_model(
+        tmp_path / "full", TinyModelSpec(family="gpt_oss", num_layers=2, hidden_size=64)
+    )
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    generator = torch.Generator().manual_seed(0)
+    packed = {}
+    for index, layer in enumerate(reference.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            parameter = getattr(layer.mlp.experts, name)
+            blocks, scales, decoded = pack_mxfp4(parameter.data, generator)
+            parameter.data.copy_(decoded)
+            packed[f"model.layers.{index}.mlp.experts.{name}_blocks"] = blocks
+            packed[f"model.layers.{index}.mlp.experts.{name}_scales"] = scales
+    quantized_dir = tmp_path / "mxfp4"
+    shutil.copytree(model_dir, quantized_dir)
+    tensors = load_file(quantized_dir / "model.safetensors")
+    for name in list(tensors):
+        if ".mlp.experts.gate_up_proj" in name or name.endswith(".mlp.experts.down_proj"):
+            if not name.endswith("_bias"):
+                del tensors[name]
+    save_file({**tensors, **packed}, quantized_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((quantized_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (quantized_dir / "config.json").write_text(json.dumps(config))
+    spans = [load_span(quantized_dir, 0, 1)[0], load_span(quantized_dir, 1, 2)[0]]
+    model = DistributedModelForCausalLM.from_local_parts(quantized_dir, LocalSpans(spans))
+    expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=16, do_sample=False), expected)
+
+
+def test_deepseek_loads_its_published_fp8_weights(tmp_path):
+    """DeepSeek-V3 is published with its linear weights in float8, one float32 factor per 128 x 128
+    tile (`weight_scale_inv`): spans dequantize them on load and generate what transformers
+    generates from the same weights in full precision. A scale of the wrong shape is refused."""
+    model_dir = build_tiny_model(tmp_path / "tiny", TinyModelSpec(family="deepseek_v3", num_layers=2))
+    tensors = load_file(model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    full, quantized = {}, {}
+    for name, tensor in tensors.items():
+        linear = ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight"))
+        if not linear:
+            full[name] = quantized[name] = tensor
+            continue
+        factor = 2.0 ** float(torch.randint(-6, -1, (), generator=generator))  # a power of two per tile
+        stored = (tensor / factor).to(torch.float8_e4m3fn)
+        quantized[name], quantized[f"{name}_scale_inv"] = stored, torch.full((1, 1), factor)
+        full[name] = stored.float() * factor
+    full_dir, fp8_dir = tmp_path / "full", tmp_path / "fp8"
+    for directory, weights in ((full_dir, full), (fp8_dir, quantized)):
+        shutil.copytree(model_dir, directory)
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(full_dir).eval()
+    spans = [load_span(fp8_dir, 0, 1)[0], load_span(fp8_dir, 1, 2)[0]]
+    model = DistributedModelForCausalLM.from_local_parts(fp8_dir, LocalSpans(spans))
+    expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=16, do_sample=False), expected)
+    quantized["model.layers.1.self_attn.o_proj.weight_scale_inv"] = torch.ones(2, 1)
+    save_file(quantized, fp8_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="o_proj.weight_scale_inv has shape"):
+        load_span(fp8_dir, 1, 2)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])

@@ -5,6 +5,9 @@ block: a biased top-k router, experts with biases whose gate and up rows interle
 gated activation (`swiglu_limit`). The experts are fused 3-D tensors in checkpoints and modules
 alike, in both transformers versions; a block holds all its experts and routes its own tokens.
 
+Published checkpoints keep the experts in MXFP4; spans dequantize them on load into the serving
+dtype, as transformers does without its GPU kernels.
+
 SDPA has no sinks: transformers runs GPT-OSS with its eager kernel, and so do spans (per session in
 batched steps). Spans keep the whole cache and mask the keys outside each sliding layer's window.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.gpt_oss.modeling_gpt_oss import (
     GptOssDecoderLayer,
@@ -25,6 +29,8 @@ from swarm.models.family import layer_types_window, register_family
 from swarm.models.inplace_attention import register_session_attention
 from swarm.models.llama import LlamaFamily
 from swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
+
+MXFP4_EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 class GptOssFamily(LlamaFamily):
@@ -40,6 +46,17 @@ class GptOssFamily(LlamaFamily):
 
     def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
         return layer_types_window(config, index)
+
+    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The published checkpoints keep the experts in MXFP4 (`{name}_blocks`: packed 4-bit
+        values, `{name}_scales`: a power of two per 32): dequantized with transformers' own
+        conversion, exactly (every MXFP4 value is a float32 and a bfloat16)."""
+        tensors = dict(tensors)
+        for name in MXFP4_EXPERT_TENSORS:
+            blocks, scales = tensors.pop(f"{name}_blocks", None), tensors.pop(f"{name}_scales", None)
+            if blocks is not None and scales is not None:
+                tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        return tensors
 
     def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
         return nn.ModuleDict({"rotary": build_rotary_embedding(GptOssRotaryEmbedding, config, device)})

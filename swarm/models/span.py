@@ -32,6 +32,7 @@ from swarm.models.checkpoint import CheckpointReader, load_config
 from swarm.models.decode_graphs import MAX_TOKENS as MAX_GRAPH_TOKENS
 from swarm.models.decode_graphs import DecodeGraphs
 from swarm.models.family import ModelFamily, family_for
+from swarm.models.fp8_weights import dequantize_fp8, fp8_block_size
 from swarm.quantization import check_quant_device, quantize_block
 
 # one session's single-token step, as `TransformerSpan.forward` takes it: (hidden, cache, position, mask)
@@ -374,6 +375,7 @@ def _load_blocks(
 ) -> tuple[dict[int, nn.Module], list[str]]:
     """Build and fill the blocks `indices` (absolute) of a span starting at `span_start`."""
     blocks: dict[int, nn.Module] = {}
+    fp8_block = fp8_block_size(config)  # a block-quantized FP8 checkpoint's tile, if it is one
     with CheckpointReader(model_dir) as reader:
         base = find_base_prefix(family, reader)
         for index in indices:
@@ -385,6 +387,8 @@ def _load_blocks(
             if not names:
                 raise CheckpointError(f"checkpoint {reader.model_dir} has no tensors for block {index}")
             tensors = {name[len(prefix) :]: tensor for name, tensor in reader.read(names).items()}
+            if fp8_block is not None:
+                tensors = dequantize_fp8(tensors, fp8_block)
             tensors = family.block_tensors(block, tensors)
             float32_names = family.float32_tensors(dtype)
             if quant == "none":
