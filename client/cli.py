@@ -23,8 +23,10 @@ from client.generate_report import (
 from client.model import DistributedModelForCausalLM
 from client.speculation.assistant import load_assistant, speculation_summary
 from swarm.cli.args import (
+    add_model_source_arguments,
     add_swarm_secret_argument,
     command_parser,
+    resolve_model_argument,
     span_list_argument,
     swarm_secret_from_args,
 )
@@ -48,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = command_parser(
         "swarm-generate", "Generate text through a chain of transformer-block spans.", EXAMPLES
     )
-    parser.add_argument("model_dir", help="local checkpoint directory (client-side modules and tokenizer)")
+    parser.add_argument(
+        "model_dir",
+        help="the model: a local checkpoint directory or a Hub id (client-side modules, tokenizer)",
+    )
+    add_model_source_arguments(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--initial-peers", nargs="+", help="multiaddrs of the swarm's DHT peers")
@@ -260,7 +266,12 @@ def report_check(check: TokenCheck, decode, how: str = "", source: str = "the sw
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    run_cli("swarm-generate", lambda: generate(args))
+
+    def run() -> None:
+        resolve_model_argument(args, tokenizer=True)
+        generate(args)
+
+    run_cli("swarm-generate", run)
 
 
 if __name__ == "__main__":

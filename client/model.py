@@ -33,6 +33,7 @@ from client.speculation.batched import BatchedSpeculation, check_batched_config
 from client.speculation.candidates import AdaptiveCandidates
 from client.swarm_model import swarm_backend
 from swarm.models.client_parts import ClientParts, load_client_parts
+from swarm.models.hub import resolve_model
 from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT, library_default, resolved_generation_config
 
 
@@ -90,11 +91,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
         active_adapter: str | None = None,
+        revision: str | None = None,
+        token: str | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`.
         `tuning_mode` ("ptune", "deep_ptune") and `pre_seq_len`: trainable prompts (PETALS' options).
         `active_adapter`: a LoRA adapter servers announce (`swarm-server --adapters`), used by every
-        session and forward of this model (`ClientOptions.active_adapter`)."""
+        session and forward of this model (`ClientOptions.active_adapter`). `model_dir` may be a Hub id
+        (`revision`, `token`: which commit, and the token of a gated or private model)."""
+        # a Hub id: its config and generation config now, the shards of the client's modules as read
+        model_dir = resolve_model(model_dir, revision, token)
         backend = swarm_backend(model_dir, initial_peers, dht_prefix, options, active_adapter)
         try:
             return cls.from_local_parts(

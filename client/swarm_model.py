@@ -26,6 +26,7 @@ from swarm.dht_keys import default_prefix, validate_prefix
 from swarm.model_limits import ModelLimits
 from swarm.models.checkpoint import load_config
 from swarm.models.client_parts import ClientParts, load_client_parts
+from swarm.models.hub import resolve_model
 
 ModelT = TypeVar("ModelT", bound="SwarmModelBase")
 
@@ -131,11 +132,17 @@ class SwarmModelBase(PreTrainedModel):
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
         active_adapter: str | None = None,
+        revision: str | None = None,
+        token: str | None = None,
         **kwargs: Any,
     ) -> ModelT:
         """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`
         (under `dht_prefix`, default: `model_dir`'s name). `tuning_mode` ("ptune", "deep_ptune") and
-        `pre_seq_len`: trainable prompts; `active_adapter`: a served LoRA adapter (PETALS' options)."""
+        `pre_seq_len`: trainable prompts; `active_adapter`: a served LoRA adapter (PETALS' options).
+        `model_dir` may be a Hub id (`revision`, `token`: which commit, and the token of a gated or
+        private model)."""
+        # a Hub id: its config and generation config now, the shards of the client's modules as read
+        model_dir = resolve_model(model_dir, revision, token)
         backend = swarm_backend(model_dir, initial_peers, dht_prefix, options, active_adapter)
         try:
             return cls.from_local_parts(

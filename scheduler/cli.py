@@ -13,6 +13,7 @@ from swarm.cli.args import (
     add_swarm_secret_argument,
     command_parser,
     dht_prefix_from_args,
+    resolve_model_argument,
     swarm_secret_from_args,
 )
 from swarm.cli.dataclass_args import add_field_options, dataclass_from_args
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    model_config = load_config(args.model_dir)
+    model_config = load_config(resolve_model_argument(args))
     shape = ModelShape.from_config(model_config)
     # the configuration objects check their own values; only what the flags spell differently is here
     arrival_rate = None

@@ -22,6 +22,7 @@ from swarm.cli.args import (
     add_swarm_secret_argument,
     command_parser,
     dht_prefix_from_args,
+    resolve_model_argument,
     swarm_secret_from_args,
 )
 from swarm.cli.errors import run_cli
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     def run() -> None:
         if args.refresh <= 0 or not 0 <= args.port <= 65535:
             raise SwarmUserError("--refresh must be positive and --port in 0..65535")
-        model_config = load_config(args.model_dir)
+        model_config = load_config(resolve_model_argument(args))
         shape, limits = ModelShape.from_config(model_config), ModelLimits.from_config(model_config)
         terminate_like_interrupt()  # while joining: a SIGTERM still leaves the DHT through `finally`
         asyncio.run(serve(args, dht_prefix_from_args(args), shape, limits))

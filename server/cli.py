@@ -15,9 +15,11 @@ import torch
 from server.joining import RELAY_MODES
 from server.server import ServerConfig, SwarmServer
 from swarm.cli.args import (
+    add_model_source_arguments,
     add_swarm_secret_argument,
     command_parser,
     dht_prefix_from_args,
+    resolve_model_argument,
     span_argument,
     swarm_secret_from_args,
 )
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(without it) the span the scheduler assigns, chosen PETALS-style if no scheduler answers.",
         EXAMPLES,
     )
-    parser.add_argument("model_dir")
+    parser.add_argument("model_dir", help="the model: a local checkpoint directory or a Hub id (ORG/NAME)")
+    add_model_source_arguments(parser)
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
     parser.add_argument(
         "--blocks",
@@ -207,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     start, end = args.blocks if args.blocks is not None else (None, None)
-    model_config = load_config(args.model_dir)
+    model_config = load_config(resolve_model_argument(args))
     if args.blocks is not None:
         validate_span(start, end, family_for(model_config).num_blocks(model_config))
     # numbers are checked by ServerConfig itself (so code that builds one gets the same checks); the

@@ -6,6 +6,7 @@ import hashlib
 import re
 
 from swarm.errors import SwarmUserError
+from swarm.hub_snapshot import hub_snapshot
 
 _PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
@@ -20,9 +21,18 @@ def validate_prefix(prefix: str) -> str:
 
 
 def default_prefix(model_dir: str) -> str:
-    """Servers and clients of one model find each other under its directory name, like PETALS' repo names."""
-    name = re.sub(r"[^A-Za-z0-9_.\-]", "-", model_dir.rstrip("/").split("/")[-1]).lstrip(".-_") or "model"
-    return validate_prefix(name[:64])
+    """Servers and clients of one model find each other under its directory name, like PETALS' repo
+    names; a Hub snapshot's under its model name and commit (`NAME.COMMIT12`), so that servers and
+    clients of different revisions never meet."""
+    snapshot = hub_snapshot(model_dir.rstrip("/"))
+    if snapshot is not None:
+        repo_id, commit = snapshot
+        return f"{_safe_name(repo_id.split('/')[-1])[:51]}.{commit[:12]}"
+    return validate_prefix(_safe_name(model_dir.rstrip("/").split("/")[-1])[:64])
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "-", name).lstrip(".-_") or "model"
 
 
 def block_key(prefix: str, block: int) -> str:

@@ -16,9 +16,11 @@ from client.connection import ClientOptions
 from client.model import DistributedModelForCausalLM
 from client.speculation.assistant import load_assistant
 from swarm.cli.args import (
+    add_model_source_arguments,
     add_swarm_secret_argument,
     command_parser,
     dht_prefix_from_args,
+    resolve_model_argument,
     swarm_secret_from_args,
 )
 from swarm.cli.dataclass_args import dataclass_from_args
@@ -42,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and a chat page at /, generating through the swarm.",
         EXAMPLES,
     )
-    parser.add_argument("model_dir", type=Path, help="local checkpoint directory (client modules, tokenizer)")
+    parser.add_argument(
+        "model_dir", help="the model: a local checkpoint directory or a Hub id (client modules, tokenizer)"
+    )
+    add_model_source_arguments(parser)
     parser.add_argument(
         "--initial-peers", nargs="+", required=True, help="multiaddrs of the swarm's DHT peers"
     )
@@ -83,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ApiConfig:
+    args.model_dir = Path(resolve_model_argument(args, tokenizer=True))
     prefix = dht_prefix_from_args(args)
     api_key = args.api_key
     if args.api_key_file is not None:

@@ -24,8 +24,37 @@ def add_model_config_arguments(parser: argparse.ArgumentParser) -> None:
     """--initial-peers, --model-dir and --dht-prefix of the tools that join a swarm but read only the
     model's config (not its weights)."""
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
-    parser.add_argument("--model-dir", required=True, help="the model's directory (only its config is read)")
+    parser.add_argument(
+        "--model-dir", required=True, help="the model's directory or Hub id (only its config is read)"
+    )
     parser.add_argument("--dht-prefix", help="swarm namespace of the model (default: the directory's name)")
+    add_model_source_arguments(parser)
+
+
+def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """--revision and --token of the tools that take a model as a local directory or a Hub id."""
+    parser.add_argument(
+        "--revision", help="a Hub model's branch, tag or commit (default: main); not for a local directory"
+    )
+    parser.add_argument(
+        "--token", help="Hugging Face token for a gated or private Hub model (default: HF_TOKEN or a login)"
+    )
+
+
+def resolve_model_argument(
+    args: argparse.Namespace, attribute: str = "model_dir", tokenizer: bool = False
+) -> str:
+    """Make `args.<attribute>` (a local directory or a Hub id, with --revision and --token) the
+    checkpoint directory it names, fetching a Hub model's config (and tokenizer files, for a client)
+    but none of its weights yet; returns it."""
+    from swarm.models.hub import resolve_model  # the model code is heavy for tools that never read one
+
+    source = getattr(args, attribute)
+    directory = str(
+        resolve_model(source, getattr(args, "revision", None), getattr(args, "token", None), tokenizer)
+    )
+    setattr(args, attribute, directory)
+    return directory
 
 
 def dht_prefix_from_args(args: argparse.Namespace) -> str:

@@ -7,7 +7,9 @@ opened, and only the requested tensors are read from them (safetensors maps the 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +19,10 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from swarm.errors import CheckpointError
+from swarm.hub_snapshot import hub_snapshot
+from swarm.models.hub import ensure_file, has_pickled_weights
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -69,10 +75,13 @@ class CheckpointReader:
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index_path} is corrupt: 'weight_map' is not an object")
             return {str(name): str(file) for name, file in weight_map.items()}
+        if hub_snapshot(self.model_dir) is not None:  # a single-file Hub model: fetched on first read
+            with contextlib.suppress(CheckpointError):
+                ensure_file(self.model_dir, SINGLE_FILE)
         single_path = self.model_dir / SINGLE_FILE
         if single_path.is_file():
             return {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
-        if any(self.model_dir.glob("*.bin")):
+        if has_pickled_weights(self.model_dir):
             raise CheckpointError(
                 f"{self.model_dir} holds only PyTorch .bin weights; llm-swarm reads safetensors "
                 "(re-save the model with save_pretrained(..., safe_serialization=True))"
@@ -81,15 +90,28 @@ class CheckpointReader:
 
     def _handle(self, file_name: str):
         if file_name not in self._handles:
-            path = self.model_dir / file_name
+            path = ensure_file(self.model_dir, file_name)  # a Hub snapshot's shard is fetched now
             if not path.is_file():
                 raise CheckpointError(f"checkpoint file {path} is missing")
             try:
                 self._handles[file_name] = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError) as error:
-                raise CheckpointError(f"checkpoint file {path} is corrupt: {error}") from None
+                if hub_snapshot(self.model_dir) is None:
+                    raise CheckpointError(f"checkpoint file {path} is corrupt: {error}") from None
+                self._handles[file_name] = self._refetched(file_name, error)
             self.opened_files.append(file_name)
         return self._handles[file_name]
+
+    def _refetched(self, file_name: str, error: Exception):
+        """A Hub shard that does not open (truncated or corrupted on disk), fetched once more."""
+        logger.warning("%s of %s does not open (%s): fetching it again", file_name, self.model_dir, error)
+        path = ensure_file(self.model_dir, file_name, refetch=True)
+        try:
+            return safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as again:
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupt, also when fetched again: {again}"
+            ) from None
 
     def names_with_prefix(self, prefix: str) -> list[str]:
         return [name for name in self.weight_map if name.startswith(prefix)]
@@ -106,13 +128,26 @@ class CheckpointReader:
             names_by_file[self.weight_map[name]].append(name)
         tensors: dict[str, torch.Tensor] = {}
         for file_name, file_names in names_by_file.items():
-            handle = self._handle(file_name)
-            available = set(handle.keys())
-            for name in file_names:
-                if name not in available:
-                    raise CheckpointError(f"{self.model_dir / file_name} lacks {name!r} named in the index")
+            try:
+                tensors.update(self._read_file(file_name, file_names))
+            except (SafetensorError, OSError) as error:
+                if hub_snapshot(self.model_dir) is None:
+                    raise CheckpointError(
+                        f"cannot read {file_names[0]!r} from {file_name}: {error}"
+                    ) from None
+                self._handles[file_name] = self._refetched(file_name, error)
                 try:
-                    tensors[name] = handle.get_tensor(name)
-                except (SafetensorError, OSError) as error:
-                    raise CheckpointError(f"cannot read {name!r} from {file_name}: {error}") from None
+                    tensors.update(self._read_file(file_name, file_names))
+                except (SafetensorError, OSError) as again:
+                    raise CheckpointError(
+                        f"cannot read {file_name}, also when fetched again: {again}"
+                    ) from None
         return tensors
+
+    def _read_file(self, file_name: str, names: list[str]) -> dict[str, torch.Tensor]:
+        handle = self._handle(file_name)
+        available = set(handle.keys())
+        for name in names:
+            if name not in available:
+                raise CheckpointError(f"{self.model_dir / file_name} lacks {name!r} named in the index")
+        return {name: handle.get_tensor(name) for name in names}
