@@ -37,7 +37,13 @@ from client.batch.report import PlanReport, plan_lines, summary_json, summary_li
 from client.batch.results import ResultsWriter, drop_error_lines, load_results
 from client.connection import ClientOptions, SwarmUnavailable, run_sync
 from client.model import DistributedModelForCausalLM
-from swarm.cli.args import add_swarm_secret_argument, command_parser, swarm_secret_from_args
+from swarm.cli.args import (
+    add_model_source_arguments,
+    add_swarm_secret_argument,
+    command_parser,
+    resolve_model_argument,
+    swarm_secret_from_args,
+)
 from swarm.cli.errors import run_cli
 from swarm.cli.logs import add_log_level_argument, configure_logging
 from swarm.cli.signals import terminate_like_interrupt
@@ -72,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, help="the results file (JSON lines), appended to and resumed from"
     )
     parser.add_argument(
-        "--model", required=True, help="local checkpoint directory (client-side modules, tokenizer)"
+        "--model",
+        required=True,
+        help="the model: a local checkpoint directory or a Hub id (client modules, tokenizer)",
     )
+    add_model_source_arguments(parser)
     parser.add_argument(
         "--initial-peers", nargs="+", required=True, help="multiaddrs of the swarm's DHT peers"
     )
@@ -264,6 +273,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
+    resolve_model_argument(args, "model", tokenizer=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = load_config(args.model)
     bounds = TokenBounds(args.max_prompt_tokens, getattr(config, "max_position_embeddings", None))
