@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import logging
 import math
+import re
 import time
 import uuid
 
@@ -44,6 +45,9 @@ __all__ = ["ClientOptions", "SwarmConnection", "SwarmUnavailable", "run_sync"]  
 PROBE_WIDEN_AFTER = 1.0  # seconds without a chain before routing pings 4x more servers per block
 PROBE_GRACE = 0.15  # once a chain exists, seconds the pings still out get to answer
 STALE_LIMIT = 10  # server records older than this many refresh periods are re-read before use
+# a swarm named after a Hub commit (`swarm.dht_keys.default_prefix`): its servers run that commit only
+COMMIT_SUFFIX = re.compile(r"\.[0-9a-f]{12}$")
+REVISION_HINT = " (this swarm serves one commit of the model: servers of other revisions are in other swarms)"
 
 
 class SwarmUnavailable(SwarmUserError):
@@ -451,6 +455,7 @@ class SwarmConnection:
                     raise SwarmUnavailable(
                         f"no online server holds blocks {_ranges(missing)} of {self.prefix}"
                         + (f" with adapter {adapter!r}" if adapter else "")
+                        + (REVISION_HINT if COMMIT_SUFFIX.search(self.prefix) else "")
                     )
             elif time.monotonic() > deadline:
                 raise SwarmUnavailable(

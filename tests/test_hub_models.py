@@ -6,7 +6,8 @@ each fetch the shards of their span only, a `swarm-generate` client fetches the 
 embeddings, norm and head only and generates what local transformers generates, and two commits of
 a model are two swarms (the commit is part of the swarm's name). Errors say what to do: a gated
 model without its token, an unknown id or revision, `.bin`-only weights, nothing cached while
-offline; a download cut half way is fetched again, and so is a corrupted shard in the cache.
+offline, a disk too full for a shard; a download cut half way is fetched again, and so is a
+corrupted shard in the cache.
 """
 
 from __future__ import annotations
@@ -147,6 +148,12 @@ CASES = textwrap.dedent(
     blob = (snapshot / shard).resolve()
     blob.write_bytes(b"\\xff" * blob.stat().st_size)  # corrupted in the cache, same size
     results["corrupted shard"] = outcome(lambda: load_span(snapshot, 0, 1))
+    import shutil
+    from collections import namedtuple
+    full = namedtuple("usage", "total used free")(10**12, 10**12 - 1, 1)
+    shutil.disk_usage = lambda path: full  # a disk with one byte free
+    fresh = resolve_model(repo, "v2")
+    results["full disk"] = outcome(lambda: load_span(fresh, 3, 4))
     print(json.dumps(results))
     """
 )
@@ -177,6 +184,7 @@ def test_hub_errors_say_what_to_do_and_downloads_recover(published, tmp_path):
     assert "has no revision 'no-such-branch'" in results["unknown revision"]
     assert "holds only PyTorch .bin weights" in results["pickled weights"]
     assert results["interrupted download"] == "ok"
+    assert "not enough disk for swarm-tests/tiny-llama/model-" in results["full disk"]
     # two commits, two swarms: a client of one never routes through servers of the other
     commits = hub.repos[REPO].refs
     assert results["swarm names"] == [

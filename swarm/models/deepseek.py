@@ -16,7 +16,6 @@ spans there.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
@@ -36,11 +35,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 from swarm.models.expert_weights import ExpertNames
 from swarm.models.family import CacheLayout, register_family
-from swarm.models.llama import LlamaFamily
-from swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
+from swarm.models.llama_like import Qwen2Family
 
 
-class DeepseekV3Family(LlamaFamily):
+class DeepseekV3Family(Qwen2Family):
+    """Qwen2Family's building and expert fusing, with DeepSeek's layers, cache and block kinds."""
+
     model_types = ("deepseek_v3",)
     decode_graphs = False  # experts chosen with a host-synchronizing nonzero()
     decoder_layer: type[nn.Module] = DeepseekV3DecoderLayer
@@ -66,24 +66,6 @@ class DeepseekV3Family(LlamaFamily):
     def representative_block(self, config: PretrainedConfig) -> int:
         first_sparse = int(config.first_k_dense_replace)
         return first_sparse if first_sparse < self.num_blocks(config) else 0
-
-    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
-        return self.decoder_layer(with_default_experts_implementation(config), layer_idx=index)
-
-    def block_tensors(self, block: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.experts.fuse(tensors, {name for name, _ in block.named_parameters()})
-
-    def make_span_helpers(self, config: PretrainedConfig, device: torch.device) -> nn.ModuleDict:
-        return nn.ModuleDict({"rotary": build_rotary_embedding(self.rotary_embedding, config, device)})
-
-    def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
-        return nn.ModuleDict(
-            {
-                "embed": nn.Embedding(config.vocab_size, config.hidden_size),
-                "norm": self.rms_norm(config.hidden_size, eps=config.rms_norm_eps),
-                "lm_head": nn.Linear(config.hidden_size, config.vocab_size, bias=False),
-            }
-        )
 
 
 class DeepseekV2Family(DeepseekV3Family):

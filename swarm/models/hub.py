@@ -81,8 +81,8 @@ def resolve_model(
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise SwarmUserError(
-            f"{repo_id!r} is neither a local directory nor a Hub model id (ORG/NAME)"
+        raise CheckpointError(
+            f"model directory {repo_id!r} does not exist, and it is not a Hub model id (ORG/NAME) either"
         ) from None
     with hub_errors(repo_id, revision):
         config = Path(hf_hub_download(repo_id, CONFIG_FILE, revision=revision, token=token))

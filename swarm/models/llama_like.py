@@ -107,9 +107,11 @@ class MixtralFamily(MistralFamily):
 
 
 class Qwen3MoeFamily(Qwen3Family):
-    """Qwen3's attention with a sparse mixture of experts in every block (Qwen3-30B-A3B,
-    Qwen3-235B-A22B): the router's top-k weights, renormalized when `norm_topk_prob`, are the block's
-    own business, as in Mixtral."""
+    """Qwen3's attention with a sparse mixture of experts in its blocks (Qwen3-30B-A3B,
+    Qwen3-235B-A22B: every block): the router's top-k weights, renormalized when `norm_topk_prob`,
+    are the block's own business, as in Mixtral. Configs may keep some blocks dense
+    (`mlp_only_layers`, `decoder_sparse_step`): blocks are built by their index, so each is of the
+    model's kind there, and a span is priced at its largest."""
 
     model_types = ("qwen3_moe",)
     decode_graphs = False  # experts chosen with a host-synchronizing nonzero(), as Mixtral's
@@ -120,14 +122,18 @@ class Qwen3MoeFamily(Qwen3Family):
         checkpoint_prefix="mlp.", module_prefix="mlp.", gate="gate_proj", up="up_proj", down="down_proj"
     )
 
+    def representative_block(self, config: PretrainedConfig) -> int:
+        # blocks in `mlp_only_layers`, or off every `decoder_sparse_step`-th, hold one dense MLP
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        sparse = [
+            index
+            for index in range(self.num_blocks(config))
+            if index not in dense and config.num_experts > 0 and (index + 1) % step == 0
+        ]
+        return sparse[0] if sparse else 0
+
     def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
-        # a block's kind (experts or one dense MLP) follows its index in the model; every served
-        # block must be alike, since blocks are priced as one size and addressed by span position
-        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-            raise UnsupportedModelError(
-                "qwen3_moe with dense blocks among the sparse ones (mlp_only_layers, decoder_sparse_step "
-                "other than 1) is not supported: every served block must hold experts"
-            )
         if getattr(config, "use_sliding_window", False):
             raise UnsupportedModelError(
                 "qwen3_moe with sliding-window attention (use_sliding_window) is not supported"
