@@ -32,6 +32,8 @@ from swarm.prefill_cost import (
 )
 from swarm.server_info import ServerRole
 
+pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
+
 MODEL = ModelSpec(num_blocks=2, block_bytes=1.0, cache_bytes=1.0)  # one slot per block per session
 
 

@@ -13,6 +13,8 @@ from scheduler.sim.policies import WsRrRouting
 from scheduler.sim.prefill import affine_prefill
 from scheduler.sim.workload import Request, TraceRecord, trace_replay
 
+pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
+
 RECORDS = [TraceRecord(10.0, 5000, 300), TraceRecord(10.5, 100, 3), TraceRecord(12.0, 20, 40)]
 
 

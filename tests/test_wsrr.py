@@ -16,6 +16,8 @@ from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slot
 from scheduler.algorithms.wsrr import RoutingState, link_request_time
 from swarm.cost import HopCost, link_time_all_tokens
 
+pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
+
 MODEL = ModelSpec(num_blocks=4, block_bytes=10.0, cache_bytes=1.0)
 
 
