@@ -91,7 +91,7 @@ def resolve_model(
     commit = snapshot.name
     for name in MODEL_FILES + (TOKENIZER_FILES if tokenizer else ()):
         try:
-            with hub_errors(repo_id, commit):
+            with hub_errors(repo_id, commit, name):
                 hf_hub_download(repo_id, name, revision=commit, token=token)
         except CheckpointError as error:
             if not isinstance(error.__cause__, EntryNotFoundError | LocalEntryNotFoundError):
