@@ -143,7 +143,7 @@ def main() -> None:
         __file__,
         args,
         lines,
-        "## The OpenAI-compatible API (issue 22)",
+        "## The OpenAI-compatible API",
         "A DHT, two servers (0:3, 3:6) of a tiny LLaMA-GQA and a `swarm-api` process on loopback on this "
         "shared 2-core machine; the benchmark process is the client. At each level, N threads each run "
         f"{args.requests} greedy generations of {args.tokens} tokens in turn: through the API with the "

@@ -227,7 +227,7 @@ def main() -> None:
         "were identical in every run. Targets: lpt at most 1.1x its lower bound, and below fcfs."
     )
     text += " " + findings(runs)
-    publish_table(__file__, args, table(runs), "## Batch jobs (issue 38)", text)
+    publish_table(__file__, args, table(runs), "## Batch jobs", text)
 
 
 if __name__ == "__main__":

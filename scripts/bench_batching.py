@@ -48,8 +48,8 @@ from swarm.route_request import (
     SessionShape,  # noqa: E402
 )
 
-HEADER = "## Batching concurrent sessions on one server (issue 10)"
-GPU_HEADER = "## Batching concurrent sessions on one server, on a GPU (issue 10)"
+HEADER = "## Batching concurrent sessions on one server"
+GPU_HEADER = "## Batching concurrent sessions on one server, on a GPU"
 
 
 @dataclass

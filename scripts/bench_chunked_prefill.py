@@ -254,7 +254,7 @@ def main() -> None:
         __file__,
         options,
         table(rows),
-        "## Chunked prefill against decoding, over emulated links (issue 34)",
+        "## Chunked prefill against decoding, over emulated links",
         text,
     )
 

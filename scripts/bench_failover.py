@@ -109,7 +109,7 @@ def main() -> None:
     )
     print(summary)
     if args.write:
-        header = "## Failover recovery time (issue 4)"
+        header = "## Failover recovery time"
         body = (
             f"{header}\n\nCommand: `.venv/bin/python scripts/bench_failover.py --runs {args.runs} "
             f"--before {args.before} --write`\n\nA session through A(0:3) -> B(3:6) with a standby A2(0:3) "

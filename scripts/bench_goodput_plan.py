@@ -134,7 +134,7 @@ def main() -> None:
         f"machine, {'within' if within else 'NOT within'} the {BUDGET_S:.0f} s budget (wall; the CPU "
         "column is what the search itself used while other work shared the cores)."
     )
-    publish_table("scripts/bench_goodput_plan.py", args, lines, "## Goodput planning (issue 38)", text)
+    publish_table("scripts/bench_goodput_plan.py", args, lines, "## Goodput planning", text)
 
 
 if __name__ == "__main__":

@@ -260,7 +260,7 @@ def main() -> None:
         write=args.write,
     )
     publish_table(
-        __file__, options, table(rows), "## Cache hand-off against replay on a drain (issue 37)", text
+        __file__, options, table(rows), "## Cache hand-off against replay on a drain", text
     )
 
 

@@ -47,7 +47,7 @@ from swarm.local_swarm import LocalSwarm  # noqa: E402
 from swarm.models import load_span  # noqa: E402
 from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
 
-HEADER = "## Real-size blocks on real hardware (issue 11)"
+HEADER = "## Real-size blocks on real hardware"
 
 
 def synchronize(device: torch.device) -> None:

@@ -89,7 +89,7 @@ def main() -> None:
         __file__,
         args,
         lines,
-        "## Per-token latency through a chain (issue 3)",
+        "## Per-token latency through a chain",
         f"Tiny LLaMA-GQA ({args.layers} blocks, hidden {args.hidden}), "
         "greedy decoding, servers and client on loopback on this 2-core machine, one torch thread each. "
         "`local` runs the same blocks in-process through the same client code; the overhead per hop is "

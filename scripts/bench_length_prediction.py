@@ -41,7 +41,7 @@ from swarm.length_prediction import OutputLengthPredictor, output_bucket  # noqa
 
 BASELINE = 128
 CAP = length_info.TRACE_MAX_NEW_TOKENS
-HEADER = "## Output-length prediction (issue 38)"
+HEADER = "## Output-length prediction"
 
 
 def trained(records: list[workload.TraceRecord], statistic: str) -> OutputLengthPredictor:

@@ -36,7 +36,7 @@ from swarm.p2p_daemon_flags import daemon_flags  # noqa: E402
 
 LIFETIME_S = 1.5  # how long each new reader's daemon lives
 SETTLE_S = 5.0  # after the swarm's daemons joined, before the first reader
-HEADER = "## What a new reader's libp2p join costs (issue 23)"
+HEADER = "## What a new reader's libp2p join costs"
 JOINS = {
     "as our clients join": {},
     "connected to nobody": {"b": False},

@@ -168,7 +168,7 @@ def main() -> None:
         history=args.history, rtt=args.rtt, compute_delay=args.compute_delay, write=args.write
     )
     publish_table(
-        __file__, options, table(rows), "## Failover in one round trip, over emulated links (issue 34)", text
+        __file__, options, table(rows), "## Failover in one round trip, over emulated links", text
     )
 
 

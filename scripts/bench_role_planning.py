@@ -49,7 +49,7 @@ from scheduler.sim.role_planning import (  # noqa: E402
 )
 from scheduler.sim.roles import parse_roles, uniform_links  # noqa: E402
 
-HEADER = "## The scheduler places prefill/decode roles (issue 37)"
+HEADER = "## The scheduler places prefill/decode roles"
 
 
 def hetero_case(link_mbps: float):

@@ -53,7 +53,7 @@ from scheduler.sim.host_cpu import HostCpuModel  # noqa: E402
 from scheduler.sim.roles_goodput import ROLES, RolesCase, base_config, case_config, case_goodput, probe  # noqa: E402
 from scheduler.sim.server_costs import IterationCost, ServerCost, relative_host_cost  # noqa: E402
 
-HEADER = "## A simulator of contended servers (issues 37, 38)"
+HEADER = "## A simulator of contended servers"
 # (file, what its label adds, whether the CPU costs are fitted on its runs): the last file re-runs
 # the k = 1 cells (cg-bp, then PETALS and chains) with the client and scheduler of 2026-11-26
 # (sessions sized by their lengths, overdue sessions held) to test the TTFT errors their waits made;

@@ -316,7 +316,7 @@ def main() -> None:
         "run as prefills rather than batched decodes, near 1x."
     )
     options = argparse.Namespace(where=args.where, tokens=args.tokens, repeats=args.repeats, write=args.write)
-    publish_table(__file__, options, table(results), "## Speculative decoding (issue 33)", text)
+    publish_table(__file__, options, table(results), "## Speculative decoding", text)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def main() -> None:
         __file__,
         args,
         lines,
-        "## Training through the swarm (issue 19)",
+        "## Training through the swarm",
         f"Forward+backward of one sequence of {args.tokens} tokens "
         f"through {NUM_BLOCKS} LLaMA-shaped blocks (hidden {args.hidden}, 8 heads, float32) with deep "
         "prompts of 4 positions, gradients to the input and the prompts. Swarm: a 2-server chain (0:4, "

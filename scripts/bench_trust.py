@@ -173,7 +173,7 @@ def main() -> None:
         sys.path.insert(0, str(REPO / "scripts"))
         from benchmarks_md import write_section
 
-        header = "## What trust costs (issue 17)"
+        header = "## What trust costs"
         command = (
             f".venv/bin/python scripts/bench_trust.py --baseline {args.baseline} --rounds {args.rounds} "
             f"--tokens {args.tokens} --write"

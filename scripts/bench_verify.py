@@ -98,7 +98,7 @@ def main() -> None:
         __file__,
         args,
         lines,
-        "## What replica verification costs (issue 18)",
+        "## What replica verification costs",
         "One swarm on loopback on this shared 2-core machine: a DHT and two replicas of each of two spans "
         "(0:3, 0:3, 3:6, 3:6) of a tiny LLaMA-GQA (6 blocks, hidden 64), one torch thread each. Each of "
         f"{args.rounds} rounds runs every level with a fresh client, in a rotating order. Latency: one "

@@ -204,7 +204,7 @@ def main() -> None:
         "|predicted - measured| / measured over requests that waited more than 0.5 s."
     )
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "write"}, write=args.write)
-    header = "## The scheduler's predicted wait on varied lengths, over emulated links (issue 34)"
+    header = "## The scheduler's predicted wait on varied lengths, over emulated links"
     publish_table(__file__, options, table(rows), header, text)
 
 

@@ -138,7 +138,7 @@ def main_cuda(args) -> None:
         __file__,
         args,
         lines,
-        "## Replica verification on a GPU (issue 40)",
+        "## Replica verification on a GPU",
         "The same measure as the CPU table above, on "
         f"{name}: the largest relative difference of 3 blocks' outputs over {args.tokens} decode steps "
         "(after an 8-token prompt) between float32 on the GPU and each other kind of honest server on "
@@ -175,7 +175,7 @@ def main() -> None:
         __file__,
         args,
         lines,
-        "## Replica verification: how much honest servers disagree (issue 18)",
+        "## Replica verification: how much honest servers disagree",
         "The largest relative difference "
         f"`|a - b| / max(|a|, |b|)` of 3 blocks' outputs over {args.tokens} decode steps between two "
         "honest ways of computing them, on this machine's CPU. A verified step passes when the "

@@ -44,7 +44,7 @@ from scheduler.sim.workload import Request, load_azure_trace  # noqa: E402
 from swarm.prefill_cost import STREAM_CHUNK_TOKENS  # noqa: E402
 from swarm.units import parse_bytes  # noqa: E402
 
-SECTION = "## Prefill/decode roles on the emulated swarm (issue 37)"
+SECTION = "## Prefill/decode roles on the emulated swarm"
 
 
 def swarm_of(raw: dict, link_bytes_per_s: float | None) -> EmulatedSwarm:
