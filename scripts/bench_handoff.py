@@ -259,9 +259,7 @@ def main() -> None:
         compute_delay_per_token=args.compute_delay_per_token,
         write=args.write,
     )
-    publish_table(
-        __file__, options, table(rows), "## Cache hand-off against replay on a drain", text
-    )
+    publish_table(__file__, options, table(rows), "## Cache hand-off against replay on a drain", text)
 
 
 if __name__ == "__main__":

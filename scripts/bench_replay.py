@@ -167,9 +167,7 @@ def main() -> None:
     options = argparse.Namespace(
         history=args.history, rtt=args.rtt, compute_delay=args.compute_delay, write=args.write
     )
-    publish_table(
-        __file__, options, table(rows), "## Failover in one round trip, over emulated links", text
-    )
+    publish_table(__file__, options, table(rows), "## Failover in one round trip, over emulated links", text)
 
 
 if __name__ == "__main__":
