@@ -94,7 +94,7 @@ class SwarmConnection:
         self._live_at_start: set[str] = set()  # peers the first read knew alive (see `_live_peers`)
         self._bans: dict[str, tuple[int, float]] = {}  # peer -> (failures so far, banned until)
         self._refusals: dict[str, int] = {}  # peer -> "no cache room" answers while announcing room
-        # (server A, server B) -> bytes/s measured by a cache hand-off from A to B (client/session_moves.py)
+        # (server A, server B) -> bytes/s measured by a cache hand-off from A to B (client/remote.py)
         self.link_rates: dict[tuple[str, str], float] = {}
         self.caught: dict[str, int] = {}  # peer -> steps where replicas outvoted it (wrong outputs)
         self.verified_steps = 0  # steps a replica confirmed
@@ -392,7 +392,7 @@ class SwarmConnection:
         chain among those that answered is returned; pings left running fill the RTT cache."""
         servers = await self._routable(refresh, phase)
         known = self._servers  # a read landing meanwhile (the rest of the first one) adds candidates
-        # where the prompts of a session may run instead (`client/prefill_roles.py`)
+        # where the prompts of a session may run instead (`client/remote.py`)
         disaggregating = phase == "decode" and self.options.disaggregate != "never"
         prefill = self._routable_among(known, "prefill") if disaggregating else {}
         live = await self._live_peers()

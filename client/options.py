@@ -52,7 +52,7 @@ class ClientOptions:
     # blocks, "never" replays (servers that predate hand-offs are replayed to anyway)
     handoff: str = "auto"
     # prompts on servers started with --role prefill, their caches handed to the decode chain: "auto"
-    # where it is expected to pay (client/prefill_roles.py), "always" wherever one holds a hop's blocks,
+    # where it is expected to pay (client/remote.py), "always" wherever one holds a hop's blocks,
     # "never"
     disaggregate: str = "auto"
     # a disaggregated prompt's first token returns as soon as the prefill servers computed it, and the

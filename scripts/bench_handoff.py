@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     moves = LogLines()
-    logging.getLogger("client.session_moves").addHandler(moves)
+    logging.getLogger("client.remote").addHandler(moves)
     work, history = Path(args.work), int(args.history)
     reference = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
     reference.generation_config.eos_token_id = None  # a random model may say EOS: generate on

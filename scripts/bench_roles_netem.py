@@ -98,7 +98,7 @@ def measure(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     handed = LogLines()
-    logger = logging.getLogger("client")  # client.prefill_roles' hand-offs, client.remote's fallbacks
+    logger = logging.getLogger("client")  # client.remote's hand-offs and fallbacks
     logger.setLevel(logging.INFO)
     logger.addHandler(handed)
     plan = json.loads(Path(args.plan).read_text())

@@ -4,6 +4,13 @@ Transport and validation live here; the arithmetic is the span's. Every request 
 before it touches the model, every error is answered with a message naming what was wrong, and a
 session's cache reservation is released on every way out of its stream (end, error, disconnect,
 idle timeout, shutdown), so one client can never take memory or the server down with it.
+
+Besides sessions, `BlockServicer` holds, in this order in the class: the validation every RPC
+shares (the swarm's proof, per-peer shares, blocks, sizes and adapters a request names, the largest
+message a session may send); the unary RPCs besides `info` (reports of wrong outputs, training's
+forward and backward of whole sequences, nothing kept between calls); and its part in cache
+hand-offs, pushing a session's cache when its client asks and receiving one on the push stream
+(protocol: swarm/handoff_wire.py and docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -12,41 +19,53 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator  # noqa: UP035  (hivemind detects streaming RPCs by typing's alias)
 
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from server.bounded_stream import StreamLimit, add_bounded_stream_handler
+from server.cache_progress import CacheProgress
+from server.cache_receiver import receive_cache
+from server.cache_sender import REPLY_TIMEOUT, PushResult, push_cache
 from server.decode_load import DecodeLoad
 from server.emulated_delay import emulated_seconds_per_block
 from server.engine import BatchingEngine
-from server.handoff_rpcs import HandOffRpcs
+from server.following_push import FollowingPush
+from server.link_probes import PROBE_HANDLE, receive_probe
 from server.memory import CacheBudget, NoCacheRoom
 from server.metrics import ServerMetrics
 from server.replay import MAX_TOKENS_PER_POSITION, parse_replay
-from server.request_checks import RequestChecks
 from server.session import Session, check_hypo_ids, check_step_inputs
 from server.session_lengths import SessionLengths
-from server.unary_rpcs import UnaryRpcs
+from server.training import parse_sequence_call, run_backward, run_forward
 from swarm.block_rpc import BlockRpc
 from swarm.closed_swarm import SwarmSecret
+from swarm.handoff_wire import HandedOff, HandOff
 from swarm.models.adapters import adapter_rows
 from swarm.models.span import TransformerSpan
 from swarm.wire import (
+    PEER_LIMIT_PREFIX,
+    Ack,
+    Backward,
+    Computed,
     Error,
     ErrorCode,
+    Forward,
     InfoRequest,
     Open,
     Opened,
     ProtocolError,
     Replay,
     Replayed,
+    Report,
     Step,
     StepDone,
     decode_metadata,
@@ -56,6 +75,11 @@ from swarm.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+REPORT_WINDOW = 10.0  # seconds: one peer's reports of wrong outputs count at most once per window
+MAX_REPORTERS = 10_000
+MAX_LINKS = 16  # measured links a server announces (the record's bound)
+PUSH_HANDLE = "push_cache"  # not rpc_*: hivemind would register it as a plain protobuf handler
 
 
 @dataclass(frozen=True)
@@ -67,7 +91,7 @@ class PeerLimits:
     max_session_lifetime: float = 24 * 3600.0  # seconds, however active the session is
 
 
-class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
+class BlockServicer(BlockRpc):
     def __init__(
         self,
         span: TransformerSpan,
@@ -481,6 +505,320 @@ class BlockServicer(RequestChecks, UnaryRpcs, HandOffRpcs, BlockRpc):
         if self.engine is not None:
             self.engine.shutdown()
             logger.info("batching engine: %s", self.engine.stats.summary())
+
+    def _message_limit(self, batch_size: int, tokens: int) -> int:
+        """The largest legitimate step: float32 hidden states and a padding mask for every position."""
+        return batch_size * tokens * (self.span.hidden_size * 4 + 8) + 64 * 1024
+
+    def _check_proof(self, proof: str, context: P2PContext) -> None:
+        """In a closed swarm, the caller must prove it holds the swarm secret (bound to both peer ids)."""
+        if self.swarm_secret is None:
+            return
+        if not self.swarm_secret.check_session_proof(proof, str(context.remote_id), self.local_peer_id):
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED,
+                "this server belongs to a closed swarm: the request does not prove the swarm secret",
+            )
+
+    def _check_peer_share(self, peer: str, needed: int) -> None:
+        """One peer may hold at most `max_sessions` sessions and `max_cache_fraction` of the cache."""
+        held = [session for session in self.sessions.values() if session.peer == peer]
+        if len(held) >= self.limits.max_sessions:
+            raise NoCacheRoom(
+                f"{PEER_LIMIT_PREFIX}: it already holds {len(held)} sessions, the per-peer limit"
+            )
+        share = int(self.budget.total_bytes * self.limits.max_cache_fraction)
+        reserved = sum(session.reserved_bytes for session in held)
+        if reserved + needed > share:
+            raise NoCacheRoom(
+                f"{PEER_LIMIT_PREFIX}: {reserved:,} bytes held + {needed:,} needed exceed the "
+                f"per-peer share of {share:,} bytes"
+            )
+
+    def _check_blocks(self, start: int, end: int) -> None:
+        if not self.span.start <= start < end <= self.span.end:
+            raise ProtocolError(
+                ErrorCode.NOT_SERVING,
+                f"blocks {start}:{end} are not inside this server's span {self.span.start}:{self.span.end}",
+            )
+
+    def _check_adapter(self, name: str) -> str | None:
+        """The adapter a request names ("": none), if this server holds it."""
+        if not name:
+            return None
+        held = self.span.adapters.names if self.span.adapters is not None else ()
+        if name not in held:
+            raise ProtocolError(
+                ErrorCode.NOT_SERVING,
+                f"this server has no adapter {name!r} (it has: {', '.join(held) or 'none'})",
+            )
+        return name
+
+    def _check_sizes(self, batch_size: int, length: int) -> None:
+        if batch_size > self.max_batch_size:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"batch size {batch_size} exceeds the limit {self.max_batch_size}"
+            )
+        if length > self.max_length:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"max_length {length} exceeds the server's limit {self.max_length}"
+            )
+
+    # --- reports of wrong outputs ---------------------------------------------------------------
+    async def rpc_report(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """A client says this server's output was wrong (outvoted by replicas, or malformed): counted
+        and logged for the operator, nothing more (any client may send it; one per peer per window)."""
+        try:
+            report = parse(request.metadata, Report)
+            self._check_proof(report.swarm_proof, context)
+            self._check_blocks(report.start, report.end)
+        except ProtocolError as error:
+            return self._error(error.code, str(error))
+        peer, now = str(context.remote_id), time.monotonic()
+        if now - self._reported_at.get(peer, -REPORT_WINDOW) >= REPORT_WINDOW:
+            if len(self._reported_at) >= MAX_REPORTERS:  # forget the old windows, never grow unbounded
+                self._reported_at = {p: t for p, t in self._reported_at.items() if now - t < REPORT_WINDOW}
+            self._reported_at[peer] = now
+            self.metrics.wrong_output_reports.labels(reason=report.reason).inc()
+            detail = (
+                f"{report.relative_difference:.3g} relative difference from two agreeing replicas"
+                if report.reason == "outvoted"
+                else "NaN, infinity or a wrong shape"
+            )
+            logger.warning(
+                "client %s reports this server's output for blocks %d:%d as wrong (%s): check the device, "
+                "dtype and quantization",
+                peer[-8:],
+                report.start,
+                report.end,
+                detail,
+            )
+        return self._reply(Ack(), [])
+
+    # --- training: forward and backward of whole sequences, nothing kept -----------------------------
+    async def rpc_forward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """Run blocks [start, end) on whole sequences (no cache): inference without a session, and the
+        forward pass of training."""
+        return await self._sequence_call(request, context, backward=False)
+
+    async def rpc_backward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """Gradients of blocks [start, end) with respect to their inputs (and deep prompts), the
+        forward recomputed: nothing of a client's is kept between calls."""
+        return await self._sequence_call(request, context, backward=True)
+
+    async def _sequence_call(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext, backward: bool
+    ) -> runtime_pb2.ExpertResponse:
+        kind = "backward" if backward else "forward"
+        owner = f"{kind}:{id(request)}"
+        self.metrics.received.inc(request.ByteSize())
+        try:
+            if not self.accepting:
+                raise ProtocolError(ErrorCode.NOT_SERVING, "this server is shutting down")
+            size, limit = request.ByteSize(), 3 * self._message_limit(self.max_batch_size, self.max_length)
+            if size > limit:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"message of {size:,} bytes exceeds the limit of {limit:,}"
+                )
+            message = parse(request.metadata, Backward if backward else Forward)
+            self._check_proof(message.swarm_proof, context)
+            self._check_blocks(message.start, message.end)
+            adapter = self._check_adapter(message.adapter)
+            call = parse_sequence_call(
+                decode_tensors(request),
+                message.start,
+                message.end,
+                backward=backward,
+                with_prompts=message.prompts,
+                hidden_size=self.span.hidden_size,
+                max_batch_size=self.max_batch_size,
+                max_length=self.max_length,
+            )
+            # activations: one block's at a time without autograd, every block's for a backward
+            blocks = call.end - call.start if backward else 1
+            needed = self.span.training_bytes(call.batch_size, call.num_tokens, blocks)
+            self._check_peer_share(str(context.remote_id), needed)
+            self.budget.reserve(owner, needed)
+            started = time.perf_counter()
+            compute = partial(run_backward if backward else run_forward, self.span, call, adapter)
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, compute)
+            self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
+            return self._reply(Computed(), outputs if backward else [outputs])
+        except ProtocolError as error:
+            return self._error(error.code, str(error))
+        except NoCacheRoom as error:
+            return self._error(ErrorCode.NO_CACHE_ROOM, str(error))
+        except Exception as error:
+            logger.exception("%s failed", kind)
+            return self._error(
+                ErrorCode.INTERNAL, f"{kind} failed on the server: {type(error).__name__}: {error}"
+            )
+        finally:
+            self.budget.release(owner)
+
+    _p2p: P2P | None = None
+    _namespace: str | None = None
+    link_rates: OrderedDict[str, float]  # receiving peer -> bytes/s of our last push there (announced)
+
+    def _push_handle(self, namespace: str | None) -> str:
+        return self._get_handle_name(namespace, PUSH_HANDLE)
+
+    async def add_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
+        self._p2p, self._namespace = p2p, namespace
+        self.link_rates = OrderedDict()
+
+        def find_session(session_id: str) -> Session | None:
+            return self.sessions.get(session_id)
+
+        async def handler(requests, context, limit):
+            async for response in receive_cache(
+                requests, context, limit, find_session, self.session_idle_timeout
+            ):
+                yield response
+
+        await add_bounded_stream_handler(p2p, self._push_handle(namespace), handler)
+        probing = asyncio.Lock()  # one probe at a time: others are refused, never queued
+
+        async def probe_handler(requests, context, limit):
+            async for response in receive_probe(requests, context, limit, probing):
+                yield response
+
+        await add_bounded_stream_handler(p2p, self.probe_handle(namespace), probe_handler)
+
+    async def remove_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
+        await p2p.remove_binary_stream_handler(self._push_handle(namespace))
+        await p2p.remove_binary_stream_handler(self.probe_handle(namespace))
+
+    def probe_handle(self, namespace: str | None) -> str:
+        return self._get_handle_name(namespace, PROBE_HANDLE)
+
+    def record_link_rate(self, peer: str, rate: float) -> None:
+        """Our measured rate to `peer` (a hand-off or a probe), announced in `ServerInfo.links`."""
+        self.link_rates[peer] = rate
+        self.link_rates.move_to_end(peer)
+        while len(self.link_rates) > MAX_LINKS:
+            self.link_rates.popitem(last=False)
+
+    @staticmethod
+    def check_cache_source(message: Open) -> tuple[str | None, str | None]:
+        """A session opened to receive a cache names both the secret and the sender."""
+        if bool(message.cache_token) != bool(message.cache_from):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "a session that receives a cache needs both cache_token and cache_from"
+            )
+        return message.cache_token or None, message.cache_from or None
+
+    async def _hand_off(self, session: Session, request: runtime_pb2.ExpertRequest):
+        """The session's client asks us to push its cache to another server (see cache_sender)."""
+        try:
+            order = parse(request.metadata, HandOff)
+            if order.follow:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "a following hand-off must precede a step")
+            if self._p2p is None:
+                raise ProtocolError(ErrorCode.INTERNAL, "this server cannot reach other servers yet")
+        except ProtocolError as error:
+            logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        push = push_cache(self._p2p, self._push_handle(self._namespace), session, order)
+        return await self._pushed(session, order, push)
+
+    def _begin_follow(self, session: Session, request: runtime_pb2.ExpertRequest) -> FollowingPush | None:
+        """A `HandOff` with `follow`: its push starts now and sends each part of the cache the next
+        step computes (`server.cache_progress`); None for one without `follow` (`_hand_off`'s).
+        Its answer, whatever happens, comes after the step's, so the client reads both in order: one
+        this server will not follow is answered with its refusal then (ProtocolError if the message
+        is not a hand-off at all)."""
+        order = parse(request.metadata, HandOff)
+        if not order.follow:
+            return None
+        refusal = None
+        if self._p2p is None:
+            refusal = ProtocolError(ErrorCode.INTERNAL, "this server cannot reach other servers yet")
+        elif session.receiving or session.progress is not None:
+            refusal = ProtocolError(
+                ErrorCode.BAD_REQUEST, "the session is receiving or pushing a cache already"
+            )
+        elif not session.cache.length < order.length <= session.max_length:
+            refusal = ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"a following hand-off pushes positions the next step computes: {order.length} is not in "
+                f"({session.cache.length}, {session.max_length}]",
+            )
+        if refusal is not None:
+            return FollowingPush(order, None, refusal)
+        progress = session.progress = CacheProgress(asyncio.get_running_loop())
+        progress.advance(session.cache.length)
+        push = push_cache(self._p2p, self._push_handle(self._namespace), session, order, progress)
+        return FollowingPush(order, asyncio.create_task(push))
+
+    async def _end_follow(self, session: Session, following: FollowingPush, stepped: bool):
+        """The reply to a following hand-off once its step ran (`stepped`; else the client sent
+        something else, and it is cancelled): `HandedOff` once B holds the cache, else an error."""
+        order, task = following.order, following.task
+        if task is None:
+            error = following.refusal or ProtocolError(ErrorCode.INTERNAL, "no push")
+            logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        cache = session.cache
+        if not stepped or cache is None or cache.length < order.length:
+            self._drop_follow(session, following)
+            text = "the step after it did not compute" if stepped else "no step came after it to compute"
+            error = ProtocolError(
+                ErrorCode.BAD_REQUEST, f"hand-off cancelled: {text} its {order.length} positions"
+            )
+            logger.info("session %s: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        progress, session.progress = session.progress, None
+        if progress is not None:
+            progress.advance(cache.length)  # a retried step is answered from memory: nothing was reported
+        return await self._pushed(session, order, asyncio.wait_for(task, REPLY_TIMEOUT + order.max_seconds))
+
+    def _drop_follow(self, session: Session | None, following: FollowingPush) -> None:
+        """A push following the session's prompt stops at once (the session ended, or its step did not
+        compute the positions); its stream to B closes, and B keeps nothing."""
+        progress = session.progress if session is not None else None
+        if progress is not None:
+            progress.abandon()  # a flag as well: Python 3.11's `wait_for` may swallow the cancellation
+            session.progress = None
+        if following.task is not None:
+            following.task.cancel()
+            # nothing is left to report: collect its outcome so that none is logged as unretrieved
+            following.task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    async def _pushed(self, session: Session, order: HandOff, push: Awaitable[PushResult]):
+        """`push` awaited, its outcome logged and answered to the client."""
+        try:
+            result = await push
+        except ProtocolError as error:
+            logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
+            return self._error(error.code, str(error))
+        except Exception as error:  # B unreachable, the stream broke: the client replays instead
+            logger.info(
+                "session %s: hand-off failed: %s", session.session_id[:8], error or type(error).__name__
+            )
+            return self._error(ErrorCode.NOT_SERVING, f"hand-off failed: {type(error).__name__}: {error}")
+        logger.info(
+            "session %s: handed %d positions to %s%s: %d bytes in %.0f ms (%.1f MB/s)",
+            session.session_id[:8],
+            order.length,
+            order.target_peer[-8:],
+            " while computing them" if order.follow else "",
+            result.bytes,
+            result.seconds * 1e3,
+            result.bytes / max(result.seconds, 1e-9) / 1e6,
+        )
+        self.metrics.handoffs.inc()
+        self.record_link_rate(order.target_peer, result.bytes / max(result.seconds, 1e-6))
+        reply = HandedOff(
+            handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
+        )
+        return self._reply(reply, [])
 
 
 def _message_type(request: runtime_pb2.ExpertRequest) -> object:

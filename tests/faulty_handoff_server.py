@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from server import cache_receiver, cache_sender, handoff_rpcs
+from server import cache_receiver, cache_sender, handler
 
 
 def _power_loss() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
                     _power_loss()
                 yield response
 
-        handoff_rpcs.receive_cache = receive_then_die
+        handler.receive_cache = receive_then_die
     else:
         raise SystemExit(f"unknown mode {mode!r}: die-pushing or die-receiving")
     from server.cli import main as server_main

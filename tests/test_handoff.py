@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import run_sync
 from client.stream import ServerStream, StepInput
-from server.handoff_rpcs import PUSH_HANDLE
+from server.handler import PUSH_HANDLE
 from swarm.dht_keys import default_prefix
 from swarm.handoff_wire import CacheChunk, PushCache
 from swarm.route_request import RouteHop, SessionShape

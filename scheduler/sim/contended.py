@@ -26,7 +26,7 @@ window where the server cannot know the session is alone (`tests/test_sim_conten
 
 Prefill servers and cache hand-offs (`scheduler.sim.roles`): a session's prompt for a hop may run on
 a prefill server, which then hands the cache to the hop's decode server; the hand-offs run after
-the prompt's pass, one hop after another (as `client/prefill_roles.py` does), and the first token
+the prompt's pass, one hop after another (as `client/remote.py` does), and the first token
 is the client's once they are done.
 
 One event heap serves the whole simulation (the engine's); each server keeps its own queues and

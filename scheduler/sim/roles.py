@@ -8,7 +8,7 @@ the decode servers' placement, the live scheduler's rule: `scheduler.algorithms.
 and take only prompts.
 
 When a session starts, for each hop of its chain the client's rule (`swarm.prefill_cost`, the same
-arithmetic as `client/prefill_roles.py`) picks a prefill server holding the hop's blocks with room
+arithmetic as `client/remote.py`) picks a prefill server holding the hop's blocks with room
 for the prompt's cache, if its prefill of the prompt (its announced `tau_prefill`, scaled) plus the
 hand-off at the link's rate beats the decode server's own prefill (`--disaggregate scheduler`: the
 live scheduler's plan, `scheduler/service/prefill_routing.py`, which adds to each side the queue of
