@@ -74,7 +74,8 @@ class SwarmServer:
         self._sessions_changed = asyncio.Event()
         self.identity: PeerIdentity | None = None
         self.reachability = Reachability.DIRECT  # decided when joining (server.joining)
-        self.limits = ModelLimits.from_config(load_config(config.model_dir))
+        self.model_config = load_config(config.model_dir)
+        self.limits = ModelLimits.from_config(self.model_config)
         self.role = AssignedRole(config.role)  # managed: the scheduler may assign one (--roles auto)
 
     # --- what we announce -----------------------------------------------------------------------
@@ -198,8 +199,7 @@ class SwarmServer:
         any span (blocks are alike but for DeepSeek's first, dense ones)."""
         config = self.config
         started = time.perf_counter()
-        model_config = load_config(config.model_dir)
-        block = family_for(model_config).representative_block(model_config)
+        block = family_for(self.model_config).representative_block(self.model_config)
         self._probe, _files = load_span(
             config.model_dir, block, block + 1, dtype=config.dtype, device=config.device, quant=config.quant
         )

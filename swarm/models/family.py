@@ -173,7 +173,7 @@ class ModelFamily(ABC):
     def float32_tensors(self, dtype: torch.dtype) -> tuple[str, ...]:
         """Name parts of the block tensors transformers keeps in float32 when the model loads in
         `dtype`: the strict list in any 16-bit dtype, the other one in float16 only."""
-        if self.pretrained_class is None:
+        if self.pretrained_class is None or dtype not in (torch.float16, torch.bfloat16):
             return ()
         names = list(getattr(self.pretrained_class, "_keep_in_fp32_modules_strict", None) or ())
         if dtype == torch.float16:

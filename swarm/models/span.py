@@ -80,7 +80,7 @@ def materialize(
                 f"{what}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint, "
                 f"the config implies {tuple(current.shape)}"
             )
-        kept = any(part in name for part in float32_names) and dtype in (torch.float16, torch.bfloat16)
+        kept = any(part in name for part in float32_names)
         target = torch.float32 if kept else (dtype if name in expected else current.dtype)
         set_module_tensor_to_device(module, name, device, value=tensor, dtype=target)
 
@@ -376,6 +376,7 @@ def _load_blocks(
     """Build and fill the blocks `indices` (absolute) of a span starting at `span_start`."""
     blocks: dict[int, nn.Module] = {}
     fp8_block = fp8_block_size(config)  # a block-quantized FP8 checkpoint's tile, if it is one
+    float32_names = family.float32_tensors(dtype)  # what transformers keeps in float32 at this dtype
     with CheckpointReader(model_dir) as reader:
         base = find_base_prefix(family, reader)
         for index in indices:
@@ -390,7 +391,6 @@ def _load_blocks(
             if fp8_block is not None:
                 tensors = dequantize_fp8(tensors, fp8_block)
             tensors = family.block_tensors(block, tensors)
-            float32_names = family.float32_tensors(dtype)
             if quant == "none":
                 materialize(block, tensors, dtype, device, f"block {index}", float32_names)
             else:  # fill on the CPU, then bitsandbytes quantizes while moving to the GPU
