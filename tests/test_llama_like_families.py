@@ -290,7 +290,8 @@ def pack_mxfp4(
 
 def test_gpt_oss_loads_its_published_mxfp4_experts(tmp_path):
     """GPT-OSS is published with its experts in MXFP4: spans dequantize them on load and generate
-    what transformers generates from the same (exactly representable) weights in full precision."""
+    what transformers generates from the same (exactly representable) weights in full precision.
+    Blocks and scales that do not fit each other are refused."""
     model_dir = build_tiny_model(
         tmp_path / "full", TinyModelSpec(family="gpt_oss", num_layers=2, hidden_size=64)
     )
@@ -319,6 +320,11 @@ def test_gpt_oss_loads_its_published_mxfp4_experts(tmp_path):
     model = DistributedModelForCausalLM.from_local_parts(quantized_dir, LocalSpans(spans))
     expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
     assert torch.equal(model.generate(PROMPT, max_new_tokens=16, do_sample=False), expected)
+    scales = "model.layers.1.mlp.experts.down_proj_scales"
+    packed[scales] = packed[scales][:, 1:].clone()  # one row of scales short
+    save_file({**tensors, **packed}, quantized_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="MXFP4 blocks .* do not fit scales"):
+        load_span(quantized_dir, 1, 2)
 
 
 def test_deepseek_loads_its_published_fp8_weights(tmp_path):

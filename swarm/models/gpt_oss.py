@@ -25,6 +25,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
     GptOssRotaryEmbedding,
 )
 
+from swarm.errors import CheckpointError
 from swarm.models.family import layer_types_window, register_family
 from swarm.models.inplace_attention import register_session_attention
 from swarm.models.llama import LlamaFamily
@@ -55,6 +56,11 @@ class GptOssFamily(LlamaFamily):
         for name in MXFP4_EXPERT_TENSORS:
             blocks, scales = tensors.pop(f"{name}_blocks", None), tensors.pop(f"{name}_scales", None)
             if blocks is not None and scales is not None:
+                if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+                    raise CheckpointError(
+                        f"{name}: MXFP4 blocks {blocks.dtype} {tuple(blocks.shape)} do not fit scales "
+                        f"{tuple(scales.shape)} (uint8 blocks, one scale per block of 32 values)"
+                    )
                 tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         return tensors
 
