@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -14,6 +14,7 @@ from hivemind.proto import runtime_pb2
 from client.connection import SwarmConnection
 from swarm.block_rpc import BlockRpc
 from swarm.handoff_wire import HandedOff, HandOff
+from swarm.models.cache import REWIND_RESERVE
 from swarm.route_request import RouteHop, SessionShape
 from swarm.wire import (
     Error,
@@ -258,10 +259,13 @@ class ServerStream:
         rejected. The server learns it from the next step's position (nothing is sent now); the
         history forgets the steps that start at `>= position`, and keeps a step that straddles it
         whole, so a replay recomputes exactly the cache the server had, positions `< position` included.
+        A step that straddles it by more than a sliding-window block's ring lets a step rewind
+        (`REWIND_RESERVE`) is cut at `position` instead: replayed whole, it would leave a ring
+        without the keys the next step needs.
         """
         if position < 0:
             raise ValueError(f"cannot rewind to a negative position ({position})")
-        self.history = [sent for sent in self.history if sent.position < position]
+        self.history = [_cut(sent, position) for sent in self.history if sent.position < position]
         self.length = min(self.length, position)  # a replica that lags behind keeps its own length
 
     async def _receive(self, timeout: float, expected: type, with_tensors: bool = False):
@@ -368,3 +372,11 @@ def output_problem(
     if not bool(torch.isfinite(output).all()):
         return "hidden states with NaN or infinity"
     return None
+
+
+def _cut(step: StepInput, position: int) -> StepInput:
+    """`step`, or its part before `position` where it reaches more than `REWIND_RESERVE` past it."""
+    if step.end - position <= REWIND_RESERVE:
+        return step
+    mask = step.padding_mask[:, :position] if step.padding_mask is not None else None
+    return replace(step, hidden=step.hidden[:, : position - step.position], padding_mask=mask)

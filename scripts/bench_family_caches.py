@@ -7,8 +7,9 @@ For each model, its config (the published shape: layers, heads, widths, windows)
 layer's attention module on the meta device (no memory, no weights), runs it over `--positions`
 positions with transformers' `DynamicCache`, and reads the shapes the cache kept: that is what
 transformers allocates, sliding layers keeping only their window. A span's cache is what
-`TransformerSpan.new_cache` allocates for the family (`ModelFamily.cache_layout`): the same rows for
-every block, the whole session long. Bytes are at bfloat16.
+`SpanCache` allocates for every block of the model on the meta device (no memory): the family's rows
+(`ModelFamily.cache_layout`), the whole session for full attention, the ring for sliding layers
+(`ring_capacity`). Bytes are at bfloat16.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from transformers import (  # noqa: E402
     Qwen3MoeConfig,
 )
 
-from swarm.cost import cache_bytes_per_block  # noqa: E402
 from swarm.models import span as _span  # noqa: E402, F401  (registers the families)
+from swarm.models.cache import REWIND_RESERVE, SpanCache  # noqa: E402
 from swarm.models.family import StepTokens, family_for  # noqa: E402
 from swarm.transformers_compat import layer_cache_argument  # noqa: E402
 
@@ -118,6 +119,27 @@ def transformers_cache_bytes(config: PretrainedConfig, positions: int) -> float:
     return total / config.num_hidden_layers / positions
 
 
+def span_cache_bytes(config: PretrainedConfig, positions: int) -> float:
+    """Bytes per position per block that a span's cache allocates for a session of `positions`
+    positions over every block of the model, averaged over the blocks."""
+    family = family_for(config)
+    layout = family.cache_layout(config)
+    blocks = family.num_blocks(config)
+    windows = [family.layer_window(config, index) for index in range(blocks)]
+    cache = SpanCache(
+        blocks,
+        1,
+        layout.heads,
+        layout.key_dim,
+        positions,
+        torch.bfloat16,
+        "meta",
+        value_dim=layout.value_dim,
+        windows=windows,
+    )
+    return cache.nbytes / blocks / positions
+
+
 def main() -> None:
     args = parse_bench_args(__doc__, positions=32768)
     lines = [
@@ -127,21 +149,21 @@ def main() -> None:
     ]
     for name, config in SHAPES.items():
         family = family_for(config)
-        ours = cache_bytes_per_block(family.kv_dim(config), 1, BYTES)
+        ours = span_cache_bytes(config, args.positions)
         theirs = transformers_cache_bytes(config, args.positions)
-        session = ours * args.positions * config.num_hidden_layers / 2**30
-        lines.append(f"| {name} | {ours:,} | {theirs:,.0f} | {ours / theirs:.2f} | {session:.2f} GiB |")
+        session = ours * args.positions * family.num_blocks(config) / 2**30
+        lines.append(f"| {name} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} | {session:.2f} GiB |")
         print(lines[-1], flush=True)
     text = (
         "Attention cache bytes per position and block at bfloat16, after a session of "
         f"{args.positions} positions. transformers' numbers are measured: every layer's own attention "
         "module, on the meta device, run over the positions with `DynamicCache`, and the bytes its "
-        "layers keep, averaged over the layers. A span keeps every block's cache the whole session "
-        "long: DeepSeek's latent (512 + 64 elements, as transformers 5 caches it: 57x fewer than 128 "
-        "heads of 128-wide keys and values) and full-length caches for sliding layers, which "
-        "transformers trims to their window (GPT-OSS: half its layers slide over 128 positions, "
-        "Gemma 3: five of six over 1024, Mistral v0.1: all over 4096). A ring over the window, which "
-        "would bring those to transformers' size, is not built yet."
+        "layers keep, averaged over the layers. A span's numbers are what its cache allocates for the "
+        "session over every block, averaged the same way: DeepSeek's latent (512 + 64 elements, as "
+        "transformers 5 caches it: 57x fewer than 128 heads of 128-wide keys and values), and for "
+        f"sliding layers a ring of the window's last positions plus {REWIND_RESERVE} kept for rewinds "
+        "(GPT-OSS: half its layers slide over 128 positions, Gemma 3: five of six over 1024, Mistral "
+        "v0.1: all over 4096), where transformers keeps the window alone."
     )
     publish_table(__file__, args, lines, "## Attention cache per family at real shapes", text)
 

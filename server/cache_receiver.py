@@ -128,7 +128,8 @@ class _CacheWriter:
         self.session, self.length = session, length
         cache = session.cache
         self.shapes = cache.position_shapes  # (batch, heads, width) of keys and of values
-        self.held = [0] * cache.num_blocks  # positions each block holds so far
+        # where each block's positions start: a sliding-window block keeps only the last ones
+        self.held = [cache.oldest_kept(block, length) for block in range(cache.num_blocks)]
         self.left = cache.num_blocks  # blocks not yet at the pushed length
 
     @property
@@ -171,8 +172,7 @@ class _CacheWriter:
         if cache is None:
             raise ProtocolError(ErrorCode.NOT_SERVING, "the session was closed while its cache arrived")
         end = self.position + count
-        cache.keys[self.block][:, :, self.position : end] = keys.to(cache.keys[self.block])
-        cache.values[self.block][:, :, self.position : end] = values.to(cache.values[self.block])
+        cache.write(self.block, self.position, keys, values)
         self.held[self.block] = end
         if end == self.length:
             self.left -= 1

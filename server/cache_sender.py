@@ -60,9 +60,17 @@ async def push_cache(
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"cannot hand off {order.length} positions: the cache holds {cache.length}"
         )
+    # a sliding-window block sends only the positions it keeps at that length (its ring), which is
+    # what the receiving session's block keeps too
+    firsts = [cache.oldest_kept(block, order.length) for block in range(cache.num_blocks)]
+    if progress is None and any(first < cache.oldest_kept(block) for block, first in enumerate(firsts)):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"cannot hand off {order.length} positions: the cache's sliding-window blocks moved past them",
+        )
     per_position = cache.position_bytes
     positions = max(1, CHUNK_BYTES // per_position)
-    total = per_position * order.length * cache.num_blocks
+    total = per_position * sum(order.length - first for first in firsts)
     peer = PeerID.from_base58(order.target_peer)
     if progress is not None:
         # B waits at most its idle timeout between messages: a prompt queued behind others here must
@@ -76,8 +84,7 @@ async def push_cache(
     in_flight: deque[int] = deque()  # bytes of each chunk sent and not yet acknowledged
 
     async def send(block: int, position: int, end: int) -> None:
-        keys = cache.keys[block][:, :, position:end].contiguous()
-        values = cache.values[block][:, :, position:end].contiguous()
+        keys, values = cache.read(block, position, end)
         chunk = CacheChunk(block=block, position=position)
         await P2P.send_protobuf(encode(chunk, [keys, values]), writer)
         in_flight.append(per_position * (end - position))
@@ -92,7 +99,7 @@ async def push_cache(
         if progress is None:
             pace.start()
             for block in range(cache.num_blocks):
-                for position in range(0, order.length, positions):
+                for position in range(firsts[block], order.length, positions):
                     await send(block, position, min(position + positions, order.length))
         else:
             sent = 0
@@ -101,8 +108,10 @@ async def push_cache(
                 if ready == order.length:
                     pace.start()  # the prompt is done: from here the link alone sets the pace
                 for position in range(sent, ready, positions):
+                    end = min(position + positions, ready)
                     for block in range(cache.num_blocks):
-                        await send(block, position, min(position + positions, ready))
+                        if max(position, firsts[block]) < end:
+                            await send(block, max(position, firsts[block]), end)
                 sent = ready
         for _ in range(len(in_flight)):
             await receive_reply(reader, ChunkAck)

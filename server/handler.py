@@ -278,7 +278,9 @@ class BlockServicer(BlockRpc):
         cache_token, cache_from = self.check_cache_source(message)
         if message.session_id in self.sessions:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"session id {message.session_id} is already in use")
-        needed = self.span.cache_bytes(message.max_length, message.batch_size) * (message.end - message.start)
+        needed = self.span.session_cache_bytes(
+            message.batch_size, message.max_length, message.start, message.end
+        )
         self._check_peer_share(peer, needed)
         self.budget.reserve(message.session_id, needed)  # raises NoCacheRoom before allocating anything
         try:

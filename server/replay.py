@@ -81,6 +81,7 @@ def parse_replay(message: Replay, tensors: list[torch.Tensor], session: Session,
         if not bool(((hypo_ids >= 0) & (hypo_ids < batch)).all()):
             raise _fail(f"hypo_ids must be sequence indices in [0, {batch})")
     length, offset, reordering, parsed = session.cache.length, 0, 0, []
+    written = session.cache.written
     for index, (position, count, reorders_first, has_mask) in enumerate(
         zip(positions, counts, reorders, masked, strict=True)
     ):
@@ -94,6 +95,10 @@ def parse_replay(message: Replay, tensors: list[torch.Tensor], session: Session,
                 f"replayed step {index} reaches position {position + count}, past the session's "
                 f"max_length {session.max_length}"
             )
+        refused = session.cache.rewind_error(position, written)
+        if refused is not None:
+            raise _fail(f"replayed step {index}: {refused}")
+        written = max(written, position + count)
         mask = None
         if has_mask:
             if session_mask.shape[1] < position:

@@ -92,6 +92,9 @@ def check_step_inputs(
             ErrorCode.BAD_REQUEST,
             f"positions up to {position + num_new} exceed the session's max_length {session.max_length}",
         )
+    refused = session.cache.rewind_error(position)
+    if refused is not None:  # nothing wrong with the request: this session cannot go back that far
+        raise ProtocolError(ErrorCode.SESSION_EXPIRED, refused)
     padding_mask = check_padding_mask(tensors[1], batch, position + num_new) if len(tensors) == 2 else None
     if prompts is not None:
         prompts = check_prompts(prompts, session.end - session.start, batch, hidden_size, session.max_length)

@@ -34,7 +34,8 @@ class ErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"  # malformed or invalid: fix the request
     NO_CACHE_ROOM = "no_cache_room"  # valid but does not fit now: wait or route elsewhere
     NOT_SERVING = "not_serving"  # the server is leaving or does not hold those blocks: route elsewhere
-    SESSION_EXPIRED = "session_expired"  # idle too long; open a new session and replay
+    # idle too long, or rewound past what its sliding-window blocks keep: open a new session and replay
+    SESSION_EXPIRED = "session_expired"
     UNAUTHORIZED = "unauthorized"  # a closed swarm, and the request does not prove its secret
     INTERNAL = "internal"
 

@@ -7,7 +7,7 @@ attention caching its compressed latent, dense first blocks, routed and shared e
 In-process spans and real servers give local transformers' tokens (greedy, beam search, a padded
 batch); concurrent sessions batched on a server equal each alone; a session survives its server
 being killed; a sharded checkpoint loads only its span's shards; sliding windows are exact past
-their end, in process and through real servers."""
+their end and past the ring their blocks keep, in process and through real servers, across a hand-off."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import json
 import shutil
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from swarm.cost import module_parameter_bytes
 from swarm.dht_keys import default_prefix
 from swarm.errors import CheckpointError, UnsupportedModelError
 from swarm.models import load_span
+from swarm.models.cache import REWIND_RESERVE
 from swarm.models.tiny import FAMILIES as TINY_FAMILIES
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
@@ -74,9 +76,10 @@ def test_a_span_loads_only_its_own_shards(family_dir):
 def test_sliding_windows_are_exact_past_the_window_or_refused(family_dir, tmp_path):
     """A window of 4 positions (Mistral and Mixtral: every block; Qwen2 and Qwen3: the blocks their
     `layer_types` make sliding, here every other one, as Gemma's and GPT-OSS's tiny configs have
-    them): spans mask the keys outside it, so generating
-    far past it equals local transformers (alone and in a left-padded batch), and a batched decode
-    step of sessions on both sides of it equals each session alone. Qwen3-MoE's windows are refused."""
+    them): a sliding block keeps a ring of 3 + REWIND_RESERVE positions and masks the keys outside
+    the window, so generating past the ring equals local transformers (alone and in a left-padded
+    batch), and a batched decode step of sessions inside the window, past it and past the ring equals
+    each session alone. Qwen3-MoE's windows are refused."""
     copy = tmp_path / "windowed"
     shutil.copytree(family_dir, copy)
     config = json.loads((copy / "config.json").read_text())
@@ -94,29 +97,36 @@ def test_sliding_windows_are_exact_past_the_window_or_refused(family_dir, tmp_pa
     reference = AutoModelForCausalLM.from_pretrained(copy).eval()
     spans = [load_span(copy, 0, 1)[0], load_span(copy, 1, LAYERS)[0]]
     assert spans[0].family.longest_session(spans[0].config) is None  # no cap on sessions
+    ring = 3 + REWIND_RESERVE
+    cache = spans[1].new_cache(1, 1000)
+    assert {tensor.shape[2] for tensor in cache.keys} == (
+        {ring} if config["model_type"] in ("mistral", "mixtral") else {ring, 1000}
+    )
+    assert spans[1].session_cache_bytes(1, 1000, 1, LAYERS) == cache.nbytes
     model = DistributedModelForCausalLM.from_local_parts(copy, LocalSpans(spans))
-    expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
-    assert torch.equal(model.generate(PROMPT, max_new_tokens=16, do_sample=False), expected)
+    new = ring + 4 - PROMPT.shape[1]  # the session passes its ring
+    expected = reference.generate(PROMPT, max_new_tokens=new, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=new, do_sample=False), expected)
     unwindowed = AutoModelForCausalLM.from_pretrained(family_dir).eval()
     assert not torch.allclose(unwindowed(expected).logits, reference(expected).logits)  # the window matters
     tokenizer = AutoTokenizer.from_pretrained(copy)
     texts = ["one two", "A cat sat on a mat"]
     batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
-    expected = reference.generate(**batch, max_new_tokens=12, do_sample=False)
-    assert torch.equal(model.generate(**batch, max_new_tokens=12, do_sample=False), expected)
-    assert_batched_step_equals_steps_alone(spans[1])
+    expected = reference.generate(**batch, max_new_tokens=new, do_sample=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=new, do_sample=False), expected)
+    assert_batched_step_equals_steps_alone(spans[1], (3, 9, ring + 2))
 
 
-def assert_batched_step_equals_steps_alone(span) -> None:
-    """Sessions of 3 and 9 positions (for windows of 4: inside and past them) take one more step
-    together in one batched forward, and each gets what its step alone gives."""
+def assert_batched_step_equals_steps_alone(span, lengths: tuple[int, ...] = (3, 9)) -> None:
+    """Sessions of `lengths` positions (for windows of 4: inside them, past them, and past the ring)
+    take one more step together in one batched forward, and each gets what its step alone gives."""
     generator = torch.Generator().manual_seed(0)
-    prefixes = [torch.randn(1, length, span.hidden_size, generator=generator) for length in (3, 9)]
+    prefixes = [torch.randn(1, length, span.hidden_size, generator=generator) for length in lengths]
     tokens = [torch.randn(1, 1, span.hidden_size, generator=generator) for _ in prefixes]
     alone, caches = [], []
     for prefix in prefixes:
         for destination in (alone, caches):
-            cache = span.new_cache(1, 16)
+            cache = span.new_cache(1, max(lengths) + 8)
             span(prefix, cache, 0)
             destination.append(cache)
     expected_steps = [span(token, cache, cache.length) for token, cache in zip(tokens, alone, strict=True)]
@@ -179,28 +189,85 @@ def test_real_servers_batching_and_failover(swarm, family_dir):
 
 
 def test_real_servers_serve_sessions_past_a_mistral_window(swarm, tmp_path):
-    """A tiny Mistral with a window of 6 through two real servers: a session of 29 positions equals
-    local transformers, and so do concurrent sessions batched on the servers past the window; the
-    servers do not cap sessions at the window."""
+    """A tiny Mistral with a window of 6 through real servers: sessions past the window and past the
+    ring its blocks keep equal local transformers, alone and batched concurrently on the servers; the
+    servers do not cap sessions at the window; a server draining mid-session hands its wrapped ring
+    off (only the positions a ring keeps) and generation goes on exactly; a rewind deeper than a
+    wrapped ring keeps is refused by the server and replayed by the client on a new session."""
     spec = TinyModelSpec(family="mistral", num_layers=2, num_kv_heads=2)
     model_dir = build_tiny_model(tmp_path / "mistral", spec)
     config = json.loads((model_dir / "config.json").read_text())
     config["sliding_window"] = 6
     (model_dir / "config.json").write_text(json.dumps(config))
+    ring = 5 + REWIND_RESERVE
     prefix = default_prefix(str(model_dir))
     swarm.start_server("first", model_dir, "0:1")
-    swarm.start_server("second", model_dir, "1:2")
-    swarm.wait_online(prefix, 2, ["first", "second"])
-    assert all(info.max_length > 6 for info in swarm.servers(prefix, 2).values())  # not capped at the window
+    for name in ("second", "second2"):
+        swarm.start_server(name, model_dir, "1:2", "1GB", "--drain-timeout", "60")
+    swarm.wait_online(prefix, 2, ["first", "second", "second2"])
+    assert all(info.max_length > ring for info in swarm.servers(prefix, 2).values())  # not capped
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     options = ClientOptions(request_timeout=20.0)
     model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, options=options)
     try:
-        expected = reference.generate(PROMPT, max_new_tokens=22, do_sample=False)
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=22, do_sample=False), expected)
+        new = ring + 6 - PROMPT.shape[1]
         assert_concurrent_sessions_equal_each_alone(
-            model, reference, [PROMPT[:, : 2 + 2 * k] for k in range(3)], 14
+            model, reference, [PROMPT[:, : 3 + 2 * k] for k in range(3)], new
         )
+        expected = reference.generate(PROMPT, max_new_tokens=new + 8, do_sample=False)
+        with model.inference_session(max_length=PROMPT.shape[1] + new + 8) as session:
+            first = model.generate(PROMPT, max_new_tokens=new, do_sample=False, session=session)
+            stream = session.blocks.streams[-1]
+            victim = model.backend.connection.known_servers[stream.hop.peer_id].public_name
+            swarm.processes[victim].send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while "draining" not in swarm.log(victim):
+                assert time.monotonic() < deadline, swarm.log(victim)[-2000:]
+                time.sleep(0.1)
+            rest = model.generate(None, max_new_tokens=8, do_sample=False)
+            assert session.blocks.streams[-1].hop.peer_id != stream.hop.peer_id
+        assert torch.equal(torch.cat([first, rest], dim=1), expected)
+        assert swarm.processes[victim].wait(30) == 0
+        assert "handed" in swarm.log(victim)
+        # a rewind deeper than a wrapped ring keeps: the server says so, the client replays
+        ids = expected[:, : ring + 20]
+        embed = model.get_input_embeddings()
+        with model.inference_session(max_length=ids.shape[1]) as session:
+            session.step(ids, embed(ids), None)
+            session.rewind(10)
+            deep = session.step(ids[:, 10:13], embed(ids[:, 10:13]), None)
+        with model.inference_session(max_length=ids.shape[1]) as session:
+            session.step(ids[:, :10], embed(ids[:, :10]), None)
+            # a replay computes the prefix it keeps as a chunk of its own: equal up to float rounding
+            torch.testing.assert_close(deep, session.step(ids[:, 10:13], embed(ids[:, 10:13]), None))
+    finally:
+        model.shutdown()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_speculative_decoding_through_real_servers_equals_greedy(swarm, family, tmp_path):
+    """Prompt lookup and an assistant through two real servers: the servers' caches (GPT-OSS's rings
+    past a window of 4, with sinks; DeepSeek's latents) rewind past rejected drafts, and the greedy
+    tokens stay local transformers'."""
+    model_dir = build_tiny_model(tmp_path / family, TinyModelSpec(family=family, num_layers=2))
+    if family == "gpt_oss":
+        config = json.loads((model_dir / "config.json").read_text())
+        config["sliding_window"] = 4
+        (model_dir / "config.json").write_text(json.dumps(config))
+    prefix = default_prefix(str(model_dir))
+    swarm.start_server("first", model_dir, "0:1")
+    swarm.start_server("second", model_dir, "1:2")
+    swarm.wait_online(prefix, 2, ["first", "second"])
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    options = ClientOptions(request_timeout=20.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, options=options)
+    prompt = torch.tensor([[5, 17, 99, 200, 33, 41, 7, 5, 17, 99]])
+    new = 3 + REWIND_RESERVE  # past the ring of a window of 4
+    try:
+        expected = reference.generate(prompt, max_new_tokens=new, do_sample=False)
+        lookup = model.generate(prompt, max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=3)
+        assisted = model.generate(prompt, max_new_tokens=new, do_sample=False, assistant_model=reference)
+        assert torch.equal(lookup, expected) and torch.equal(assisted, expected)
     finally:
         model.shutdown()
 

@@ -96,6 +96,7 @@ class FalconFamily(ModelFamily):
         position: int,
         padding_mask: torch.Tensor | None,
         window: int | None = None,
+        key_positions: torch.Tensor | None = None,  # never set: Falcon's blocks do not slide
     ) -> StepInputs:
         """ALiBi models attend with the biases inside the mask, as `FalconModel` builds it: ALiBi
         scaled by 1/sqrt(head_dim), blocked keys (future, padding) at the dtype's minimum."""

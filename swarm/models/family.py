@@ -100,8 +100,8 @@ class ModelFamily(ABC):
     def layer_window(self, config: PretrainedConfig, index: int) -> int | None:
         """How many positions back the attention of the model's block `index` sees (a query at cache
         position q sees keys at q - window < k <= q, as transformers masks it), or None for attention
-        over the whole prefix. Spans keep the whole cache and mask the rest, so windows are exact at
-        any length."""
+        over the whole prefix. A span's cache keeps only what such a block can still see
+        (`swarm.models.cache.ring_capacity`) and masks the rest, so windows are exact at any length."""
         return None
 
     # --- blocks ---------------------------------------------------------------------------------
@@ -122,17 +122,20 @@ class ModelFamily(ABC):
         position: int,
         padding_mask: torch.Tensor | None,
         window: int | None = None,
+        key_positions: torch.Tensor | None = None,
     ) -> StepInputs:
         """Per-step inputs shared by the blocks of a span with the same attention `window` (None:
         the whole prefix) for a step of `hidden.shape[1]` tokens: the family's `position_inputs` and
         the causal, padding and window `attention_mask` every family uses.
 
-        `padding_mask` (`[batch, position + new]`, 1 = real token) is given only for padded batches.
+        `padding_mask` (`[batch, position + new]`, 1 = real token) is given only for padded batches;
+        `key_positions`, the absolute position of each key column, only where the cache's columns
+        are not positions `[0, position + new)` (`SpanCache.key_positions`).
         """
         step = StepTokens(hidden, position, padding_mask, window)
         return {
             **self.position_inputs(config, helpers, step),
-            "attention_mask": attention_bias(hidden, position, padding_mask, window),
+            "attention_mask": attention_bias(hidden, position, padding_mask, window, key_positions),
         }
 
     @abstractmethod
@@ -206,9 +209,14 @@ def layer_types_window(config: PretrainedConfig, index: int) -> int | None:
 
 
 def attention_bias(
-    hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None, window: int | None = None
+    hidden: torch.Tensor,
+    position: int,
+    padding_mask: torch.Tensor | None,
+    window: int | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Additive mask `[batch, 1, new, position + new]` for a step of `new = hidden.shape[1]` tokens.
+    """Additive mask `[batch, 1, new, keys]` for a step of `new = hidden.shape[1]` tokens, over keys
+    at absolute `key_positions` (default: `[0, position + new)`; negative: nothing valid there).
 
     Query i (absolute position `position + i`) sees keys `<= position + i` that are not padding
     (`padding_mask`: `[batch, position + new]`, 1 = real token, as `transformers` uses it) and, with a
@@ -217,16 +225,19 @@ def attention_bias(
     """
     batch_size, num_new = hidden.shape[:2]
     total = position + num_new
-    if num_new == 1 and padding_mask is None and (window is None or total <= window):
-        return None
+    if key_positions is None:
+        if num_new == 1 and padding_mask is None and (window is None or total <= window):
+            return None
+        key_positions = torch.arange(total, device=hidden.device)
     query_positions = torch.arange(position, total, device=hidden.device)[:, None]
-    key_positions = torch.arange(total, device=hidden.device)[None, :]
-    too_new = key_positions > query_positions
+    columns = key_positions.to(hidden.device)[None, :]
+    too_new = (columns > query_positions) | (columns < 0)
     if window is not None:
-        too_new = too_new | (key_positions <= query_positions - window)
-    blocked = too_new[None].expand(batch_size, num_new, total)
+        too_new = too_new | (columns <= query_positions - window)
+    blocked = too_new[None].expand(batch_size, num_new, columns.shape[1])
     if padding_mask is not None:
-        blocked = blocked | (padding_mask[:, None, :total] == 0)
+        padding = padding_mask[:, columns[0].clamp(min=0)]
+        blocked = blocked | (padding[:, None, :] == 0)
     bias = torch.zeros(blocked.shape, dtype=hidden.dtype, device=hidden.device)
     bias.masked_fill_(blocked, torch.finfo(hidden.dtype).min)
     return bias[:, None]

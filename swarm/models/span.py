@@ -27,7 +27,7 @@ from swarm.models import gemma as _gemma  # noqa: F401  (registers the families)
 from swarm.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the family)
 from swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
-from swarm.models.cache import BatchedStepCache, SpanCache
+from swarm.models.cache import BatchedStepCache, SpanCache, ring_capacity
 from swarm.models.checkpoint import CheckpointReader, load_config
 from swarm.models.decode_graphs import MAX_TOKENS as MAX_GRAPH_TOKENS
 from swarm.models.decode_graphs import DecodeGraphs
@@ -143,9 +143,19 @@ class TransformerSpan(nn.Module):
         )
 
     def cache_bytes(self, num_tokens: int, batch_size: int = 1) -> int:
-        """`s_c` for a session of `num_tokens` positions and `batch_size` sequences, per block."""
+        """`s_c` for a session of `num_tokens` positions and `batch_size` sequences, per block of
+        full attention."""
         d_kv = self.cache_layout.kv_dim
         return batch_size * cache_bytes_per_block(d_kv, num_tokens, dtype_bytes(self.dtype))
+
+    def session_cache_bytes(self, batch_size: int, max_length: int, first: int, last: int) -> int:
+        """What `new_cache(batch_size, max_length, first, last)` allocates: a block of sliding attention
+        keeps only its ring (`ring_capacity`), the others `max_length` positions."""
+        first, last = self._check_range(first, last)
+        return sum(
+            self.cache_bytes(ring_capacity(self.windows[index - self.start], max_length), batch_size)
+            for index in range(first, last)
+        )
 
     def new_cache(self, batch_size: int, max_length: int, first: int | None = None, last: int | None = None):
         """A session cache for absolute blocks `[first, last)` (default: the whole span)."""
@@ -160,6 +170,7 @@ class TransformerSpan(nn.Module):
             device=self.device,
             block_offset=first - self.start,
             value_dim=self.cache_layout.value_dim,
+            windows=self.windows[first - self.start : last - self.start],
         )
 
     def _check_range(self, first: int | None, last: int | None) -> tuple[int, int]:
@@ -232,7 +243,7 @@ class TransformerSpan(nn.Module):
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         if padding_mask is not None:
             padding_mask = padding_mask.to(self.device)
-        inputs = self._inputs_by_window(blocks, hidden, position, padding_mask)
+        inputs = self._inputs_by_window(blocks, hidden, position, padding_mask, cache)
         for index, local in enumerate(blocks):
             if prompts is not None:
                 hidden = add_prompt(hidden, prompts[index].to(hidden), position)
@@ -240,13 +251,22 @@ class TransformerSpan(nn.Module):
         return hidden
 
     def _inputs_by_window(
-        self, blocks: range, hidden: torch.Tensor, position: int, padding_mask: torch.Tensor | None
+        self,
+        blocks: range,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None,
+        cache: SpanCache | None = None,
     ) -> dict[int | None, dict]:
-        """The family's per-step inputs for each attention window among `blocks` (local indices)."""
-        return {
-            window: self.family.step_inputs(self.config, self.helpers, hidden, position, padding_mask, window)
-            for window in {self.windows[local] for local in blocks}
-        }
+        """The family's per-step inputs for each attention window among `blocks` (local indices), the
+        masks over the key columns `cache` (None: whole sequences) gives the blocks of each window."""
+        inputs = {}
+        for window in {self.windows[local] for local in blocks}:
+            key_positions = cache.key_positions(window) if cache is not None else None
+            inputs[window] = self.family.step_inputs(
+                self.config, self.helpers, hidden, position, padding_mask, window, key_positions
+            )
+        return inputs
 
     @torch.inference_mode()
     def forward_batch(self, steps: Sequence[BatchedStep]) -> list[torch.Tensor]:
@@ -261,8 +281,9 @@ class TransformerSpan(nn.Module):
         Per-step inputs are computed for the batch right-aligned to the longest prefix, so that the
         family's usual padding-mask path (queried at the common last position) gives each session its
         own positions, rotary angles and ALiBi offsets, and each session's attention takes its last
-        `position + 1` columns. Returns one output per step, equal to what `forward` returns for it
-        (up to float summation order in the batched matrix products).
+        `position + 1` columns. A session past the ring of a sliding-window block (its keys out of
+        position order) runs its step alone. Returns one output per step, equal to what `forward`
+        returns for it (up to float summation order in the batched matrix products).
         """
         if not steps:
             return []
@@ -274,6 +295,13 @@ class TransformerSpan(nn.Module):
             raise ValueError("a session can take part in a batched step only once")
         for cache, position in zip(caches, positions, strict=True):
             cache.begin_step(position, 1)  # validates each position against its own cache
+        alone = [index for index, (_, cache, position, _) in enumerate(steps) if cache.wraps(position, 1)]
+        if alone:
+            together = [index for index in range(len(steps)) if index not in alone]
+            batched = self.forward_batch([steps[index] for index in together])
+            outputs = dict(zip(together, batched, strict=True))
+            outputs.update({index: self.forward(*steps[index]) for index in alone})
+            return [outputs[index] for index in range(len(steps))]
         if self.decode_graphs is not None and all(_graphable(hidden, mask) for hidden, _, _, mask in steps):
             outputs = self.decode_graphs.run(steps)
             if outputs is not None:
@@ -301,7 +329,7 @@ class TransformerSpan(nn.Module):
                 real = padding_mask[:, : position + 1].to(self.device, key_mask.dtype)
                 key_mask[first:last, total - 1 - position :] = real
         hidden = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for hidden, *_ in steps])
-        inputs = self._inputs_by_window(blocks, hidden, total - 1, key_mask)
+        inputs = self._inputs_by_window(blocks, hidden, total - 1, key_mask, None)
         for local in blocks:
             hidden = self.family.run_block(self.blocks[local], hidden, view, inputs[self.windows[local]])
         for cache in caches:
