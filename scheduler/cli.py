@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         choices=POLICIES,
         default="cg-bp",
-        help="placement and routing: cg-bp (CG-BP + WS-RR, paper 000), gbp-cr (GBP-CR + WS-RR), "
-        "chains (GBP-CR + GCA chains + JFFC queue, paper 001), petals (PETALS' own rules)",
+        help="placement and routing: cg-bp (CG-BP + WS-RR, Sun et al.), gbp-cr (GBP-CR + WS-RR), "
+        "chains (GBP-CR + GCA chains + JFFC queue, Sun, He and Hou), petals (PETALS' own rules)",
     )
     # the settings' types and defaults are those of CoreSettings and PlanSettings
     add_field_options(parser, CoreSettings, {"--period": "seconds between placement reviews"})

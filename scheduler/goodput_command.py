@@ -108,7 +108,7 @@ def add_parser(commands) -> None:
         "--setup",
         choices=("none", "paper"),
         default="none",
-        help="session set-up delays (paper 000's, or none)",
+        help="session set-up delays (Sun et al.'s, or none)",
     )
     parser.add_argument(
         "--servers-to-add", metavar="KIND", help="how many more servers of KIND the SLOs need"

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--setup",
         choices=("paper", "none"),
         default=None,
-        help="session set-up delay: paper 000's calibration (default for BLOOM scenarios) or none",
+        help="session set-up delay: Sun et al.'s calibration (default for BLOOM scenarios) or none",
     )
     parser.add_argument(
         "--compute-scale", type=float, default=1.0, help="multiply every per-block time (sensitivity)"
@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "one (oracle), a constant, the declared cap (--max-l-out, trace replay default "
         f"{TRACE_MAX_NEW_TOKENS}) or the online length predictor (docs/simulator.md)",
     )
-    contended = parser.add_argument_group("contended servers (docs/simulator.md; default: paper 000's model)")
+    contended = parser.add_argument_group(
+        "contended servers (docs/simulator.md; default: Sun et al.'s model)"
+    )
     contended.add_argument(
         "--contended",
         choices=("serial", "overlap"),

@@ -46,7 +46,7 @@ def make_servers(count: int, rng: random.Random) -> list[ServerSpec]:
                 tau_prefill=3 * tau,
                 rtt=rtt,
                 rtt_prefill={c: 1.2 * t for c, t in rtt.items()},
-                tau_c=L_OUT * rtt[CLIENTS[0]],  # paper 001: the orchestrator relays every token
+                tau_c=L_OUT * rtt[CLIENTS[0]],  # Sun, He and Hou: the orchestrator relays every token
                 tau_p=L_OUT * tau,
             )
         )

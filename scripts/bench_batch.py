@@ -1,6 +1,6 @@
 """`swarm-batch` on 200 prompts of the Azure code trace across two chains of different speeds: the
 measured makespan against the lower bound the command prints, and against first come first served,
-side by side in one run (paper 004's offline half).
+side by side in one run (Pang et al.'s offline half).
 
 A tiny LLaMA (6 blocks, hidden 64) is served on loopback by four servers, two replicas of two spans:
 the fast chain's servers charge `--compute-delay` seconds per block per step, the slow chain's

@@ -267,7 +267,7 @@ def write_batching_section(table: str, engine: str, args: argparse.Namespace) ->
         f"of 8..32 tokens, then {args.tokens} decode steps) through the real client stream code. "
         "`off` is `--batch-wait-ms 0` (every step its own forward); `on` is "
         f"`--batch-wait-ms {wait}` (decode steps of concurrent sessions run as one batched forward; "
-        "prefills scheduled against decoding by paper 004's rule). Throughput is decode tokens per "
+        "prefills scheduled against decoding by Pang et al.'s rule). Throughput is decode tokens per "
         "second of the whole run (prefills included in the time); latencies are per decode step as "
         "the client sees them; the last column is the time to first token. Target: >= 3x throughput "
         "at 16 sessions, p95 no worse."

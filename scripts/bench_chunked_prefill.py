@@ -238,7 +238,7 @@ def main() -> None:
         f"server, {args.bandwidth:.0f} Mbit/s; the server holds all {args.layers} blocks of a tiny LLaMA "
         f"and charges each forward max({args.compute_delay * 1e3:g} ms, "
         f"{args.compute_delay_per_token * 1e6:g} us "
-        "x tokens) per block: each block stands for 4 blocks of LLaMA-2-7B on paper 001's MIG 3g.40gb "
+        "x tokens) per block: each block stands for 4 blocks of LLaMA-2-7B on Sun, He and Hou's MIG 3g.40gb "
         "slice (1 ms launch overhead, 3.4 us per prompt token per block, the simulator's profile), so the "
         f"server is a 16-block span and a {args.prompt_tokens}-token prefill costs about "
         f"{prefill_ms:.0f} ms "

@@ -1,7 +1,7 @@
 """Goodput planning: `swarm-plan goodput` against the fixed policies, and Aladdin's answer.
 
-On paper 000's clustered scenario (BLOOM-176B on 2 A100s + 7 MIG slices, client in cluster 0,
-l_in 20, l_out 128) and on paper 001's RIPE Atlas scenario (LLaMA-2-7B on 3 + 6 MIG slices, the
+On Sun et al.'s clustered scenario (BLOOM-176B on 2 A100s + 7 MIG slices, client in cluster 0,
+l_in 20, l_out 128) and on Sun, He and Hou's RIPE Atlas scenario (LLaMA-2-7B on 3 + 6 MIG slices, the
 deployment of `--scenario-seed`, l_in 2048, l_out 128), with no session set-up delay:
 
 - SLOs derived from the scenario: TTFT target = `--ttft-x` times, TPOT target = `--tpot-x` times what

@@ -7,7 +7,7 @@ trace's answer lengths, and what it does to simulated WS-RR waiting.
    order), test on the second half: 200-token bucket accuracy (TetriInfer's measure; the
    predictor's likeliest bucket) and mean absolute error of the predicted length, next to the
    constant 128 (the scheduler's default `--l-out`).
-2. Simulation: `swarm-sim`'s `ripe` scenario (paper 001's RIPE Atlas deployment, cg-bp = CG-BP +
+2. Simulation: `swarm-sim`'s `ripe` scenario (Sun, He and Hou's RIPE Atlas deployment, cg-bp = CG-BP +
    WS-RR, no set-up delay) replaying `--requests` consecutive requests of the trace's second half
    at their recorded times, each seed a random window and deployment. Cache slots are sized for
    `--l-in` prompt tokens (8,192: the trace's longest prompts fit a slot), so sessions queue. Every

@@ -3,12 +3,12 @@
     .venv/bin/python scripts/bench_sim_contended.py [--seeds 2] [--requests 100] [--write]
     .venv/bin/python scripts/bench_sim_contended.py --measure-host   # re-measure the tiny block's CPU cost
 
-(a) Every recorded run of paper 000's Table 2 on the emulated network (results/netem/table2.json and
+(a) Every recorded run of Sun et al.'s Table 2 on the emulated network (results/netem/table2.json and
 results/netem/scale1/table2.json) is predicted again from its recorded inputs, exactly as
 scripts/table2/prediction.py does (spans, cache slots, announced tau, measured round trips, the same
 arrivals, the idle set-up probe, PETALS' scaled backoff), by four models side by side:
 
-- `old`: paper 000's model (eq. 1), what the run recorded as `simulated`;
+- `old`: Sun et al.'s model (eq. 1), what the run recorded as `simulated`;
 - `serial` / `overlap`: the contended model (`scheduler.sim.contended`): each emulated server runs
   the live loop, a step's device time is the run's `--compute-delay` per block (one iteration at a
   time, or each session's on its own as `--compute-delay-overlap`), and its host time the tiny

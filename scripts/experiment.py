@@ -1,4 +1,4 @@
-"""Paper 000's Table 2 experiment on the emulated geo-distributed network: measured vs simulated.
+"""Sun et al.'s Table 2 experiment on the emulated geo-distributed network: measured vs simulated.
 
 For every (arrival rate, l_out) cell and every policy, on one emulated network (scripts/netem,
 scenario `table2.json`: 3 clusters, 5 ms / 1 Gbit/s inside, 100 ms / 100 Mbit/s across):
@@ -7,7 +7,7 @@ scenario `table2.json`: 3 clusters, 5 ms / 1 Gbit/s inside, 100 ms / 100 Mbit/s 
    (A100 79.13 GiB, MIG 8.2 GiB, BLOOM-176B NF4 blocks): PETALS gets its 53 / 4 blocks, CG-BP what
    docs/reference.md 3.1 gives for the cell's R;
 2. start a DHT, a scheduler (`--policy cg-bp`: WS-RR routing and admission; `--policy petals`:
-   PETALS' router, clients back off when refused; `--policy chains`: paper 001's GBP-CR placement
+   PETALS' router, clients back off when refused; `--policy chains`: Sun, He and Hou's GBP-CR placement
    with c tuned for the rate, GCA chains and a JFFC queue) and 9 servers with those `--blocks`, a tiny
    BLOOM (70 blocks, hidden 64) and `--compute-delay` so that each block costs what it costs on the
    paper's GPU (tau 3.22 ms A100, 16.25 ms MIG, minus the CPU time the tiny block takes), and
@@ -16,7 +16,7 @@ scenario `table2.json`: 3 clusters, 5 ms / 1 Gbit/s inside, 100 ms / 100 Mbit/s 
 3. run N Poisson requests (l_in, l_out, rate) from a client in the chosen cluster (`netem/loadgen.py`);
 4. simulate the same swarm (same spans, the servers' announced tau / tau_prefill, the client's
    measured round trips, the same arrival times, and as per-session set-up the time a session open
-   took on the idle swarm just before the run, as paper 000 calibrates its simulator's set-up
+   took on the idle swarm just before the run, as Sun et al. calibrates its simulator's set-up
    delay) with `scheduler.sim` and put the prediction beside the measurement (the metrics of
    docs/reference.md 6 for both through `scheduler.sim.metrics.summarize`).
 
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["overlap", "serial"],
         default="overlap",
         help="how an emulated GPU serves concurrent sessions: overlap = each step takes its per-block "
-        "time whatever else runs (paper 000's model; swarm-server --compute-delay-overlap); serial = "
+        "time whatever else runs (Sun et al.'s model; swarm-server --compute-delay-overlap); serial = "
         "one step (or batched decode) at a time",
     )
     parser.add_argument(

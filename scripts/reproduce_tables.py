@@ -1,4 +1,5 @@
-"""Regenerate paper 000 Tables 4-5 and paper 001 Table 1 with the simulator, side by side with the papers.
+"""Regenerate Sun et al., Tables 4-5 and Sun, He and Hou, Table 1 with the simulator, side by side with
+the papers.
 
 Writes `results/table4.md`, `results/table5.md`, `results/table1_paper001.md` and one PNG per table.
 Usage: .venv/bin/python scripts/reproduce_tables.py [--seeds 20] [--out results]
@@ -19,7 +20,7 @@ from scheduler.sim.plots import plot_comparison  # noqa: E402
 from scheduler.sim.runner import CellConfig, run_cell  # noqa: E402
 
 CELLS = [(0.1, 64), (0.1, 128), (0.5, 64), (0.5, 128)]  # (rate, l_out) columns of Tables 4-5
-# Paper 000 Table 4 / Table 5: (experiment, MATLAB simulator) per cell, in CELLS order.
+# Sun et al., Table 4 / Table 5: (experiment, MATLAB simulator) per cell, in CELLS order.
 TABLE4 = {
     (0, "petals"): [(6.23, 5.33), (4.76, 4.74), (6.28, 5.33), (5.14, 4.74)],
     (0, "cg-bp"): [(1.92, 1.59), (1.43, 0.92), (2.00, 1.59), (1.34, 0.92)],
@@ -36,7 +37,7 @@ TABLE5 = {
     ("gtsce", "petals"): [(7.05, 6.12), (4.69, 3.47), (6.89, 5.97), (4.89, 3.37)],
     ("gtsce", "cg-bp"): [(1.38, 1.41), (0.95, 0.91), (1.35, 1.40), (1.07, 0.91)],
 }
-# Paper 001 Table 1: mean response time (s), LLaMA-2-7B, 1000 Azure-trace requests.
+# Sun, He and Hou, Table 1: mean response time (s), LLaMA-2-7B, 1000 Azure-trace requests.
 TABLE1 = {"petals": 31.4, "cg-bp": 19.8, "jffc-only": 10.0, "chains": 7.3}
 TABLE1_NAMES = {
     "petals": "PETALS",
@@ -44,11 +45,11 @@ TABLE1_NAMES = {
     "jffc-only": "JFFC only",
     "chains": "GBP-CR + GCA + JFFC",
 }
-# Paper 001 Table 1 set-up: caches sized for 2048 + 128 tokens (with 40/20 GB slices this gives
+# Sun, He and Hou, Table 1 set-up: caches sized for 2048 + 128 tokens (with 40/20 GB slices this gives
 # footnote 13's 24/12 blocks at c = 35); every request replays its own trace lengths (no caps).
 TABLE1_CONFIG = {"scenario": "ripe", "arrivals": "azure", "requests": 1000, "l_in": 2048, "l_out": 128}
-# Per-block time factors: 1 = paper 001 footnote 11 profile; 8 = brings our mean service time to
-# the ~7 s paper 001 measures (Table 1), i.e. the testbed's runtime overheads (see BENCHMARKS.md).
+# Per-block time factors: 1 = Sun, He and Hou footnote 11 profile; 8 = brings our mean service time to
+# the ~7 s Sun, He and Hou measures (Table 1), i.e. the testbed's runtime overheads (see BENCHMARKS.md).
 TABLE1_COMPUTE_SCALES = (1.0, 8.0)
 DEVIATION = 0.30
 
@@ -118,14 +119,14 @@ def main() -> int:
         lines, ours4 = per_token_table(TABLE4, t4, args.seeds, bar, "client cluster")
         t4_s = time.perf_counter() - started
         (args.out / "table4.md").write_text(
-            f"# Paper 000 Table 4 (clustered, {args.seeds} seeds, {t4_s:.1f} s)\n\n{HEADER}\n\n"
+            f"# Sun et al., Table 4 (clustered, {args.seeds} seeds, {t4_s:.1f} s)\n\n{HEADER}\n\n"
             + "\n".join(lines)
             + "\n"
         )
         save_plot(TABLE4, ours4, "Table 4: clustered scenario", args.out / "table4.png")
         lines, ours5 = per_token_table(TABLE5, t5, args.seeds, bar, "topology")
         (args.out / "table5.md").write_text(
-            f"# Paper 000 Table 5 (scattered, {args.seeds} seeds)\n\n{HEADER}\n\n" + "\n".join(lines) + "\n"
+            f"# Sun et al., Table 5 (scattered, {args.seeds} seeds)\n\n{HEADER}\n\n" + "\n".join(lines) + "\n"
         )
         save_plot(TABLE5, ours5, "Table 5: scattered scenario", args.out / "table5.png")
         ours1 = {}
@@ -152,8 +153,8 @@ def main() -> int:
             )
         sections.append("\n".join(lines))
     (args.out / "table1_paper001.md").write_text(
-        f"# Paper 001 Table 1 (RIPE Atlas + Azure trace, 1000 requests, {args.table1_seeds} seeds)\n\n"
-        "x 1: paper 001 footnote 11 profile; x 8: per-block times scaled to the paper's measured ~7 s "
+        f"# Sun, He and Hou, Table 1 (RIPE Atlas + Azure trace, 1000 requests, {args.table1_seeds} seeds)\n\n"
+        "x 1: Sun, He and Hou footnote 11 profile; x 8: per-block times scaled to the paper's measured ~7 s "
         "mean service time.\n\n" + "\n\n".join(sections) + "\n"
     )
     plot_comparison(
@@ -161,7 +162,7 @@ def main() -> int:
         {"paper": list(TABLE1.values())}
         | {f"ours x{k:g}": [ours1[k, p][0] for p in TABLE1] for k in TABLE1_COMPUTE_SCALES},
         "mean response time (s)",
-        "Paper 001 Table 1",
+        "Sun, He and Hou, Table 1",
         args.out / "table1_paper001.png",
     )
     print(f"Table 4: {t4_s:.1f} s for {len(t4) * len(CELLS) // 2} cells x 2 policies x {args.seeds} seeds")

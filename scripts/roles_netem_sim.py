@@ -7,7 +7,7 @@ The emulated servers cost, per block, `max(--compute-delay, per-token delay x to
 thread. The contended model (`scheduler.sim.contended`) gets the same two parts: the *device* (the
 sleep: a decode iteration `compute_delay`, a prefill `per_token x tokens`; exact while a decode batch
 has at most `compute_delay / per_token` rows) and the *host* (the CPU forward, measured on this
-machine before the run, one iteration at a time). Routing is WS-RR (paper 000) on the servers that
+machine before the run, one iteration at a time). Routing is WS-RR (Sun et al.) on the servers that
 decode: the least eq. 1 time among servers with cache room, waiting when none has room, which is what
 the live client's own routing does (`client/routing.py`) and the scheduler's (`--scheduler`; cg-bp
 routes by WS-RR). Where each prompt runs: the client's rule (`disaggregate="auto"`), or with the

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--prefill-chunk": "run prefills longer than this many tokens in chunks (default 256, "
             "measured), other sessions' decode steps in between (0: whole prefills)",
             "--compute-delay-overlap": "emulation: concurrent sessions' delays overlap (an accelerator whose "
-            "step time does not depend on how many sessions it serves, paper 000's model); default: a "
+            "step time does not depend on how many sessions it serves, Sun et al.'s model); default: a "
             "delay holds the compute thread",
             "--no-cuda-graphs": "on a GPU, run every decode step eagerly instead of replaying captured "
             "CUDA graphs (for comparison and debugging)",

@@ -120,7 +120,7 @@ class BlockServicer(BlockRpc):
         # decode pays it once).
         # With `compute_delay_overlap` each step waits out its own delay off the compute thread, so
         # concurrent sessions' delays overlap: an accelerator whose step time does not depend on how
-        # many sessions it serves, which is paper 000's cost model and the simulator's.
+        # many sessions it serves, which is Sun et al.'s cost model and the simulator's.
         self.compute_delay = compute_delay
         self.compute_delay_per_token = compute_delay_per_token
         self.overlap_delay = compute_delay if compute_delay_overlap else 0.0

@@ -3,7 +3,7 @@
 Pure decision logic (no I/O, no torch, no clocks of its own), so that the rule can be tested on
 hand-computed cases and reasoned about apart from threads and tensors.
 
-The rule follows the online iteration scheduling of paper 004 (the "Lagrangian" heuristic, eqs.
+The rule follows the online iteration scheduling of Pang et al. (the "Lagrangian" heuristic, eqs.
 41-43): at every iteration compare the cost of inserting a prefill stage, `C_p = sum_l T^p_l` (the
 time the prefill takes), with the decode time it would preempt, `C_d = T^d * sum_i N^d_i w_i` (eq.
 43: the decode work still ahead of the sessions waiting to decode). If `C_p < C_d` the prefill is

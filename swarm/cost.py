@@ -1,4 +1,4 @@
-"""The performance and memory model of docs/reference.md section 2 (paper 000, section 2.2).
+"""The performance and memory model of docs/reference.md section 2 (Sun et al., section 2.2).
 
 Pure arithmetic: no torch modules are built here and nothing touches the network, so the
 scheduler, the simulator and the servers all share one definition of every formula.
@@ -91,5 +91,5 @@ def link_time_all_tokens(hop: HopCost, l_out: int) -> float:
 
 
 def per_token_time(hops: Iterable[HopCost], l_out: int) -> float:
-    """Eq. 1 divided by `l_out`: paper 000's primary metric for one request."""
+    """Eq. 1 divided by `l_out`: Sun et al.'s primary metric for one request."""
     return request_time(hops, l_out) / l_out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LinearCost:
-    """`seconds = fixed + per_unit * units`: the shape paper 004 measured for both stages."""
+    """`seconds = fixed + per_unit * units`: the shape Pang et al. measured for both stages."""
 
     fixed: float
     per_unit: float

@@ -1,7 +1,7 @@
 """Iteration-level batching: concurrent sessions' decode steps run as one forward.
 
 Batched results must equal unbatched ones (same tokens; outputs within 1e-5 in float32), a failing
-step must fail alone, and the pure prefill-vs-decode rule must do what paper 004's heuristic says.
+step must fail alone, and the pure prefill-vs-decode rule must do what Pang et al.'s heuristic says.
 """
 
 from __future__ import annotations

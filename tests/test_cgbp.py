@@ -1,4 +1,4 @@
-"""CG-BP (docs/reference.md 3.1, paper 000 Alg. 1): worked examples, eq. 17/19, and properties on random
+"""CG-BP (docs/reference.md 3.1, Sun et al., Alg. 1): worked examples, eq. 17/19, and properties on random
 swarms."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def server(name: str, memory: float, tau: float, rtt: float, clients=("c1",)) ->
 
 
 def test_fig5_cg_bp_is_suboptimal_by_design():
-    """Paper 000 Fig. 5: L^2 servers of memory (L+1)s_m, s_m = L*s_c, R = L^2.
+    """Sun et al., Fig. 5: L^2 servers of memory (L+1)s_m, s_m = L*s_c, R = L^2.
 
     CG-BP puts one block per server, so every request crosses L servers: L*(t + tau) per token.
     Putting all L blocks on every server and one request per server costs only t + tau*L.
@@ -75,7 +75,7 @@ def test_clustered_swarm_fast_servers_first_and_eq17_bound():
     counts = [conservative_block_count(s, model, 66) for s in servers]
     assert counts == [4, 42, 4, 42]
     assert [servers[j].name for j in result.order] == ["a100a", "a100b", "mig1", "mig2"]
-    # Paper 000 section 3.2.3 remark: servers 1..K tile the model, the K-th shifted back to end at L.
+    # Sun et al., section 3.2.3 remark: servers 1..K tile the model, the K-th shifted back to end at L.
     assert result.spans[1] == Span(0, 42) and result.spans[3] == Span(28, 70)
     # The MIGs then go where capacity is lowest: the lowest windows of the smallest C_b.
     assert result.spans[0] == Span(0, 4) and result.spans[2] == Span(4, 8)

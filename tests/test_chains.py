@@ -1,4 +1,5 @@
-"""Paper 001: GBP-CR, GCA, JFFC and the Theorem 3.7 bounds (docs/reference.md 3.4), on its worked examples."""
+"""Sun, He and Hou: GBP-CR, GCA, JFFC and the Theorem 3.7 bounds (docs/reference.md 3.4), on its worked
+examples."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ EPS = 1e-3
 
 
 def fig2_servers() -> list[ServerSpec]:
-    """Paper 001 Fig. 2: M = 3 for j2 and 2 otherwise, tau_c = 2 for j2 and 1 otherwise, tau_p = l*eps."""
+    """Sun, He and Hou, Fig. 2: M = 3 for j2 and 2 otherwise, tau_c = 2 for j2 and 1 otherwise,
+    tau_p = l*eps."""
     return [
         ServerSpec(f"j{i}", 3.0 if i == 2 else 2.0, tau_c=2.0 if i == 2 else 1.0, tau_p=i * EPS)
         for i in range(1, 6)
@@ -63,7 +65,7 @@ def test_fig2_gca_finds_three_chains_of_capacity_five():
 
 
 def fig1(num_blocks: int) -> tuple[list[ServerSpec], ModelSpec]:
-    """Paper 001 Fig. 1: L servers of memory (L+1)s_m, s_m = L*s_c, equal tau_c and tau_p."""
+    """Sun, He and Hou, Fig. 1: L servers of memory (L+1)s_m, s_m = L*s_c, equal tau_c and tau_p."""
     model = ModelSpec(num_blocks, block_bytes=float(num_blocks), cache_bytes=1.0)
     return [
         ServerSpec(f"j{j}", (num_blocks + 1) * model.block_bytes, tau_c=1.0, tau_p=0.1)
@@ -147,7 +149,7 @@ def test_gca_never_exceeds_memory_and_leaves_no_usable_chain(case):
         )
         for server, blocks in zip(chain.servers, chain.blocks, strict=True):
             used[server] += blocks * chain.capacity
-    for j, span in enumerate(spans):  # paper 001 eq. 3: s_m*m_j + s_c*(slots used) <= M_j
+    for j, span in enumerate(spans):  # Sun, He and Hou, eq. 3: s_m*m_j + s_c*(slots used) <= M_j
         blocks = span.length if span else 0
         assert model.block_bytes * blocks + model.cache_bytes * used[j] <= servers[j].memory_bytes
     # Each round takes the shortest chain of a shrinking graph, so service times never decrease,

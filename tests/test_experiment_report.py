@@ -1,4 +1,4 @@
-"""scripts/experiment.py's pure parts (`scripts/table2`): paper 001's chain times, the report table,
+"""scripts/experiment.py's pure parts (`scripts/table2`): Sun, He and Hou's chain times, the report table,
 the commands."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `chains` policy (paper 001: GBP-CR placement, GCA chains, JFFC queue), without sockets."""
+"""The `chains` policy (Sun, He and Hou: GBP-CR placement, GCA chains, JFFC queue), without sockets."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs i
 SMALL = CellConfig(scenario="clustered", rate=0.5, l_out=64, requests=30)
 
 
-# A whole BLOOM-176B fits no server, so "JFFC only" runs on paper 001's LLaMA-2-7B scenario.
+# A whole BLOOM-176B fits no server, so "JFFC only" runs on Sun, He and Hou's LLaMA-2-7B scenario.
 CASES = [("clustered", p) for p in POLICIES if p != "jffc-only"] + [("ripe", "jffc-only"), ("ripe", "chains")]
 
 

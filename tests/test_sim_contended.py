@@ -1,5 +1,5 @@
 """The simulator's contended servers: hand-computed timelines of the servers' loops,
-hand-offs, the live rule mirrored, determinism, and paper 000's model left as the default."""
+hand-offs, the live rule mirrored, determinism, and Sun et al.'s model left as the default."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`swarm-sim --sweep`: every figure sweep of paper 000 writes a CSV with the expected columns and a PNG."""
+"""`swarm-sim --sweep`: every figure sweep of Sun et al. writes a CSV with the expected columns and a PNG."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""WS-RR (docs/reference.md 3.2, paper 000 eq. 20-21): waits, session book-keeping, and brute force
+"""WS-RR (docs/reference.md 3.2, Sun et al., eq. 20-21): waits, session book-keeping, and brute force
 agreement."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_ties_go_to_the_lowest_server_index():
 def test_sessions_spread_over_alike_servers_by_what_each_session_adds():
     """With the measured slowdown per decoding session (`tau_per_session`), a server's per-token time
     is `tau + tau_per_session x sessions it holds`: the second session goes to the alike server
-    whose idle `tau` was measured 5% higher, where paper 000's model (no slowdown) sends both to the
+    whose idle `tau` was measured 5% higher, where Sun et al.'s model (no slowdown) sends both to the
     first; a server twice as fast keeps taking sessions until the load evens them out."""
     low, high = server("low", 100.0, tau=0.0100), server("high", 100.0, tau=0.0105)
     both = [Span(0, 4), Span(0, 4)]

@@ -3,7 +3,7 @@
 The input is `times[k, j]`, the estimated seconds job j costs a session slot of chain k (inf where it
 cannot run, e.g. longer than the chain's servers accept; `chains.ChainSpeed.lane_seconds` charges a
 job's prompt once per concurrent session, as a prompt stalls the others), and `slots[k]`, the sessions
-chain k runs at once. Each slot is a *lane*, a machine of its own. Planning (paper 004's offline
+chain k runs at once. Each slot is a *lane*, a machine of its own. Planning (Pang et al.'s offline
 half) minimises the makespan, the time until the last lane is done:
 
 - `lpt_plan`: longest job first (by its time on the fastest chain), each onto the lane where it

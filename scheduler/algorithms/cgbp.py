@@ -1,10 +1,10 @@
-"""CG-BP: Conservative Greedy Block Placement (paper 000 Alg. 1 lines 1-8; docs/reference.md 3.1).
+"""CG-BP: Conservative Greedy Block Placement (Sun et al., Alg. 1 lines 1-8; docs/reference.md 3.1).
 
 CG-BP sizes every server for the worst case of `R` concurrent sessions each using all of its blocks
 (so memory never runs out while at most R sessions are active, eq. 6b), then hands out block ranges
 fastest server first (amortized time eq. 14), each to the blocks that "need service the most".
 
-Choosing R (docs/reference.md 3.1, paper 000 section 3.3.1) needs the service time `T1` of one request under
+Choosing R (docs/reference.md 3.1, Sun et al., section 3.3.1) needs the service time `T1` of one request under
 CG-BP with R = 1. The paper leaves the client and the output length open; we take the per-request time
 of eq. 1 over the WS-RR shortest route (no other session), for the *slowest* client, i.e. the
 client the placement is made robust for, with the caller's `l_out`.

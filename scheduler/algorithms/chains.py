@@ -1,7 +1,7 @@
-"""Server chain composition: GBP-CR block placement and GCA cache allocation (paper 001 Alg. 1-2;
+"""Server chain composition: GBP-CR block placement and GCA cache allocation (Sun, He and Hou, Alg. 1-2;
 docs/reference.md 3.4).
 
-Paper 001's servers are described by `tau_c` (communication time per request) and `tau_p`
+Sun, He and Hou's servers are described by `tau_c` (communication time per request) and `tau_p`
 (computation time per block per request); a chain's mean service time is eq. 2,
 `T_k = sum over hops (tau_c_j + tau_p_j * q_ij)`.
 """
@@ -24,7 +24,7 @@ from scheduler.algorithms.problem import (
 )
 from scheduler.algorithms.routing_graph import ChainHop, RoutingGraph
 
-DEFAULT_RHO_BAR = 0.7  # paper 001 section 4.1: target maximum load
+DEFAULT_RHO_BAR = 0.7  # Sun, He and Hou, section 4.1: target maximum load
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class GbpCrPlacement:
 
 @dataclass(frozen=True)
 class ServerChain:
-    """A composed "job server" (paper 001 section 2.2): a chain, blocks per hop, capacity, service time."""
+    """A composed "job server" (Sun, He and Hou, section 2.2): a chain, blocks per hop, capacity,
+    service time."""
 
     servers: tuple[int, ...]
     blocks: tuple[int, ...]  # q per hop
@@ -55,7 +56,7 @@ class ServerChain:
 def request_times(
     rtt_prefill: float, rtt: float, tau_prefill: float, tau: float, l_out: int
 ) -> tuple[float, float]:
-    """Paper 001's `(tau_c, tau_p)` from paper 000's per-token times, so that a chain's eq. 2 time
+    """Sun, He and Hou's `(tau_c, tau_p)` from Sun et al.'s per-token times, so that a chain's eq. 2 time
     is exactly eq. 1's for a request of `l_out` tokens."""
     return rtt_prefill + (l_out - 1) * rtt, tau_prefill + (l_out - 1) * tau
 
@@ -118,7 +119,7 @@ def gbp_cr(
 
 
 def gca(servers: Sequence[ServerSpec], model: ModelSpec, placement: Placement) -> tuple[ServerChain, ...]:
-    """Greedy Cache Allocation (paper 001 Alg. 2; docs/reference.md 3.4) on any placement.
+    """Greedy Cache Allocation (Sun, He and Hou, Alg. 2; docs/reference.md 3.4) on any placement.
 
     Repeatedly take the fastest chain among links (i, j) whose server j still has `q_ij` free slots,
     give it as many concurrent jobs as its tightest hop allows, and charge the slots. A link is

@@ -1,5 +1,5 @@
-"""Route feasibility (paper 000 Lemma 3.1, paper 001 section 2.1; docs/reference.md section 2): the one
-place it lives.
+"""Route feasibility (Sun et al., Lemma 3.1; Sun, He and Hou, section 2.1; docs/reference.md section 2):
+the one place it lives.
 
 With 0-based half-open spans, server j may follow a node whose span ends at `prev_end` iff
 `start_j <= prev_end <= end_j - 1`. The client is a dummy node with `end = 0`, and a chain is

@@ -1,4 +1,4 @@
-"""JFFC: Join-the-Fastest-Free-Chain load balancing (paper 001 Alg. 3; docs/reference.md 3.4).
+"""JFFC: Join-the-Fastest-Free-Chain load balancing (Sun, He and Hou, Alg. 3; docs/reference.md 3.4).
 
 A small state machine for a discrete-event simulator or the scheduler: it decides, it does not keep
 time. `arrive` returns the chain a new job starts on (or None: it joins the central FIFO queue);

@@ -1,4 +1,4 @@
-"""The PETALS baseline: what PETALS itself does, for comparison (docs/reference.md 3.3; paper 000
+"""The PETALS baseline: what PETALS itself does, for comparison (docs/reference.md 3.3; Sun et al.
 section 4.1).
 
 Inputs PETALS' rules do not fix, and what we chose:

@@ -38,7 +38,7 @@ class PlanProblem:
     num_requests: int | None = None  # R for CG-BP
     arrival_rate: float | None = None  # lambda, requests/s
     l_out: int | None = None  # output tokens per request (to estimate T1 when choosing R)
-    capacity: int | str | None = None  # paper 001's c, or "auto"
+    capacity: int | str | None = None  # Sun, He and Hou's c, or "auto"
     rho_bar: float = DEFAULT_RHO_BAR
 
 

@@ -15,7 +15,7 @@ def floor_ratio(numerator: float, denominator: float) -> int:
     """`floor(numerator / denominator)` as the memory formulas of docs/reference.md 2-3 mean it.
 
     Deliberately `math.floor(a / b)` and not `a // b`: for decimal inputs Python's float `//`
-    floors the exact binary quotient, so `1.0 // 0.1 == 9.0`, while the formulas (and paper 001,
+    floors the exact binary quotient, so `1.0 // 0.1 == 9.0`, while the formulas (and Sun, He and Hou,
     Fig. 2: 10 cache slots from 1 unit of memory at s_c = 0.1) mean the real quotient, 10.
     For the integer byte counts of real deployments both agree.
     """
@@ -40,7 +40,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One server as the scheduler sees it (docs/reference.md 2; paper 001 section 2.1 for tau_c/tau_p).
+    """One server as the scheduler sees it (docs/reference.md 2; tau_c/tau_p: Sun, He and Hou, section 2.1).
 
     Every algorithm reads only the fields it needs; `plan_io` checks those are present.
     """
@@ -51,14 +51,14 @@ class ServerSpec:
     tau_prefill: float | None = None  # per-block prefill time for l_in tokens
     rtt: Mapping[str, float] = field(default_factory=dict)  # client -> per-token round trip t_cj
     rtt_prefill: Mapping[str, float] = field(default_factory=dict)  # client -> t_prefill_cj(l_in)
-    tau_c: float | None = None  # paper 001: communication time per request
-    tau_p: float | None = None  # paper 001: computation time per block per request
+    tau_c: float | None = None  # Sun, He and Hou: communication time per request
+    tau_p: float | None = None  # Sun, He and Hou: computation time per block per request
     # PETALS' own measurements (docs/reference.md 3.3); defaults derived from tau are documented in petals.py.
     forward_rps: float | None = None
     network_rps: float | None = None
     inference_rps: float | None = None
     # What each other session decoding on the server at the same time adds to `tau` (seconds per
-    # block per token, measured by the server: `server.decode_load`); None: nothing (paper 000's
+    # block per token, measured by the server: `server.decode_load`); None: nothing (Sun et al.'s
     # model, where a server's per-token time does not depend on its load)
     tau_per_session: float | None = None
 
@@ -88,7 +88,7 @@ Placement = Sequence[Span | None]
 
 
 def cache_slots(server: ServerSpec, model: ModelSpec, num_blocks: int) -> int:
-    """Cache slots `n_j = floor((M_j - s_m*m_j) / s_c)` (docs/reference.md 3.2; paper 001 eq. 3), never
+    """Cache slots `n_j = floor((M_j - s_m*m_j) / s_c)` (docs/reference.md 3.2; Sun, He and Hou, eq. 3), never
     negative."""
     return max(floor_ratio(server.memory_bytes - model.block_bytes * num_blocks, model.cache_bytes), 0)
 

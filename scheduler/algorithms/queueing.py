@@ -1,4 +1,5 @@
-"""Mean response time bounds for JFFC over composed chains (paper 001 Theorem 3.7; docs/reference.md 3.4).
+"""Mean response time bounds for JFFC over composed chains (Sun, He and Hou, Theorem 3.7;
+docs/reference.md 3.4).
 
 With chains sorted by service rate (fastest first), the number of jobs in the system behaves like a
 birth-death process with birth rate lambda and a death rate between `nu_lo(n)` (the n jobs sit on

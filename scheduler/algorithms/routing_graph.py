@@ -1,6 +1,6 @@
 """The feasible routing topology of a placement and its shortest client -> client path.
 
-Paper 000 (Alg. 1 line 9, Alg. 2) and paper 001 (Alg. 2) route over a graph whose nodes are the
+Sun et al. (Alg. 1 line 9, Alg. 2) and Sun, He and Hou (Alg. 2) route over a graph whose nodes are the
 servers plus a source and a sink client, with a link (i, j) wherever Lemma 3.1 allows it. That graph
 has O(J^2) links, but every link cost we use (WS-RR eq. 20 + eq. 8, PETALS' weights, GCA's
 `tau_c + tau_p*q`) depends on the predecessor i only through `end_i`, since `q_ij = end_j - end_i`.

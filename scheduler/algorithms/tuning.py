@@ -1,7 +1,7 @@
-"""Composing job servers (GBP-CR then GCA) and tuning the required capacity c (paper 001 section 3;
+"""Composing job servers (GBP-CR then GCA) and tuning the required capacity c (Sun, He and Hou, section 3;
 docs/reference.md 3.4).
 
-c trades service time for concurrency (paper 001 Fig. 1): small c puts many blocks on each server
+c trades service time for concurrency (Sun, He and Hou, Fig. 1): small c puts many blocks on each server
 (short, fast chains of low capacity), large c leaves cache room for many concurrent jobs on longer
 chains. `tune_capacity` scans `c = 1..c_max` and keeps the lowest c minimizing either Theorem 3.7's
 lower bound on the mean response time of the GBP-CR + GCA chains (the default, section 3.2.3) or the
@@ -32,7 +32,7 @@ class Composition:
 
     @property
     def service_rate(self) -> float:
-        """`nu = sum_k c_k*mu_k` (paper 001 eq. 4)."""
+        """`nu = sum_k c_k*mu_k` (Sun, He and Hou, eq. 4)."""
         return sum(chain.capacity * chain.service_rate for chain in self.chains)
 
     def response_time_bounds(self, arrival_rate: float) -> tuple[float, float]:

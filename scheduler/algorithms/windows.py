@@ -16,7 +16,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 def max_sum_window(values: np.ndarray, width: int, eligible: np.ndarray) -> int | None:
     """Lowest `a` maximizing `sum(values[a:a+width])` among windows holding an `eligible` block.
 
-    CG-BP's "need of service" rule (paper 000 Alg. 1 line 5). Sums are exactly rounded
+    CG-BP's "need of service" rule (Sun et al., Alg. 1 line 5). Sums are exactly rounded
     (`math.fsum`), so windows holding the same values tie exactly whatever their order. Only the
     first few servers (until every block is covered) take this branch, so its cost is immaterial.
     Returns None when no window holds an eligible block.
@@ -35,7 +35,7 @@ def max_sum_window(values: np.ndarray, width: int, eligible: np.ndarray) -> int 
 def lexicographic_min_window(values: np.ndarray, width: int) -> int:
     """Lowest `a` whose window `values[a:a+width]`, sorted ascending, is lexicographically smallest.
 
-    CG-BP's rule once every block is covered (paper 000 Alg. 1 line 6) and PETALS' block choice
+    CG-BP's rule once every block is covered (Sun et al., Alg. 1 line 6) and PETALS' block choice
     (docs/reference.md 3.3). Every server after the first few takes this branch, so it is CG-BP's hot spot:
     the sorted windows become fixed-width byte strings of order-preserving big-endian keys, which
     compare lexicographically exactly like the windows, and one `argmin` (first minimum, i.e. the

@@ -1,4 +1,4 @@
-"""WS-RR: Waiting-penalized Shortest-path Request Routing (paper 000 eq. 20-21, Alg. 2;
+"""WS-RR: Waiting-penalized Shortest-path Request Routing (Sun et al., eq. 20-21, Alg. 2;
 docs/reference.md 3.2).
 
 `RoutingState` is the online half of the two-time-scale scheme: it holds one placement and the
@@ -145,7 +145,7 @@ class RoutingState:
         `prefill_scale` multiplies the servers' `tau_prefill` (measured for the problem's prompt
         length) for a request whose own prompt is that many times as long: prefill time is linear
         in the prompt's tokens. `units`: cache slots per block the request holds (a live session of
-        its own lengths: `ceil(blocks x units)` slots per link; 1 is paper 000's nominal request),
+        its own lengths: `ceil(blocks x units)` slots per link; 1 is Sun et al.'s nominal request),
         so that eq. 20 waits for the room this request needs and a server too full for a long
         session is passed over for one with room. Read-only: call `admit` (or `add_session`) to
         record the decision.
@@ -172,7 +172,7 @@ class RoutingState:
         return WsRrRoute(chain, wait, wait + sum(hop_times), hop_waits, hop_times)
 
     def set_load_costs(self, tau_per_session: Sequence[float | None]) -> None:
-        """Per server, what each session it holds adds to its `tau` (None or 0: nothing, paper 000's
+        """Per server, what each session it holds adds to its `tau` (None or 0: nothing, Sun et al.'s
         model). A session's per-token time on server j is then `tau_j + tau_per_session_j * n_j`, n_j
         the sessions this state holds there: the contended per-iteration cost (linear in the batch,
         as Aladdin and Vidur fit it) instead of the idle one, so that among alike servers a session

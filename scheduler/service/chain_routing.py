@@ -1,4 +1,5 @@
-"""JFFC over the live swarm: the `chains` policy's routing (paper 001 Alg. 2-3; docs/reference.md 3.4), pure.
+"""JFFC over the live swarm: the `chains` policy's routing (Sun, He and Hou, Alg. 2-3; docs/reference.md
+3.4), pure.
 
 The policy places blocks with GBP-CR, composes job-server chains on the spans the servers serve
 now with GCA (each chain gets a capacity `c_k` of concurrent sessions, carved out of its servers'

@@ -1,6 +1,6 @@
 """When to re-place blocks, and with which R (pure: times are passed in, nothing touches the network).
 
-The slow time scale of the two-time-scale design (paper 000 section 3): a placement is computed
+The slow time scale of the two-time-scale design (Sun et al., section 3): a placement is computed
 with `swarm-plan place`'s own functions and adopted when
 
 - the set of managed servers changed (a server joined, left or was never placed), or
@@ -128,7 +128,7 @@ def compute_plan(
     """Place `peers` with the policy; raises `Infeasible`/`PlanInputError` like `swarm-plan place`.
 
     `gbp-cr` places for capacity `c = R`; `chains` tunes c for the arrival rate (the c tuning of
-    docs/reference.md 3.4, paper 001's full design) when one is known and c is not fixed
+    docs/reference.md 3.4, Sun, He and Hou's full design) when one is known and c is not fixed
     (`--num-requests`, e.g. as `swarm-plan goodput` chose it), else uses `c = R` too."""
     rate = settings.arrival_rate if settings.arrival_rate is not None else arrival_rate
     if settings.policy == "cg-bp":

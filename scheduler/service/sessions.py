@@ -1,6 +1,6 @@
 """Sessions the scheduler routed: WS-RR decisions, admission in predicted order, leases (pure).
 
-The fast time scale (paper 000 section 3.2): every new session gets the WS-RR route and expected
+The fast time scale (Sun et al., section 3.2): every new session gets the WS-RR route and expected
 wait of eq. 20 from a `RoutingState` over the servers that serve now. Our servers refuse a session
 that does not fit their cache instead of queueing it, so "waiting" happens here: a session is
 *admitted* (may open its chain) only when every server of its chain has room for it. Waiting

@@ -134,7 +134,7 @@ class SwarmView:
             info = self.records[peer]
             rtt = {client: self.client_rtt(client, peer) for client in clients} or {VIRTUAL_CLIENT: 0.0}
             tau_prefill = prefill_time(info, self.l_in)
-            # paper 001's per-request times for GBP-CR: the farthest client's traffic, compute per block
+            # Sun, He and Hou's per-request times for GBP-CR: the farthest client's traffic, compute per block
             worst = max(rtt.values())
             specs.append(
                 ServerSpec(

@@ -2,8 +2,8 @@
 
 Modules, one job each:
 
-- `profiles`: profiled GPU and model constants (paper 000 section 4.1, paper 001 section 4).
-- `topology`: Repetita `.graph` parsing and shortest-path RTT matrices (paper 000 Table 3).
+- `profiles`: profiled GPU and model constants (Sun et al., section 4.1, Sun, He and Hou, section 4).
+- `topology`: Repetita `.graph` parsing and shortest-path RTT matrices (Sun et al., Table 3).
 - `scenarios`: servers, clients and RTTs of a named scenario (clustered / Topology Zoo / RIPE Atlas).
 - `workload`: request arrivals (Poisson or Azure trace replay).
 - `prefill`: per-request prefill terms of eq. 1, so replayed requests pay for their own `l_in`.

@@ -1,6 +1,6 @@
 """Contended servers: sessions advance token by token through the servers' own loops.
 
-Paper 000's model (`scheduler.sim.engine` without a service) fixes a request's timeline by eq. 1 the
+Sun et al.'s model (`scheduler.sim.engine` without a service) fixes a request's timeline by eq. 1 the
 moment it starts: a server's per-block time never depends on what else it runs. Here every server
 runs the live server's iteration loop (`server/engine.py`):
 
@@ -10,11 +10,11 @@ runs the live server's iteration loop (`server/engine.py`):
   `q * (fixed + per_row*rows + per_context*context)` (`scheduler.sim.server_costs`);
 - a prompt is a *prefill* step, run alone, chunk by chunk when longer than `--prefill-chunk`; which
   of a waiting prefill and waiting decode steps runs next is the live rule
-  (`scheduler.sim.iteration_rule`, paper 004's with its caps), so a prefill delays the decode
+  (`scheduler.sim.iteration_rule`, Pang et al.'s with its caps), so a prefill delays the decode
   iterations behind it;
 - the accelerator is `serial` (one iteration at a time, the default emulated delay and a real GPU)
   or `overlap` (each session's step takes its own device time whatever else runs, as
-  `--compute-delay-overlap` and paper 000); a server's `host` part (the emulation's CPU forward)
+  `--compute-delay-overlap` and Sun et al.); a server's `host` part (the emulation's CPU forward)
   always runs one iteration at a time on its compute thread;
 - a step reaches its server half a round trip after the client sends it and its result reaches the
   client half a round trip after the server is done (the prompt's round trip `t_prefill_cj`, a

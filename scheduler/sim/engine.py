@@ -1,6 +1,6 @@
 """The discrete-event core: arrivals, admission, cache slots (eq. 2), waiting, completion.
 
-Modelling choices (paper 000 section 4.1, following its simulator):
+Modelling choices (Sun et al., section 4.1, following its simulator):
 
 - Per-block compute times do not depend on concurrency: a server runs its sessions' steps in
   parallel and memory (eq. 2) is the only shared resource. So once a request starts on a chain its
@@ -11,7 +11,7 @@ Modelling choices (paper 000 section 4.1, following its simulator):
   refuses a start that would break `s_m*m_j + s_c*sum_r k_j^r <= M_j` (eq. 2), so memory can never
   be exceeded, whatever the policy decides.
 - A policy-specific session set-up delay (`Dispatcher.setup_s`) is spent by the client before it
-  asks for a route. Paper 000's simulator adds such a calibrated constant to every request (see
+  asks for a route. Sun et al.'s simulator adds such a calibrated constant to every request (see
   `policies.SetupDelays`); we let it delay the request without holding cache, since with caches held
   through it PETALS' waits would far exceed the paper's measured first-token times (Table 7).
 - Waiting is the policy's business: it answers an arrival with "start at t" (WS-RR's eq. 20 wait),
@@ -26,11 +26,11 @@ run after completions and before starts at equal times) and reports its first to
 start the policy asked for that finds no cache room (sessions run longer than eq. 1 said) then
 waits, as the live scheduler's admission does, until completions free its chain, in the order the
 starts were due and none overtaking an earlier one on a shared server. Without a service nothing of
-this runs and results are those of paper 000's model.
+this runs and results are those of Sun et al.'s model.
 
 `cache_units` (with a service) sizes each session's cache by its own lengths, as live servers and
 the live scheduler do (`scheduler/service/sessions.py`): a request holds `cache_units(request)` slots
-per block (a fraction: its `l_in + l_out` over the nominal session's), not one. Paper 000's model
+per block (a fraction: its `l_in + l_out` over the nominal session's), not one. Sun et al.'s model
 gives every session one nominal slot, so sessions of long prompts fit where their bytes would not
 (BENCHMARKS.md, "Prefill/decode roles on the emulated swarm": 4x the measured goodput predicted
 for a swarm whose decode servers hold two of its longest sessions).

@@ -58,7 +58,7 @@ def search_rates(
 def cell_goodput(config: CellConfig, seeds: int, doublings: int = 6, bisections: int = 4) -> GoodputResult:
     """Goodput of one scenario x policy, starting the search at `config.rate` (Poisson arrivals).
 
-    The request count grows with the rate (200 s of arrivals, as paper 000's Fig. 8 sizes its rate
+    The request count grows with the rate (200 s of arrivals, as Sun et al.'s Fig. 8 sizes its rate
     sweep) so that high rates are not judged on a run too short to build a queue.
     """
     if config.slo_ttft is None and config.slo_tpot is None:

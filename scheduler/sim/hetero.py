@@ -3,7 +3,7 @@ the Azure code trace's lengths.
 
 Two A100-80GB and six 24 GB GPUs of an older generation (a Tesla P40's figures) serve a
 LLaMA-2-70B-shaped model with grouped-query attention (80 blocks, hidden 8192, 8 KV heads of 128,
-so 4 KB of cache per token per block) in NF4. Times follow paper 001's footnote 11 (per block:
+so 4 KB of cache per token per block) in NF4. Times follow Sun, He and Hou's footnote 11 (per block:
 prefill `t_o + F/f` per token, decode `s_m/b` per token, `t_o` = 1 ms) with each GPU's nominal
 figures: A100 312 TFLOPS and 2.04 TB/s; the older card 12 TFLOPS (no fast half precision) and
 347 GB/s. So the older cards decode at a sixth of an A100's speed but prefill at a twenty-sixth:
@@ -22,12 +22,12 @@ from scheduler.sim.scenarios import Link, Scenario, build_scenario
 from scheduler.sim.workload import Request, TraceRecord
 
 PARAMETERS_PER_BLOCK = 856_000_000  # LLaMA-2-70B: attention 151 M (GQA) + MLP 705 M per block
-# NF4 with its scales, read as paper 000 reads BLOOM's (4.25 bits per parameter, 1% overhead)
+# NF4 with its scales, read as Sun et al. reads BLOOM's (4.25 bits per parameter, 1% overhead)
 LLAMA_2_70B_NF4 = ModelProfile("llama-2-70b-nf4", 80, PARAMETERS_PER_BLOCK * 4.25 / 8 * 1.01, 8192, 1024)
 
 
 def footnote11(name: str, memory_bytes: float, tflops: float, gb_per_ms: float) -> GpuProfile:
-    """Paper 001 footnote 11 for this model: decode `s_m/b`, prefill `t_o + 2*params/f` per token."""
+    """Sun, He and Hou footnote 11 for this model: decode `s_m/b`, prefill `t_o + 2*params/f` per token."""
     return GpuProfile(
         name,
         memory_bytes,

@@ -1,6 +1,6 @@
 """What a simulated server's compute thread runs next: the live server's rule, for the contended model.
 
-This is `server.step_scheduler.decide` (paper 004's prefill-vs-decode rule with its starvation caps,
+This is `server.step_scheduler.decide` (Pang et al.'s prefill-vs-decode rule with its starvation caps,
 chunked prefills alternating with decode iterations, and the decode batching window), restated over
 plain numbers: `scheduler/` may not import `server/` (docs/architecture.md, "Dependencies point one
 way"), and the simulator needs nothing of the live module but the rule itself. The two must agree:

@@ -1,5 +1,5 @@
 """Per-run summary of docs/reference.md 6: per-token time, TTFT, TPOT, waiting, service, percentiles,
-throughput, SLO attainment and goodput (the definitions of DistServe, paper 003: a request meets its SLOs when
+throughput, SLO attainment and goodput (the definitions of DistServe: a request meets its SLOs when
 both its TTFT and its TPOT are within bounds; goodput is the highest arrival rate at which at least
 90% of requests do)."""
 
@@ -36,7 +36,7 @@ class Slo:
 
 
 def per_request(records: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
-    """docs/reference.md 6 per request: per-token time (total / l_out, paper 000's metric), TTFT, TPOT,
+    """docs/reference.md 6 per request: per-token time (total / l_out, Sun et al.'s metric), TTFT, TPOT,
     waiting, ..."""
     arrival = np.array([r.arrival for r in records])
     setup = np.array([r.setup for r in records])
@@ -108,7 +108,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo | None = None) -> dict[
 
 
 def average(summaries: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Monte Carlo average over seeds (paper 000 averages 20 runs), key by key."""
+    """Monte Carlo average over seeds (Sun et al. averages 20 runs), key by key."""
     if not summaries:
         raise ValueError("no runs to average")
     return {key: float(np.mean([s[key] for s in summaries])) for key in summaries[0]}

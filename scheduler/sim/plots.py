@@ -29,7 +29,7 @@ def _finish(fig, ax, title: str, path: Path) -> None:
 
 
 def plot_sweep(rows: Sequence[dict], kind: str, title: str, path: Path) -> None:
-    """Per-token time vs the swept parameter, one line per policy (paper 000 Fig. 6-9 layout)."""
+    """Per-token time vs the swept parameter, one line per policy (Sun et al., Fig. 6-9 layout)."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for policy in dict.fromkeys(row["policy"] for row in rows):
         points = [(row["x"], row["per_token_time_mean"]) for row in rows if row["policy"] == policy]

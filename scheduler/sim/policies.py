@@ -10,7 +10,7 @@
 - `chains`: `tuning.tune_capacity` (GBP-CR + GCA), GCA's cache allocation, JFFC central queue.
 - `jffc-only`: a whole model per server, GCA, JFFC.
 
-The ablations are paper 000's Fig. 6-9 variants (section 4.3); `jffc-only` is paper 001 Table 1's
+The ablations are Sun et al.'s Fig. 6-9 variants (section 4.3); `jffc-only` is Sun, He and Hou, Table 1's
 "JFFC only" benchmark. PETALS' client retries after `petals.retry_delay(n)` whenever the chain its
 router picked (with the 10 s no-cache-room penalty) has no cache room; WS-RR clients start exactly
 when eq. 20 says the chain has room (the scheduler tells them).
@@ -50,7 +50,7 @@ PETALS_FAMILY = ("petals", "opt-num", "opt-order", "opt-rr")
 class SetupDelays:
     """Per-session set-up time before the prefill (connection, cache allocation), by policy family.
 
-    Paper 000's simulator is calibrated to its testbed with a constant session allocation delay of
+    Sun et al.'s simulator is calibrated to its testbed with a constant session allocation delay of
     250 s for PETALS' code path and 60 s for CG-BP's, plus 70 ms initialization for both
     (the authors' released simulator); that is most of its Table 7 first-token times. The engine
     spends it before routing (see `engine`).
@@ -222,7 +222,8 @@ class WsRrRouting:
 
 
 class JffcRouting:
-    """Paper 001 Alg. 3 over GCA's job servers: the fastest chain with a free slot, else a FIFO queue."""
+    """Sun, He and Hou, Alg. 3 over GCA's job servers: the fastest chain with a free slot, else a FIFO
+    queue."""
 
     def __init__(self, chains: Sequence[ServerChain], spans: Sequence[Span | None], setup_s: float):
         if not chains:
@@ -288,7 +289,7 @@ def petals_placement(
 def petals_window_placement(
     servers: Sequence[ServerSpec], model: ModelSpec, counts: Sequence[int], join_order: Sequence[int]
 ) -> list[Span | None]:
-    """PETALS' join rule (docs/reference.md 3.3) with given block counts ('Optimized Number', paper 000
+    """PETALS' join rule (docs/reference.md 3.3) with given block counts ('Optimized Number', Sun et al.
     section 4.3).
 
     `petals.place` derives the counts itself, so this re-runs its loop with CG-BP's `m_j`, using the
@@ -335,7 +336,7 @@ def with_ping_rtts(scenario: Scenario) -> list[ServerSpec]:
 
 
 def with_chain_times(scenario: Scenario, l_out: int) -> list[ServerSpec]:
-    """Paper 001's `tau_c`, `tau_p` per server, so that a chain's eq. 2 time is exactly eq. 1."""
+    """Sun, He and Hou's `tau_c`, `tau_p` per server, so that a chain's eq. 2 time is exactly eq. 1."""
     servers = []
     for s in scenario.servers:
         tau_c, tau_p = request_times(s.rtt_prefill[CLIENT], s.rtt[CLIENT], s.tau_prefill, s.tau, l_out)

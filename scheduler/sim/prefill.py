@@ -4,9 +4,9 @@ own `l_in`.
 A `ServerSpec` carries `tau_prefill_j(l_in)` and `t_prefill_cj(l_in)` evaluated at one nominal
 input length: right for the planners (docs/reference.md 3 plans for `l_in`) but wrong for replayed requests,
 whose inputs range from a few tokens to ~7,400 in the Azure trace. Both terms are affine in the
-input length: prefill compute is `t_o + t^I_j * l_in` (paper 001 footnote 11, validated by its
+input length: prefill compute is `t_o + t^I_j * l_in` (Sun, He and Hou footnote 11, validated by its
 Fig. 9e) and the first-token round trip is a fixed latency plus the transfer of `l_in` hidden
-states (paper 001 Fig. 10b; `scenarios.build_scenario`). `PrefillModel` keeps both lines per server.
+states (Sun, He and Hou, Fig. 10b; `scenarios.build_scenario`). `PrefillModel` keeps both lines per server.
 """
 
 from __future__ import annotations

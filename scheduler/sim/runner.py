@@ -20,7 +20,7 @@ from scheduler.sim.metrics import Slo, average, summarize
 from scheduler.sim.policies import NONE, PAPER000, POLICIES, build_dispatcher
 
 SCENARIOS = ("clustered", "abovenet", "bellcanada", "gtsce", "ripe", "hetero")
-SETUPS = ("paper", "none")  # session set-up delays: paper 000's calibrated ones, or none
+SETUPS = ("paper", "none")  # session set-up delays: Sun et al.'s calibrated ones, or none
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ class CellConfig:
     compute_scale: float = 1.0  # multiplies every per-block time (`scenarios.scale_compute`)
     slo_ttft: float | None = None  # SLOs of docs/reference.md 6 (seconds); either one adds `slo_attainment`
     slo_tpot: float | None = None
-    setup: str = "paper"  # "paper": paper 000's calibrated session set-up delays; "none"
+    setup: str = "paper"  # "paper": Sun et al.'s calibrated session set-up delays; "none"
     length_info: str = "oracle"  # the l_out WS-RR routes by (`scheduler.sim.length_info`)
-    # Contended servers (`scheduler.sim.contended_run`; None: paper 000's model, eq. 1)
+    # Contended servers (`scheduler.sim.contended_run`; None: Sun et al.'s model, eq. 1)
     contended: str | None = None  # the accelerator model: "serial" or "overlap"
     batch_wait_ms: float = 2.0
     prefill_chunk: int = 256

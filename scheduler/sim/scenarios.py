@@ -1,11 +1,12 @@
-"""Scenarios: servers (memory, tau, tau_prefill) and client RTTs (paper 000 section 4.1, paper 001 4.1).
+"""Scenarios: servers (memory, tau, tau_prefill) and client RTTs (Sun et al., section 4.1; Sun, He and
+Hou, section 4.1).
 
-- `clustered`: paper 000 Table 2. Cluster 0 holds only clients, cluster 1 two A100 servers, cluster 2
+- `clustered`: Sun et al., Table 2. Cluster 0 holds only clients, cluster 1 two A100 servers, cluster 2
   seven MIG servers; RTT 5 ms / 1 Gbit/s inside a cluster, 100 ms / 100 Mbit/s between clusters.
-- `topology_zoo`: paper 000 Table 3. C servers on random nodes of a Topology Zoo graph, a fraction
+- `topology_zoo`: Sun et al., Table 3. C servers on random nodes of a Topology Zoo graph, a fraction
   eta of them A100s; the client sits on a random node without a server; RTT = 2 x shortest-path
   delay, links of 1 Gbit/s.
-- `ripe_atlas`: paper 001 section 4. RTTs between an orchestrator (one of the RIPE Atlas
+- `ripe_atlas`: Sun, He and Hou, section 4. RTTs between an orchestrator (one of the RIPE Atlas
   measurement origins) and servers placed on random EU anchors; 3 x MIG 3g.40gb + 6 x 2g.20gb.
 
 Per-token round trip (docs/reference.md 2, `t_cj`): ping RTT + per-message overhead + the transfer of
@@ -36,7 +37,7 @@ TOPOLOGY_FILES = {"abovenet": "Abvt.graph", "bellcanada": "Bellcanada.graph", "g
 TABLE5_SERVERS = {"abovenet": (9, 2 / 9), "bellcanada": (26, 5 / 26), "gtsce": (26, 5 / 26)}
 TOPOLOGY_NODES = {"abovenet": 23, "bellcanada": 48, "gtsce": 149}  # Table 3
 CLIENT = "client"
-TOPOLOGY_LINK_BPS = 1e9  # paper 000 Table 3: every link 1 Gbit/s
+TOPOLOGY_LINK_BPS = 1e9  # Sun et al., Table 3: every link 1 Gbit/s
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def build_scenario(
     )
 
 
-# -- paper 000, clustered (Table 2) ----------------------------------------------------------------
+# -- Sun et al., clustered (Table 2) ----------------------------------------------------------------
 
 INTRA_CLUSTER = Link(0.005, 1e9)
 INTER_CLUSTER = Link(0.100, 100e6)
@@ -141,7 +142,7 @@ def clustered(client_cluster: int, l_in: int, l_out: int) -> Scenario:
     return build_scenario(f"clustered-c{client_cluster}", profiles.BLOOM_176B, gpus, links, l_in, l_out)
 
 
-# -- paper 000, scattered (Topology Zoo graphs, Table 3) -----------------------------------------------
+# -- Sun et al., scattered (Topology Zoo graphs, Table 3) -----------------------------------------------
 
 
 def topology_rtts(topology: str, data_dir: Path = DATA_DIR) -> np.ndarray:
@@ -175,7 +176,7 @@ def topology_zoo(
     return build_scenario(topology, profiles.BLOOM_176B, gpus, links, l_in, l_out)
 
 
-# -- paper 001, RIPE Atlas (Table 1) ----------------------------------------------------------------
+# -- Sun, He and Hou, RIPE Atlas (Table 1) ----------------------------------------------------------------
 
 RIPE_ORIGINS = ("latency_m1", "latency_m2", "latency_m3", "latency_m4")
 RIPE_GPUS = (profiles.MIG_3G,) * 3 + (profiles.MIG_2G,) * 6
@@ -198,7 +199,7 @@ def ripe_latencies(path: Path = DATA_DIR / "ripe_atlas_eu_rtt.csv") -> np.ndarra
 
 
 def ripe_atlas(latencies: np.ndarray, rng: np.random.Generator, l_in: int, l_out: int) -> Scenario:
-    """Paper 001 Table 1 deployment: the orchestrator at a random origin, servers on random anchors."""
+    """Sun, He and Hou, Table 1 deployment: the orchestrator at a random origin, servers on random anchors."""
     origin = int(rng.integers(latencies.shape[1]))
     anchors = rng.choice(len(latencies), size=len(RIPE_GPUS), replace=False)
     links = [Link(float(latencies[a, origin])) for a in anchors]
@@ -208,7 +209,7 @@ def ripe_atlas(latencies: np.ndarray, rng: np.random.Generator, l_in: int, l_out
 def scale_compute(scenario: Scenario, factor: float) -> Scenario:
     """Every per-block time (decode `tau`, prefill) times `factor`; network terms unchanged.
 
-    A sensitivity knob: paper 001 measures ~7 s mean service on its testbed (Table 1) where its
+    A sensitivity knob: Sun, He and Hou measures ~7 s mean service on its testbed (Table 1) where its
     footnote 11 profile predicts ~2 s, so runtime overheads the model omits are per-block compute.
     """
     if factor <= 0:

@@ -14,7 +14,7 @@ assumptions (docs/simulator.md, "Contended servers"):
 
 - a decode row costs the compute of one prompt token, so `per_row` is the prefill's per-token slope
   (a decode step multiplies one row by every weight, a prefill token does the same);
-- decode is bound by reading memory (paper 001 footnote 11: `tau = s_m / b_j`), so the bandwidth is
+- decode is bound by reading memory (Sun, He and Hou footnote 11: `tau = s_m / b_j`), so the bandwidth is
   `s_m / tau` and each cached token read costs `per_context = kv_bytes_per_token / bandwidth`;
 - `fixed = tau - per_row`: one row at an empty context costs exactly the scenario's `tau`, so a
   lone session decodes as eq. 1 says (plus its context reads).

@@ -1,4 +1,4 @@
-"""Figure sweeps of paper 000 (Fig. 6-9): per-token time vs #servers, eta, rate or l_out, per policy.
+"""Figure sweeps of Sun et al. (Fig. 6-9): per-token time vs #servers, eta, rate or l_out, per policy.
 
 `sweep_points` and `sweep` are pure (they return configs / rows); `write_csv` is the only I/O here
 (plots live in `plots`). The x values and defaults are the figures' own: Fig. 6 varies C (AboveNet

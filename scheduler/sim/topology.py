@@ -1,7 +1,7 @@
-"""Internet Topology Zoo graphs in the Repetita `.graph` format and their RTT matrices (paper 000 Table 3).
+"""Internet Topology Zoo graphs in the Repetita `.graph` format and their RTT matrices (Sun et al., Table 3).
 
 The format: a `NODES n` section (`label x y` rows), then an `EDGES m` section with rows
-`label src dest weight bw delay`, the delay in microseconds. Paper 000 section 4.1 computes the RTT
+`label src dest weight bw delay`, the delay in microseconds. Sun et al., section 4.1 computes the RTT
 between two nodes from the cumulative delay along the delay-shortest path: RTT = 2 x that delay.
 """
 

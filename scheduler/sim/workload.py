@@ -1,4 +1,5 @@
-"""Request arrivals: Poisson (paper 000 section 4.1) or replay of the Azure LLM trace (paper 001 4.2)."""
+"""Request arrivals: Poisson (Sun et al., section 4.1) or replay of the Azure LLM trace (Sun, He and
+Hou, section 4.2)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def poisson(rate: float, count: int, l_in: int, l_out: int, rng: np.random.Gener
         raise ValueError(f"need rate > 0 and count >= 0, got {rate}, {count}")
     gaps = rng.exponential(1 / rate, size=count)
     if count:
-        gaps[0] = 0.0  # like paper 000's simulator: the run starts with an arrival
+        gaps[0] = 0.0  # like Sun et al.'s simulator: the run starts with an arrival
     return [Request(i, float(t), l_in, l_out) for i, t in enumerate(np.cumsum(gaps))]
 
 
@@ -70,7 +71,7 @@ def trace_replay(
 
     Each request keeps its own lengths (its prefill is charged for its own `l_in`, see `prefill`),
     clipped only where a cap is given: with caches allocated statically for a maximum sequence
-    length (paper 001 section 2.1) a deployment may refuse longer requests, which a cap models.
+    length (Sun, He and Hou, section 2.1) a deployment may refuse longer requests, which a cap models.
     """
     if not 0 < count <= len(records):
         raise ValueError(f"count must be in [1, {len(records)}], got {count}")

@@ -84,7 +84,7 @@ def run(spec: dict) -> dict:
     connection = model.backend.connection
     run_sync(connection.candidates())  # measure the RTTs before the clock starts
     # set-up probe: what opening a session costs on an idle swarm (route, admission, one stream
-    # open per hop), the simulator's per-session set-up constant (as paper 000 calibrates its own)
+    # open per hop), the simulator's per-session set-up constant (as Sun et al. calibrates its own)
     probes = []
     for _ in range(3):
         opened = time.monotonic()

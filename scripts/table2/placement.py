@@ -59,7 +59,7 @@ def swarm_plan(algo: str, document: dict) -> tuple[int, dict]:
 
 
 def with_chain_times(document: dict, l_out: int) -> dict:
-    """Paper 001's per-request times on every server, so that a chain's eq. 2 time is eq. 1's."""
+    """Sun, He and Hou's per-request times on every server, so that a chain's eq. 2 time is eq. 1's."""
     servers = []
     for server in document["servers"]:
         (rtt,), (rtt_prefill,) = server["rtt"].values(), server["rtt_prefill"].values()

@@ -11,7 +11,7 @@ import numpy as np
 from .plans import run_attainment
 
 ROOT = Path(__file__).resolve().parents[2]
-HEADER = "## Emulated geo-distributed swarm: paper 000 Table 2"
+HEADER = "## Emulated geo-distributed swarm: Sun et al., Table 2"
 ORDER = ["petals", "cg-bp", "chains"]  # table rows per cell
 DEFAULT_OUT = "results/netem"  # scripts/experiment.py's --out
 NOTES_PATH = ROOT / "results" / "netem" / "notes.md"  # the hand-written analysis, appended
