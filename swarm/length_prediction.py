@@ -166,7 +166,7 @@ class OutputLengthPredictor:
     busy period those are many sessions in turn, so its wait is a *sum* of their run times, and the
     expected sum is the sum of the means, whatever the distribution. Output lengths are heavy-tailed
     (code trace: median 13, mean 28, p99 251 tokens), so a median undercounts every sum: on the
-    code trace's second half (`scripts/bench_length_prediction.py`, BENCHMARKS.md) the waits WS-RR
+    code trace's second half (`benchmarks/scheduling/length_prediction.py`, BENCHMARKS.md) the waits WS-RR
     told were off by 5.7 s on average with the median and 2.5 s with the mean (measured waits
     7-8 s; the constant 128: 71 s). A mean is easier to pull by lying reports than a median (one
     report at the cap moves it by cap / n); `SessionLengthLearner` bounds that (clamped to the

@@ -34,7 +34,7 @@ CHILD_ENV = {
 }
 
 
-# --- the roles' command lines and start-up signals (shared with scripts/netem's emulated swarm) -----
+# --- the roles' command lines and start-up signals (shared with benchmarks/netem's emulated swarm) -----
 def dht_argv(maddr_file: Path, host: str | None = None) -> list[str]:
     """`swarm-dht`, writing its multiaddrs to `maddr_file` once it listens (on `host`, or loopback)."""
     where = ["--host", host, "--port", "0"] if host else []

@@ -4,7 +4,7 @@ A large swarm cannot run on one small machine, but what it costs a client to *re
 can be measured: this module announces N plausible server records, each under its own key (so
 each is a distinct, validly signed server to every reader), from a single DHT peer. No daemon
 answers for those peers: they are exactly the dead records a real swarm accumulates (servers that
-crashed, records that outlive them). Used by `scripts/bench_scale.py` and the scale tests.
+crashed, records that outlive them). Used by `benchmarks/serving/scale.py` and the scale tests.
 """
 
 from __future__ import annotations

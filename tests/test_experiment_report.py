@@ -1,25 +1,21 @@
-"""scripts/experiment.py's pure parts (`scripts/table2`): Sun, He and Hou's chain times, the report table,
-the commands."""
+"""The pure parts of `benchmarks/table2`: Sun, He and Hou's chain times, the report table, the
+commands."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from netem.system import busy_cores, host_cpu_ticks  # noqa: E402
-from table2.placement import place, with_chain_times  # noqa: E402
-from table2.plans import attainment, measured_times, parse_plan, parse_plans, run_attainment  # noqa: E402
-from table2.repeatability import compare  # noqa: E402
-from table2.report import command_of, markdown  # noqa: E402
-
-from scheduler.algorithms.problem import ModelSpec  # noqa: E402
+from benchmarks.netem.system import busy_cores, host_cpu_ticks
+from benchmarks.table2.placement import place, with_chain_times
+from benchmarks.table2.plans import attainment, measured_times, parse_plan, parse_plans, run_attainment
+from benchmarks.table2.repeatability import compare
+from benchmarks.table2.report import command_of, markdown
+from scheduler.algorithms.problem import ModelSpec
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -1,4 +1,4 @@
-"""Geo-distributed emulation with network namespaces (scripts/netem).
+"""Geo-distributed emulation with network namespaces (benchmarks/netem).
 
 The end-to-end tests need root and `ip netns`: as root they run (installing iproute2, iptables,
 ping and the NFQUEUE binding when missing), and they skip only where namespaces cannot work.
@@ -16,18 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.netem.cli import prepare_model, run_clients, start_swarm
+from benchmarks.netem.emulator import Emulation
+from benchmarks.netem.scenario import LinkSpec, ScenarioError, load_scenario, parse_scenario
+from benchmarks.netem.system import netns_works
+from benchmarks.netem.topology import cleanup, list_netns, netns_pids
+from swarm.local_swarm import child_pids
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from netem.cli import prepare_model, run_clients, start_swarm  # noqa: E402
-from netem.emulator import Emulation  # noqa: E402
-from netem.scenario import LinkSpec, ScenarioError, load_scenario, parse_scenario  # noqa: E402
-from netem.system import netns_works  # noqa: E402
-from netem.topology import cleanup, list_netns, netns_pids  # noqa: E402
-
-from swarm.local_swarm import child_pids  # noqa: E402
-
-SCENARIOS = ROOT / "scripts" / "netem" / "scenarios"
+SCENARIOS = ROOT / "benchmarks" / "netem" / "scenarios"
 CI_SMALL = SCENARIOS / "ci_small.json"
 NAT = SCENARIOS / "nat.json"
 
@@ -171,7 +169,8 @@ def test_ctrl_c_tears_everything_down(netns, tmp_path):
     process = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "scripts" / "netem"),
+            "-m",
+            "benchmarks.netem",
             "up",
             str(CI_SMALL),
             "--no-check",

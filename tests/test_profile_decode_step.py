@@ -1,21 +1,15 @@
-"""The decode-step experiment of scripts/profile_decode_step.py stays right on the CPU: its
+"""The decode-step experiment of benchmarks/families/decode_step_profile.py stays right on the CPU: its
 fused plain-torch step (one QKV and one gate/up product, static caches) equals the span's own blocks,
 with multi-head and grouped-query attention. Only its timings need a GPU."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import profile_decode_step as experiment  # noqa: E402
-
-from swarm.models.span import load_span  # noqa: E402
-from swarm.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+import benchmarks.families.decode_step_profile as experiment
+from swarm.models.span import load_span
+from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 
 @pytest.mark.parametrize("kv_heads", [None, 2])

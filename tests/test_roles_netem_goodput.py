@@ -1,19 +1,14 @@
-"""The goodput arithmetic of scripts/bench_roles_netem.py (pure: no processes)."""
+"""The goodput arithmetic of benchmarks/roles/emulated.py (pure: no processes)."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from roles_netem_sim import attainment, measured_times, rate_goodput, trace_requests  # noqa: E402
-
-from scheduler.sim.metrics import Slo  # noqa: E402
-from scheduler.sim.workload import TraceRecord  # noqa: E402
+from benchmarks.roles.sim import attainment, measured_times, rate_goodput, trace_requests
+from scheduler.sim.metrics import Slo
+from scheduler.sim.workload import TraceRecord
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 
@@ -54,8 +49,8 @@ def test_the_scheduler_s_announced_roles_become_the_simulated_roles_and_decode_d
     """`--modes auto`: the roles the servers announced (by peer id) are simulated in the report's server
     order, every server both is colocated; `--rich-compute-delay` slows only the compute-rich servers'
     decoding."""
-    from roles_netem_report import announced_roles
-    from roles_netem_sim import CpuCosts, EmulatedSwarm
+    from benchmarks.roles.report import announced_roles
+    from benchmarks.roles.sim import CpuCosts, EmulatedSwarm
 
     names = {"AAAArich": "rich0", "BBBBrich": "rich1", "CCCCslow": "slow0", "DDDDslow": "slow1"}
     announced = {"QmAAAArich": "prefill", "QmBBBBrich": "prefill", "QmCCCCslow": "both"}

@@ -391,7 +391,7 @@ def _local_run(span):
 
 def test_the_prompt_tuning_example_lowers_the_loss(swarm, model_dir):
     """docs/fine-tuning.md's example, a few steps against this swarm: it exits 0 only if the loss fell."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "prompt_tuning.py"
+    script = Path(__file__).resolve().parents[1] / "examples" / "prompt_tuning.py"
     completed = subprocess.run(
         [sys.executable, str(script), "--model-dir", str(model_dir), "--steps", "6"]
         + ["--initial-peers", *swarm.initial_peers],

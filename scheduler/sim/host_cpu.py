@@ -1,6 +1,6 @@
 """A machine's CPU cores shared by every emulated process (processor sharing), for the contended model.
 
-An emulated swarm (scripts/experiment.py) runs all its servers, their p2p daemons and the client on
+An emulated swarm (benchmarks/table2/run.py) runs all its servers, their p2p daemons and the client on
 one machine, so what each server computes on its CPU (its blocks' forward, the handling of each
 step's messages) and what the client does per step compete for the same few cores: under load a
 step's CPU work takes longer than its idle cost, on every server at once. `SharedCpu` models that
@@ -9,7 +9,7 @@ follow (DHT upkeep, announcements, the scheduler); each of the `n` jobs running 
 `min(1, (cores - background) / n)` CPU-seconds per second. With one job at a time it runs at full
 speed, so an idle swarm sees no slowdown.
 
-Only the emulation's prediction uses it (`scripts/bench_sim_contended.py`); a swarm of real
+Only the emulation's prediction uses it (`benchmarks/scheduling/sim_contended.py`); a swarm of real
 machines gives each server its own CPU.
 """
 

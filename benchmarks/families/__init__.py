@@ -1,0 +1,1 @@
+"""Benchmarks of model families' blocks and caches."""

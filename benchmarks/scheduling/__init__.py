@@ -1,0 +1,1 @@
+"""Benchmarks of placement, routing and planning against the simulator and real traces."""

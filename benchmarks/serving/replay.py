@@ -1,0 +1,172 @@
+"""Failover over emulated internet links: the time from a SIGKILL to the next token, by history length
+and replay mode (`steps`: one round trip per recorded step, as before; `exact`: the recorded steps in
+one Replay message; `prefill`: one catch-up prefill).
+
+A tiny LLaMA (6 blocks): blocks 0:2 are held by several servers at one site (each failover kills the
+session's current one and the next takes over), 2:4 and 4:6 by one server each at their own sites;
+the client's site is `--rtt` ms from every server site (3 hops). Servers emulate a GPU's step with
+`--compute-delay` seconds per block per step. For each history length the client generates that
+many tokens in one session, then for each mode in turn: one normal token (timed), SIGKILL of the
+first server of its chain, one more token (timed: detection, routing, opening a stream, rebuilding
+the cache, the step). Every output is checked against local `transformers`.
+
+    sudo .venv/bin/python -m benchmarks.serving.replay [--history 50,200,500] [--rtt 50] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import measuring_parser, publish_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+LAYERS = 6
+MODES = ("steps", "exact", "prefill")
+PROMPT = [5, 17, 99, 200, 33, 41, 7]
+
+
+# --- the measuring client (runs in the client's site) ---------------------------------------------------
+def measure(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from client import AutoDistributedModelForCausalLM, ClientOptions
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    pids = json.loads(Path(args.pids).read_text())  # public name -> process group of the server
+    histories = [int(n) for n in args.history.split(",")]
+    reference = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+    expected = reference.generate(
+        torch.tensor([PROMPT]), max_new_tokens=max(histories) + 2 * len(MODES) + 2, do_sample=False
+    )
+    options = ClientOptions(request_timeout=120.0, ban_base=3600.0, ban_max=3600.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        args.model_dir, args.initial_peers, options=options
+    )
+    connection = model.backend.connection
+    rows = []
+    try:
+        for history in histories:
+            with model.inference_session(max_length=len(PROMPT) + history + 4 * len(MODES)) as session:
+                sequence = model.generate(torch.tensor([PROMPT]), max_new_tokens=history, do_sample=False)
+                sequence = model.generate(sequence, max_new_tokens=1, do_sample=False)  # in the session now
+                for mode in MODES:
+                    started = time.perf_counter()
+                    sequence = model.generate(sequence, max_new_tokens=1, do_sample=False)
+                    normal = time.perf_counter() - started
+                    victim = session.blocks.streams[0].hop.peer_id
+                    name = connection.known_servers[victim].public_name
+                    connection.options.replay_mode = mode
+                    os.killpg(pids[name], signal.SIGKILL)  # the server and its p2p daemon, at once
+                    started = time.perf_counter()
+                    sequence = model.generate(sequence, max_new_tokens=1, do_sample=False)
+                    recovery = time.perf_counter() - started
+                    if not torch.equal(sequence[0], expected[0, : sequence.shape[1]]):
+                        raise SystemExit(
+                            f"{mode} after {history} tokens: the output differs from transformers"
+                        )
+                    rows.append({"history": history, "mode": mode, "normal": normal, "recovery": recovery})
+                    print(
+                        f"{history} tokens, {mode}: {recovery * 1e3:.0f} ms ({normal * 1e3:.0f} ms normal)",
+                        flush=True,
+                    )
+    finally:
+        model.shutdown()
+    Path(args.out).write_text(json.dumps(rows))
+
+
+# --- the emulated swarm -----------------------------------------------------------------------------------
+def run(args: argparse.Namespace, work: Path) -> list[dict]:
+    from benchmarks.netem.emulator import Emulation
+    from benchmarks.netem.scenario import equidistant_scenario
+    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+
+    model_dir = build_tiny_model(
+        work / "tiny-llama", TinyModelSpec(family="llama", num_layers=LAYERS, num_kv_heads=2)
+    )
+    scenario = equidistant_scenario("bench_replay", ("client", "s0", "s1", "s2"), args.rtt)
+    kills = len(args.history.split(",")) * len(MODES)
+    with Emulation(scenario, work / "netem") as emulation:
+        emulation.start_dht("client")
+        names = {f"first-{index}": ("s0", "0:2") for index in range(kills + 1)}
+        names.update({"second": ("s1", "2:4"), "third": ("s2", "4:6")})
+        pids = {}
+        for name, (site, blocks) in names.items():
+            pids[name] = emulation.start_server(name, site, model_dir, blocks, "1GB", args.compute_delay).pid
+        emulation.wait_online("client", model_dir, list(names))
+        (work / "pids.json").write_text(json.dumps(pids))
+        out = work / "replay.json"
+        argv = [
+            sys.executable, str(Path(__file__).resolve()), "measure", "--model-dir", str(model_dir),
+            "--initial-peers", *emulation.initial_peers, "--out", str(out), "--pids", str(work / "pids.json"),
+            "--history", args.history,
+        ]  # fmt: skip
+        process = emulation.start("measure", "client", argv)
+        while process.poll() is None:
+            emulation.check_alive(["dht", "second", "third", "measure"])
+            time.sleep(1.0)
+        if process.returncode != 0:
+            raise SystemExit(f"the measuring client failed:\n{emulation.log('measure')[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def table(rows: list[dict]) -> list[str]:
+    normal = statistics.median(row["normal"] for row in rows)
+    lines = [
+        "| tokens before the kill | "
+        + " | ".join(f"{mode}: kill -> next token (x a token)" for mode in MODES)
+        + " |",
+        "|---|" + "---|" * len(MODES),
+    ]
+    for history in sorted({row["history"] for row in rows}):
+        cells = []
+        for mode in MODES:
+            (row,) = [r for r in rows if r["history"] == history and r["mode"] == mode]
+            cells.append(f"{row['recovery'] * 1e3:.0f} ms ({row['recovery'] / normal:.1f}x)")
+        lines.append(f"| {history} | " + " | ".join(cells) + " |")
+    lines.append(f"\nA token without failure: median {normal * 1e3:.0f} ms over {len(rows)} measurements.")
+    return lines
+
+
+def main() -> None:
+    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--pids")
+    for options in (parser, inner):
+        options.add_argument("--history", default="50,200,500", help="tokens generated before each kill")
+    parser.add_argument("--rtt", type=float, default=50.0, help="ms between the client and each server site")
+    parser.add_argument("--compute-delay", type=float, default=0.001, help="seconds per block per step")
+    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
+    args = parser.parse_args()
+    if args.command == "measure":
+        measure(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as work:
+        rows = run(args, Path(work))
+    text = (
+        f"netem: the client {args.rtt:.0f} ms (round trip) from each of three server sites, 100 Mbit/s; "
+        f"a tiny LLaMA ({LAYERS} blocks, two per hop), {args.compute_delay * 1e3:.0f} ms emulated compute "
+        "per block per step. One session per history length; for each mode in turn the first server of "
+        "its chain is SIGKILLed and the next token timed (detection, routing, a new stream, rebuilding "
+        "the cache, the step). `steps` replays the recorded steps one round trip each, "
+        "`exact` sends them in one Replay message (the server reruns them: a bit-identical cache), "
+        "`prefill` sends one catch-up prefill. Every output equalled local transformers."
+    )
+    options = argparse.Namespace(
+        history=args.history, rtt=args.rtt, compute_delay=args.compute_delay, write=args.write
+    )
+    publish_table(__file__, options, table(rows), "## Failover in one round trip, over emulated links", text)
+
+
+if __name__ == "__main__":
+    main()
