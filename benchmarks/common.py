@@ -24,7 +24,7 @@ from benchmarks.markdown import ROOT, write_section
 from swarm.dht_keys import default_prefix
 
 if TYPE_CHECKING:  # importing it pulls in hivemind, which takes seconds
-    from swarm.local_swarm import LocalSwarm
+    from harness.local_swarm import LocalSwarm
 
 
 def bench_parser(doc: str, **defaults: int | str) -> argparse.ArgumentParser:

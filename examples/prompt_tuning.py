@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from client import AutoDistributedModelForCausalLM
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.models.checkpoint import load_config
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 

@@ -1,7 +1,7 @@
 """Prefill time from a server's announced measurement, and whether a prefill server pays (pure).
 
 Shared by the client (`client/handoff_cost.py`, `client/remote.py`) and the simulator
-(`scheduler/sim/roles.py`), which must decide the way clients do.
+(`scheduler/sim/contended_roles.py`), which must decide the way clients do.
 
 A server announces `tau_prefill`, its per-block time for a prompt of `prefill_tokens` tokens; a
 prompt of `tokens` tokens is charged that time scaled linearly. A session's hop may run its prompt

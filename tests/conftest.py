@@ -9,10 +9,10 @@ from pathlib import Path
 import hypothesis  # noqa: F401  (imported up front: its pytest plugin imports it lazily at exit, which can crash)
 import pytest
 
-from swarm import preloaded_launcher
+from harness import preloaded_launcher
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
-# Swarm processes start from one pre-imported interpreter (swarm/zygote.py): real processes, without
+# Swarm processes start from one pre-imported interpreter (harness/zygote.py): real processes, without
 # hundreds of seconds of CPU spent importing torch, transformers and hivemind in each on 2 cores.
 # SWARM_TESTS_PRELOAD=0 starts each one as a fresh interpreter instead.
 if os.environ.get("SWARM_TESTS_PRELOAD", "1") != "0":
@@ -53,7 +53,7 @@ def single_file_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def swarm(tmp_path):
     """A local swarm with its DHT peer started, for one test; everything it started is stopped after."""
-    from swarm.local_swarm import LocalSwarm  # imported here: it pulls in hivemind, which takes seconds
+    from harness.local_swarm import LocalSwarm  # imported here: it pulls in hivemind, which takes seconds
 
     swarm = LocalSwarm(tmp_path)
     swarm.start_dht()

@@ -9,9 +9,9 @@ from concurrent import futures
 
 import grpc
 
+from harness.local_swarm import LocalSwarm
 from swarm.dht_records import publish_scheduler
 from swarm.identity import owner_subkey
-from swarm.local_swarm import LocalSwarm
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from swarm.local_swarm import LocalSwarm
+from harness.local_swarm import LocalSwarm
 
 
 @contextlib.contextmanager

@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import SwarmUnavailable
+from harness.local_swarm import CHILD_ENV, server_argv
 from swarm.adapter_names import AdapterError
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import CHILD_ENV, server_argv
 from swarm.models import load_span
 from swarm.models.adapters import AdapterSource, attach_adapters
 from swarm.models.tiny_adapter import build_tiny_adapter
@@ -54,7 +54,7 @@ def peft_model(llama_dir, adapter_dir):
 def swarm_with_adapters(llama_dir, adapters, tmp_path_factory):
     """Servers a (0:3) and b (3:6) hold both adapters; c (0:6) holds none and is the fastest route
     for plain sessions, never for adapter sessions."""
-    from swarm.local_swarm import LocalSwarm
+    from harness.local_swarm import LocalSwarm
 
     swarm = LocalSwarm(tmp_path_factory.mktemp("adapter-swarm"))
     try:

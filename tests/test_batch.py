@@ -357,8 +357,8 @@ def test_a_killed_batch_resumes_and_answers_every_prompt_once_exactly(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from client.batch.cli import build_parser, run_batch
+    from harness.local_swarm import LocalSwarm
     from swarm.dht_keys import default_prefix
-    from swarm.local_swarm import LocalSwarm
 
     rng = np.random.default_rng(38)
     prompts = [

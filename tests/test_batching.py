@@ -412,8 +412,8 @@ PROMPTS = [
 
 def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path):
     from client import AutoDistributedModelForCausalLM
+    from harness.local_swarm import LocalSwarm, prometheus_sample
     from swarm.dht_keys import default_prefix
-    from swarm.local_swarm import LocalSwarm, prometheus_sample
 
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()

@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import run_sync
+from harness.local_swarm import PYTHON, LocalSwarm
 from server.handler import BlockServicer
 from swarm.closed_swarm import SwarmSecret
 from swarm.dht_keys import block_key, default_prefix
 from swarm.dht_peer import start_dht
 from swarm.errors import SwarmUserError
 from swarm.identity import peer_id_of_subkey
-from swarm.local_swarm import PYTHON, LocalSwarm
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from swarm.wire import InfoRequest, Open, decode_metadata, encode

@@ -160,7 +160,7 @@ def reference(default_dir):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, default_dir):
     """Servers a (0:2), a2 (0:2) and b (2:4), and a client of them; b is on every chain."""
-    from swarm.local_swarm import LocalSwarm  # imported here: it pulls in hivemind, which takes seconds
+    from harness.local_swarm import LocalSwarm  # imported here: it pulls in hivemind, which takes seconds
 
     swarm = LocalSwarm(tmp_path_factory.mktemp("falcon-swarm"))
     swarm.start_dht()
@@ -190,7 +190,7 @@ def test_real_servers_generate_what_transformers_generates(served, reference):
 
 
 def test_concurrent_sessions_batched_on_a_server_equal_each_alone(served, reference):
-    from swarm.local_swarm import prometheus_sample
+    from harness.local_swarm import prometheus_sample
 
     swarm, model = served
     before = swarm.metrics("b")

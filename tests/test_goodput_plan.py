@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler import plan_cli
 from scheduler.algorithms.cgbp import cg_bp
 from scheduler.algorithms.placing import PlanInputError
-from scheduler.plan_io import parse_problem
+from scheduler.plan import cli as plan_cli
+from scheduler.plan.problem_io import parse_problem
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.grpc_api import SchedulerApi
 from scheduler.service.planner import PlanSettings
 from scheduler.service.slo_admission import SloTargets, predict
-from scheduler.sim.engine import simulate
+from scheduler.sim.discrete_events import simulate
 from scheduler.sim.goodput_plan import (
     plan_goodput,
     search_goodput,
@@ -51,7 +51,7 @@ from swarm.scheduler_api import scheduler_pb2 as pb
 from tests.test_scheduler_core import BLOCK, SERVERS, SHAPE, SLOT, L, core_with, info, serving
 
 _SCRIPT = Path(sys.executable).with_name("swarm-plan")
-COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "scheduler.plan_cli"]
+COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "scheduler.plan.cli"]
 
 
 def server(name: str, memory: float, tau: float, rtt: float) -> dict:

@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
 from client.connection import SwarmConnection, run_sync
+from harness.local_swarm import LocalSwarm
 from server.handler import BlockServicer
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.wire import (
     PEER_LIMIT_PREFIX,
     Backward,

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from swarm import preloaded_launcher
+from harness import preloaded_launcher
+from harness.local_swarm import CHILD_ENV, PYTHON
 from swarm.dht_keys import default_prefix
 from swarm.errors import SwarmUserError
-from swarm.local_swarm import CHILD_ENV, PYTHON
 from swarm.models.hub import resolve_model
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from tests.fake_hub import FakeHub, FakeRepo

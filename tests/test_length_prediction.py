@@ -17,10 +17,10 @@ from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings
 from scheduler.service.view import ModelShape
 from scheduler.sim import length_info
-from scheduler.sim.engine import simulate
+from scheduler.sim.cli import main as sim_main
+from scheduler.sim.discrete_events import simulate
+from scheduler.sim.monte_carlo import CellConfig, make_requests, make_scenario, run_seed
 from scheduler.sim.policies import NONE, build_dispatcher
-from scheduler.sim.runner import CellConfig, make_requests, make_scenario, run_seed
-from scheduler.sim_cli import main as sim_main
 from swarm.errors import SwarmUserError
 from swarm.length_prediction import (
     MAX_LENGTH,

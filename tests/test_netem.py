@@ -21,7 +21,7 @@ from benchmarks.netem.emulator import Emulation
 from benchmarks.netem.scenario import LinkSpec, ScenarioError, load_scenario, parse_scenario
 from benchmarks.netem.system import netns_works
 from benchmarks.netem.topology import cleanup, list_netns, netns_pids
-from swarm.local_swarm import child_pids
+from harness.local_swarm import child_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 

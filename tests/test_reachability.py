@@ -17,7 +17,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from client.routing import Candidate, chain_problem, choose_chain
-from swarm.local_swarm import LocalSwarm
+from harness.local_swarm import LocalSwarm
 from swarm.reachability import (
     DialBackRequest,
     DialBackResult,

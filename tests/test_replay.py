@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])

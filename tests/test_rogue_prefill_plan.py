@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.scheduler_api import scheduler_pb2 as pb
 from tests.conftest import NUM_BLOCKS
 from tests.rogue_scheduler import published_as_trusted, serve_rogue

@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.algorithms.problem import ServerSpec, Span
 from scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
-from scheduler.algorithms.roles import (
+from scheduler.algorithms.role_split import (
     BOTH,
     PREFILL,
     RoleInputs,
@@ -295,9 +295,9 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
     import asyncio
     import time
 
+    from harness.local_swarm import LocalSwarm
     from swarm.dht_keys import default_prefix
     from swarm.dht_records import fetch_roster_async
-    from swarm.local_swarm import LocalSwarm
     from tests.conftest import NUM_BLOCKS
     from tests.test_server_managed import (
         ScriptedScheduler,

@@ -14,14 +14,8 @@ from transformers import AutoModelForCausalLM
 from client import AutoDistributedModelForCausalLM
 from client.connection import SwarmConnection, run_sync
 from client.routing import probe_shortlist
-from scheduler.status_page import SERVERS_PER_PAGE, render_status_page
-from swarm.dht_keys import default_prefix
-from swarm.dht_records import fetch_servers_covering, finish_covering_read
-from swarm.identity import load_identity
-from swarm.local_swarm import LocalSwarm
-from swarm.record_validator import SwarmRecordValidator
-from swarm.server_info import Reachability, ServerInfo
-from swarm.standin_records import (
+from harness.local_swarm import LocalSwarm
+from harness.standin_records import (
     StandInSigner,
     new_keys,
     peer_id,
@@ -29,6 +23,12 @@ from swarm.standin_records import (
     standin_info,
     start_standin_dht,
 )
+from scheduler.service.status_page import SERVERS_PER_PAGE, render_status_page
+from swarm.dht_keys import default_prefix
+from swarm.dht_records import fetch_servers_covering, finish_covering_read
+from swarm.identity import load_identity
+from swarm.record_validator import SwarmRecordValidator
+from swarm.server_info import Reachability, ServerInfo
 from tests.conftest import NUM_BLOCKS
 from tests.test_record_validation import server_record
 from tests.test_trust import BOUND_S, NEW_TOKENS, PROMPT

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from scheduler.algorithms.problem import ServerSpec
-from scheduler.plan_commands import place
-from scheduler.plan_io import parse_problem
+from scheduler.plan.commands import place
+from scheduler.plan.problem_io import parse_problem
 from scheduler.service.chain_routing import queue_start_times, timings_moved
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings

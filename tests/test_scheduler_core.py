@@ -7,8 +7,8 @@ import json
 import pytest
 
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.plan_commands import place
-from scheduler.plan_io import dumps, parse_problem, problem_json
+from scheduler.plan.commands import place
+from scheduler.plan.problem_io import dumps, parse_problem, problem_json
 from scheduler.service.core import CoreSettings, SchedulerCore
 from scheduler.service.planner import PlanSettings, r_changed
 from scheduler.service.runner import SchedulerConfig

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
-from swarm.local_swarm import LocalSwarm
+from harness.local_swarm import LocalSwarm
 from swarm.models.span import load_span
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
@@ -185,7 +185,7 @@ def test_managed_spans_equal_swarm_plan_and_generation_is_exact(five, llama_dir,
     swarm, address = five
     current = wait_until(lambda: placed(address, len(FIVE)), 150, "the five servers to serve their spans")
     plan = subprocess.run(
-        [sys.executable, "-m", "scheduler.plan_cli", "place", "--algo", "cg-bp"],
+        [sys.executable, "-m", "scheduler.plan.cli", "place", "--algo", "cg-bp"],
         input=current.plan_input,
         capture_output=True,
         text=True,

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AutoDistributedModelForCausalLM
+from harness.local_swarm import PYTHON, LocalSwarm, prometheus_sample
 from scheduler.algorithms import petals
 from scheduler.algorithms.problem import ModelSpec
 from server.block_choice import ServedSpan, block_throughput, choose_blocks, petals_model_spec, served_spans
@@ -30,7 +31,6 @@ from swarm.dht_keys import default_prefix
 from swarm.dht_records import fetch_roster_async, publish_scheduler
 from swarm.errors import SpanError, SwarmUserError
 from swarm.identity import owner_subkey
-from swarm.local_swarm import PYTHON, LocalSwarm, prometheus_sample
 from swarm.models import load_span
 from swarm.models.span import rebuild_span
 from swarm.scheduler_api import scheduler_pb2, scheduler_pb2_grpc

@@ -11,12 +11,12 @@ import pytest
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim import scenarios
-from scheduler.sim.engine import CLIENT, simulate
+from scheduler.sim.cli import main
+from scheduler.sim.discrete_events import CLIENT, simulate
+from scheduler.sim.monte_carlo import CellConfig, run_seed
 from scheduler.sim.policies import NONE, POLICIES, WsRrRouting, build_dispatcher
-from scheduler.sim.runner import CellConfig, run_seed
 from scheduler.sim.topology import parse_repetita, rtt_matrix
 from scheduler.sim.workload import Request, poisson
-from scheduler.sim_cli import main
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -13,11 +13,11 @@ from scheduler.algorithms.routing_graph import ChainHop
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim import iteration_rule
 from scheduler.sim.contended import ContendedConfig, ContendedService
-from scheduler.sim.engine import CLIENT, service_hops, simulate
+from scheduler.sim.contended_roles import Disaggregation, parse_roles
+from scheduler.sim.discrete_events import CLIENT, service_hops, simulate
 from scheduler.sim.host_cpu import HostCpuModel, SharedCpu
+from scheduler.sim.monte_carlo import CellConfig, run_seed
 from scheduler.sim.policies import WsRrRouting
-from scheduler.sim.roles import Disaggregation, parse_roles
-from scheduler.sim.runner import CellConfig, run_seed
 from scheduler.sim.scenarios import Link
 from scheduler.sim.server_costs import IterationCost, ServerCost, from_scenario, relative_host_cost
 from scheduler.sim.workload import Request
@@ -252,10 +252,10 @@ def test_prefill_servers_too_small_for_the_model_pair_with_the_placed_decode_spa
     engine takes the placement from the dispatcher, through the goodput search's wrapper."""
     import dataclasses
 
+    from scheduler.sim.contended_roles import split, uniform_links
     from scheduler.sim.contended_run import placed_spans
+    from scheduler.sim.monte_carlo import make_scenario
     from scheduler.sim.plan_runs import _Guarded
-    from scheduler.sim.roles import split, uniform_links
-    from scheduler.sim.runner import make_scenario
 
     config = CellConfig(scenario="hetero", rate=0.2, l_in=2048, l_out=128, requests=1, setup="none")
     scenario = make_scenario(config, np.random.default_rng(0))
@@ -396,7 +396,7 @@ def test_service_hops_agree_with_the_contended_round_trips():
 
 
 def test_swarm_sim_runs_contended_with_roles(capsys):
-    from scheduler.sim_cli import main
+    from scheduler.sim.cli import main
 
     argv = ["--scenario", "hetero", "--arrivals", "azure-lengths", "--l-in", "2048", "--max-l-in", "2048"]
     argv += ["--max-l-out", "8", "--setup", "none", "--contended", "overlap", "--roles", "prefill*2,decode*6"]

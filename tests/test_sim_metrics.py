@@ -8,11 +8,11 @@ import csv
 import pytest
 
 from scheduler.sim import sweeps
-from scheduler.sim.engine import RequestRecord
+from scheduler.sim.cli import main
+from scheduler.sim.discrete_events import RequestRecord
 from scheduler.sim.goodput import search_rates
 from scheduler.sim.metrics import Slo, goodput, slo_attainment, summarize
-from scheduler.sim.runner import CellConfig
-from scheduler.sim_cli import main
+from scheduler.sim.monte_carlo import CellConfig
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

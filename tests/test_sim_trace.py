@@ -8,7 +8,7 @@ import pytest
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim import scenarios
-from scheduler.sim.engine import CLIENT, simulate
+from scheduler.sim.discrete_events import CLIENT, simulate
 from scheduler.sim.policies import WsRrRouting
 from scheduler.sim.prefill import affine_prefill
 from scheduler.sim.workload import Request, TraceRecord, trace_replay

@@ -17,8 +17,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.speculation import DraftLengthOptions
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from tests.conftest import NUM_BLOCKS
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from swarm.local_swarm import PYTHON, LocalSwarm, dht_argv, wait_for_file
+from harness.local_swarm import PYTHON, LocalSwarm, dht_argv, wait_for_file
 from swarm.stop_deadline import STOP_DEADLINE
 
 # the bound we promise: the stop deadline (which a server extends by its drain timeout), plus exiting
@@ -45,7 +45,7 @@ def _start_commands(swarm: LocalSwarm, model_dir: Path, names: tuple[str, ...]) 
         health = [
             PYTHON,
             "-m",
-            "scheduler.health_cli",
+            "scheduler.service.health_cli",
             "--initial-peers",
             *peers,
             "--model-dir",

@@ -17,8 +17,8 @@ from client.backend import LocalSpans
 from client.connection import run_sync
 from client.remote import RemoteBlockSession
 from client.stream import ServerStream
+from harness.local_swarm import CHILD_ENV, LocalSwarm, child_pids
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import CHILD_ENV, LocalSwarm, child_pids
 from swarm.models.span import load_span
 from swarm.route_request import RouteHop, SessionShape
 from swarm.wire import ErrorCode, RemoteError
@@ -391,14 +391,14 @@ def _local_run(span):
 
 def test_the_prompt_tuning_example_lowers_the_loss(swarm, model_dir):
     """docs/fine-tuning.md's example, a few steps against this swarm: it exits 0 only if the loss fell."""
-    script = Path(__file__).resolve().parents[1] / "examples" / "prompt_tuning.py"
     completed = subprocess.run(
-        [sys.executable, str(script), "--model-dir", str(model_dir), "--steps", "6"]
+        [sys.executable, "-m", "examples.prompt_tuning", "--model-dir", str(model_dir), "--steps", "6"]
         + ["--initial-peers", *swarm.initial_peers],
         capture_output=True,
         text=True,
         timeout=300,
         env=CHILD_ENV,
+        cwd=Path(__file__).resolve().parents[1],  # the example runs as a module of the checkout
     )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
     assert "loss fell from" in completed.stdout

@@ -24,10 +24,10 @@ from hivemind.utils.timed_storage import get_dht_time
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, ClientOptions
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import block_key, default_prefix, roster_keys, scheduler_key
 from swarm.dht_records import publish_scheduler
 from swarm.identity import owner_subkey, peer_id_of_key, public_key_text
-from swarm.local_swarm import LocalSwarm
 from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
@@ -108,7 +108,7 @@ def attacked_swarm(llama_dir, tmp_path_factory):
         swarm.start_server("front", llama_dir, "0:3", "64MB")
         swarm.start_server("back", llama_dir, "3:6", "64MB")
         url_file = swarm.log_dir / "health.url"
-        argv = [sys.executable, "-m", "scheduler.health_cli", "--initial-peers", *swarm.initial_peers]
+        argv = [sys.executable, "-m", "scheduler.service.health_cli", "--initial-peers", *swarm.initial_peers]
         argv += ["--model-dir", str(llama_dir), "--port", "0", "--address-file", str(url_file)]
         swarm.start("health", argv)
         prefix = default_prefix(str(llama_dir))

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import SwarmUnavailable, run_sync
 from client.verification import TOLERANCE, UNKNOWN_TOLERANCE, agree, tolerance
+from harness.local_swarm import LocalSwarm, prometheus_sample
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm, prometheus_sample
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200]])

@@ -1,4 +1,4 @@
-"""The tests' process launcher (swarm/zygote.py): a process forked from the pre-imported interpreter
+"""The tests' process launcher (harness/zygote.py): a process forked from the pre-imported interpreter
 behaves as `python -m MODULE` started by Popen would: its own session, log file, exit codes, signals."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from swarm import preloaded_launcher
-from swarm.local_swarm import CHILD_ENV
+from harness import preloaded_launcher
+from harness.local_swarm import CHILD_ENV
 
 
 @pytest.fixture(autouse=True)

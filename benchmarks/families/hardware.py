@@ -37,9 +37,9 @@ import torch
 from benchmarks.markdown import write_section
 from benchmarks.serving.latency import TokenClock
 from client.model import DistributedModelForCausalLM
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
 from swarm.hardware import probe_device, resolve_device
-from swarm.local_swarm import LocalSwarm
 from swarm.models import load_span
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 

@@ -25,8 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from swarm.identity import ensure_key_files
-from swarm.local_swarm import (
+from harness.local_swarm import (
     CHILD_ENV,
     _group_alive,
     cpu_seconds_by_group,
@@ -36,6 +35,7 @@ from swarm.local_swarm import (
     stop_groups,
     wait_for_file,
 )
+from swarm.identity import ensure_key_files
 
 from .scenario import Scenario
 from .system import SetupError

@@ -28,12 +28,12 @@ from benchmarks.table2.plans import measured_times  # noqa: F401  (the measured 
 from scheduler.algorithms.problem import Span
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim.contended import ContendedService
+from scheduler.sim.contended_roles import split, subset, uniform_links
 from scheduler.sim.contended_run import ContendedOptions
-from scheduler.sim.engine import RequestRecord, simulate
+from scheduler.sim.discrete_events import RequestRecord, simulate
 from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, goodput, per_request, slo_attainment
 from scheduler.sim.policies import WsRrRouting
 from scheduler.sim.profiles import GpuProfile, ModelProfile
-from scheduler.sim.roles import split, subset, uniform_links
 from scheduler.sim.scenarios import CLIENT, Link, Scenario, build_scenario
 from scheduler.sim.server_costs import IterationCost, ServerCost
 from scheduler.sim.workload import Request, TraceRecord
@@ -153,7 +153,7 @@ def simulate_swarm(
     l_out = round(float(np.mean([r.l_out for r in requests])))
     base = scenario(swarm, l_in, l_out, rtts)
     if roles is not None:
-        from scheduler.sim.roles import parse_roles
+        from scheduler.sim.contended_roles import parse_roles
 
         parsed = tuple(str(r) for r in parse_roles(roles, len(base.servers)))
         memory = swarm.prefill_memory_bytes or swarm.memory_bytes
@@ -214,7 +214,7 @@ def simulate_swarm(
 
 
 def planner_choice(swarm: EmulatedSwarm, slo: Slo, l_in: int, l_out: int, requests_at) -> str:
-    """`scheduler.algorithms.roles.plan_roles` on this swarm (the live planner's algorithm, scored in
+    """`scheduler.algorithms.role_split.plan_roles` on this swarm (the live planner's algorithm, scored in
     the contended model, cg-bp): 'colocated' or its roles text."""
     from scheduler.sim.role_planning import RoleSearch, plan_scenario_roles, roles_text
 

@@ -29,9 +29,9 @@ import numpy as np
 
 from benchmarks.common import parse_bench_args, publish_table
 from scheduler.sim import length_info, workload
-from scheduler.sim.engine import simulate
+from scheduler.sim.discrete_events import simulate
+from scheduler.sim.monte_carlo import CellConfig, make_scenario
 from scheduler.sim.policies import NONE, build_dispatcher
-from scheduler.sim.runner import CellConfig, make_scenario
 from swarm.length_prediction import OutputLengthPredictor, output_bucket
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.scheduling.role_planning [--seeds 3] [--requests 100] [--write]
 
-For each swarm, link rate and SLO pair, `scheduler.algorithms.roles.plan_roles` chooses roles
+For each swarm, link rate and SLO pair, `scheduler.algorithms.role_split.plan_roles` chooses roles
 (prefill / both per server) with its own small goodput search in the contended simulator
 (`scheduler.sim.role_planning`, 1 seed, 60 requests per run, the search `swarm-plan goodput
 --link-mbps` and `swarm-scheduler --roles auto` run, here on each case's own arrivals); then every
@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.markdown import write_section
 from scheduler.sim import hetero, workload
+from scheduler.sim.contended_roles import parse_roles, uniform_links
 from scheduler.sim.metrics import Slo
 from scheduler.sim.role_planning import (
     GoodputOfRoles,
@@ -42,7 +43,6 @@ from scheduler.sim.role_planning import (
     roles_text,
     split_swarm,
 )
-from scheduler.sim.roles import parse_roles, uniform_links
 
 ROOT = Path(__file__).resolve().parents[2]
 

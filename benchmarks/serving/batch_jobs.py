@@ -168,7 +168,7 @@ def main() -> None:
     )
     from transformers import AutoTokenizer
 
-    from swarm.local_swarm import LocalSwarm
+    from harness.local_swarm import LocalSwarm
     from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:

@@ -38,8 +38,8 @@ import torch
 from benchmarks.markdown import write_section
 from client.connection import ClientOptions, SwarmConnection, run_sync
 from client.stream import ServerStream, StepInput
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.route_request import (
     RouteHop,
     SessionShape,

@@ -21,8 +21,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.markdown import write_section
 from client import AutoDistributedModelForCausalLM
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 LAYERS = 6

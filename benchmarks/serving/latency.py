@@ -21,8 +21,8 @@ from benchmarks.common import parse_bench_args, publish_table
 from benchmarks.serving.timing import TokenClock, percentile
 from client.backend import LocalSpans
 from client.model import DistributedModelForCausalLM
+from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
-from swarm.local_swarm import LocalSwarm
 from swarm.models import load_span
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 

@@ -13,7 +13,7 @@ the time per later token (the next 16 tokens, then 32 more), and a warm routing
 decision (`SwarmConnection.route` with its round trips cached); plus what every idle server spends
 (CPU over 30 s, its daemons included), the scheduler's last roster refresh (its
 `swarm_roster_refresh_seconds` metric) and the largest DHT value readers fetch. Then stand-in
-records (`swarm.standin_records`: correctly signed records of peers that do not serve, announcing
+records (`harness.standin_records`: correctly signed records of peers that do not serve, announcing
 the real servers' speeds) bring the swarm to `--records` servers and the same is measured again.
 
 Limits of the emulation: every process shares this machine's cores, so per-token times include
@@ -45,11 +45,11 @@ from tqdm import tqdm
 from benchmarks.markdown import write_section
 from client import AutoDistributedModelForCausalLM, ClientOptions
 from client.connection import run_sync
+from harness.local_swarm import LocalSwarm, cpu_seconds_by_group
+from harness.standin_records import new_keys, publish_standins, standin_info, start_standin_dht
 from swarm.dht_keys import default_prefix, roster_keys
-from swarm.local_swarm import LocalSwarm, cpu_seconds_by_group
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from swarm.route_request import SessionShape
-from swarm.standin_records import new_keys, publish_standins, standin_info, start_standin_dht
 
 LAYERS = 24
 SPANS = ((0, 8), (8, 16), (16, 24))

@@ -176,8 +176,8 @@ def measure_argv(model_dir: Path, peers: list[str], out: Path, args: argparse.Na
 
 
 def run_loopback(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
+    from harness.local_swarm import LocalSwarm
     from swarm.dht_keys import default_prefix
-    from swarm.local_swarm import LocalSwarm
 
     (work / "loopback").mkdir()
     swarm = LocalSwarm(work / "loopback")

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from benchmarks.common import parse_bench_args, publish_table, serving_swarm
 from client import AutoDistributedModelForCausalLM
-from swarm.local_swarm import LocalSwarm
+from harness.local_swarm import LocalSwarm
 from swarm.models.span import load_span
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 

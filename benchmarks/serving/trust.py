@@ -36,8 +36,8 @@ def worker(tree: Path, model_dir: Path, log_dir: Path, tokens: int, out: Path) -
     import server
     from benchmarks.serving.timing import TokenClock
     from client.model import DistributedModelForCausalLM
+    from harness.local_swarm import LocalSwarm
     from swarm.dht_keys import default_prefix
-    from swarm.local_swarm import LocalSwarm
 
     assert Path(server.__file__).resolve().is_relative_to(tree.resolve()), server.__file__
     torch.set_num_threads(1)

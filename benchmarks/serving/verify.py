@@ -23,7 +23,7 @@ from tqdm import tqdm
 from benchmarks.common import parse_bench_args, publish_table, run_concurrently, serving_swarm
 from benchmarks.serving.timing import TokenClock, percentile
 from client import AutoDistributedModelForCausalLM, ClientOptions
-from swarm.local_swarm import LocalSwarm
+from harness.local_swarm import LocalSwarm
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 LEVELS = (0.0, 0.1, 1.0)

@@ -11,7 +11,7 @@ from scheduler.algorithms.chains import gca, request_times
 from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from scheduler.algorithms.wsrr import RoutingState
 from scheduler.sim import workload
-from scheduler.sim.engine import CLIENT, RetryAt, Service, simulate
+from scheduler.sim.discrete_events import CLIENT, RetryAt, Service, simulate
 from scheduler.sim.metrics import Slo, per_request, summarize
 from scheduler.sim.policies import JffcRouting, PetalsRouting, WsRrRouting
 

@@ -72,7 +72,7 @@ from benchmarks.table2.prediction import predict
 from benchmarks.table2.report import HEADER, benchmarks_section, markdown
 from scheduler.algorithms.problem import Span
 from scheduler.sim import workload
-from scheduler.sim.engine import RequestRecord
+from scheduler.sim.discrete_events import RequestRecord
 from scheduler.sim.metrics import Slo, summarize
 
 ROOT = Path(__file__).resolve().parents[2]

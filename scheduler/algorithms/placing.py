@@ -1,8 +1,8 @@
 """Block placement by policy: a typed problem in, a typed placement out (docs/reference.md 3.1, 3.3, 3.4).
 
 The one place that knows which algorithm a policy name means and which server fields it needs.
-`swarm-plan place` (via `scheduler.plan_commands`) and the scheduler service both call it; neither
-goes through JSON to reach an algorithm (`scheduler.plan_io` reads and writes the documents).
+`swarm-plan place` (via `scheduler.plan.commands`) and the scheduler service both call it; neither
+goes through JSON to reach an algorithm (`scheduler.plan.problem_io` reads and writes the documents).
 """
 
 from __future__ import annotations

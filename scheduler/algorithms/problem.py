@@ -1,6 +1,6 @@
 """Inputs and outputs shared by the placement and routing algorithms (docs/reference.md sections 2 and 3).
 
-Plain data: nothing here parses JSON or does I/O (that is `scheduler.plan_io`). Units are seconds
+Plain data: nothing here parses JSON or does I/O (that is `scheduler.plan.problem_io`). Units are seconds
 and bytes; block spans are 0-based and half-open, `[start, end)`.
 """
 

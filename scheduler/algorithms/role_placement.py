@@ -18,7 +18,8 @@ cache crosses a fast link), by choosing its span:
 
 Without decode spans (nothing placed yet) the spans are laid one after another around the model.
 The live scheduler (`scheduler/service/planner.py` `place_prefill`) and the simulator
-(`scheduler/sim/roles.py`, once the run's dispatcher has placed the decode servers) use the same rule.
+(`scheduler/sim/contended_roles.py`, once the run's dispatcher has placed the decode servers) use the
+same rule.
 """
 
 from __future__ import annotations

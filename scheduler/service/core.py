@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from scheduler.algorithms.placing import Infeasible, PlanInputError
 from scheduler.algorithms.problem import Span
-from scheduler.algorithms.roles import PREFILL
+from scheduler.algorithms.role_split import PREFILL
 from scheduler.service.planner import (
     ArrivalRate,
     Plan,

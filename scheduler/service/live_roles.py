@@ -1,5 +1,5 @@
 """Roles for the managed servers (`swarm-scheduler --roles auto`): the role planner
-(`scheduler.algorithms.roles`) on the swarm the scheduler sees, scored by the contended simulator.
+(`scheduler.algorithms.role_split`) on the swarm the scheduler sees, scored by the contended simulator.
 
 The simulated swarm is built from the announcements: each server's memory, `tau` and `tau_prefill`
 (scaled to the scheduler's `l_in`), the slowest known client's round trip to it, and the
@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from scheduler.algorithms.problem import ServerSpec, Span
-from scheduler.algorithms.roles import BOTH, RolePlan, plan_roles
+from scheduler.algorithms.role_split import BOTH, RolePlan, plan_roles
 from scheduler.service.view import SwarmView
 from scheduler.sim.metrics import Slo
 from scheduler.sim.prefill import PrefillModel

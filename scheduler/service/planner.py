@@ -30,9 +30,9 @@ from scheduler.algorithms.cgbp import (
 from scheduler.algorithms.placing import PLACEMENTS, PlacedServers, PlanProblem
 from scheduler.algorithms.problem import Span
 from scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
-from scheduler.algorithms.roles import prefill_ratio
-from scheduler.plan_commands import placement_output
-from scheduler.plan_io import problem_json
+from scheduler.algorithms.role_split import prefill_ratio
+from scheduler.plan.commands import placement_output
+from scheduler.plan.problem_io import problem_json
 from scheduler.service.live_roles import RoleAssigner, announced_links
 from scheduler.service.live_roles import check_mode as check_role_mode
 from scheduler.service.view import SwarmView

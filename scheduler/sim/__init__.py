@@ -19,5 +19,5 @@ Modules, one job each:
 - `runner`: one cell averaged over Monte Carlo seeds; `sweeps`/`plots`: figure sweeps.
 
 Pure simulation code never prints nor touches files; I/O lives in `sweeps.write_*`, `plots`,
-`scheduler.sim_cli` and `benchmarks/scheduling/paper_tables.py`.
+`scheduler.sim.cli` and `benchmarks/scheduling/paper_tables.py`.
 """

@@ -1,6 +1,6 @@
 """Contended servers: sessions advance token by token through the servers' own loops.
 
-Sun et al.'s model (`scheduler.sim.engine` without a service) fixes a request's timeline by eq. 1 the
+Sun et al.'s model (`scheduler.sim.discrete_events` without a service) fixes a request's timeline by eq. 1 the
 moment it starts: a server's per-block time never depends on what else it runs. Here every server
 runs the live server's iteration loop (`server/engine.py`):
 
@@ -24,7 +24,7 @@ So per-token times, TTFT and TPOT come out of the servers' queues. With no conte
 serial, no host part, zero context cost) a request takes exactly eq. 1's time plus the batching
 window where the server cannot know the session is alone (`tests/test_sim_contended.py`).
 
-Prefill servers and cache hand-offs (`scheduler.sim.roles`): a session's prompt for a hop may run on
+Prefill servers and cache hand-offs (`scheduler.sim.contended_roles`): a session's prompt for a hop may run on
 a prefill server, which then hands the cache to the hop's decode server; the hand-offs run after
 the prompt's pass, one hop after another (as `client/remote.py` does), and the first token
 is the client's once they are done.
@@ -127,7 +127,7 @@ class ContendedService:
         costs: Sequence[ServerCost],
         config: ContendedConfig = ContendedConfig(),
         prefill: PrefillModel | None = None,
-        roles=None,  # scheduler.sim.roles.Disaggregation | None
+        roles=None,  # scheduler.sim.contended_roles.Disaggregation | None
         host_cpu: HostCpuModel | None = None,
     ):
         if len(costs) != len(servers):

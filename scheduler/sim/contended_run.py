@@ -8,9 +8,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from scheduler.sim.contended import ContendedConfig, ContendedService
-from scheduler.sim.engine import Dispatcher, SimResult, simulate
+from scheduler.sim.contended_roles import (
+    SCHEDULER_POLICY,
+    decoding,
+    parse_roles,
+    split,
+    subset,
+    uniform_links,
+)
+from scheduler.sim.discrete_events import Dispatcher, SimResult, simulate
 from scheduler.sim.iteration_rule import RulePolicy
-from scheduler.sim.roles import SCHEDULER_POLICY, decoding, parse_roles, split, subset, uniform_links
 from scheduler.sim.scenarios import Scenario
 from scheduler.sim.server_costs import ACCELERATOR_MODELS, from_scenario
 from scheduler.sim.workload import Request
@@ -24,7 +31,7 @@ class ContendedOptions:
     contended: str  # the accelerator model: serial or overlap
     batch_wait_ms: float = 2.0
     prefill_chunk: int = 256
-    roles: str | None = None  # `--roles`, see `scheduler.sim.roles.parse_roles`
+    roles: str | None = None  # `--roles`, see `scheduler.sim.contended_roles.parse_roles`
     link_mbps: float | None = None  # bandwidth between every two servers (None: the scenario's links)
     link_rtt_ms: float = 10.0
     disaggregate: str = "auto"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from scheduler.sim.metrics import GOODPUT_ATTAINMENT, goodput
-from scheduler.sim.runner import CellConfig, run_cell
+from scheduler.sim.monte_carlo import CellConfig, run_cell
 
 
 @dataclass(frozen=True)

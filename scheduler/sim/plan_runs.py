@@ -21,7 +21,7 @@ from scheduler.algorithms.cgbp import cg_bp
 from scheduler.algorithms.problem import Span
 from scheduler.algorithms.tuning import compose, tune_capacity
 from scheduler.algorithms.wsrr import RoutingState
-from scheduler.sim.engine import RetryAt, SimulationError, StartAt, simulate
+from scheduler.sim.discrete_events import RetryAt, SimulationError, StartAt, simulate
 from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
 from scheduler.sim.policies import (
     NONE,

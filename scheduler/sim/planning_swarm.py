@@ -25,9 +25,9 @@ import numpy as np
 
 from scheduler.algorithms.placing import PlanInputError, PlanProblem, server_where
 from scheduler.algorithms.problem import ServerSpec
-from scheduler.sim.engine import CLIENT
+from scheduler.sim.discrete_events import CLIENT
+from scheduler.sim.monte_carlo import CellConfig, make_scenario
 from scheduler.sim.prefill import PrefillModel, affine_prefill
-from scheduler.sim.runner import CellConfig, make_scenario
 from scheduler.sim.scenarios import Scenario
 
 DEFAULT_L_OUT = 128  # swarm-sim's default, for a problem document without `l_out`

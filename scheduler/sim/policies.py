@@ -35,7 +35,15 @@ from scheduler.algorithms.routing_graph import ChainHop, chain_fits
 from scheduler.algorithms.tuning import compose, tune_capacity
 from scheduler.algorithms.windows import lexicographic_min_window
 from scheduler.algorithms.wsrr import RoutingState, overdue_end
-from scheduler.sim.engine import CLIENT, Decision, Queued, RetryAt, SimulationError, StartAt, service_hops
+from scheduler.sim.discrete_events import (
+    CLIENT,
+    Decision,
+    Queued,
+    RetryAt,
+    SimulationError,
+    StartAt,
+    service_hops,
+)
 from scheduler.sim.length_info import LengthSource
 from scheduler.sim.prefill import PrefillModel
 from scheduler.sim.scenarios import Scenario
@@ -117,7 +125,7 @@ class WsRrRouting:
     none overtaking an earlier one on a shared server. Without `lengths` (the oracle) eq. 20's
     start is exact, so a request starts at it.
 
-    `cache_units` (the engine's, `scheduler.sim.engine.simulate`): each request is routed for the
+    `cache_units` (the engine's, `scheduler.sim.discrete_events.simulate`): each request is routed for the
     room its own lengths need and recorded with it, and a request running past its expected end
     holds its room a while longer (`wsrr.overdue_end`), as the live scheduler does; only without
     `lengths` (the engine then admits it).

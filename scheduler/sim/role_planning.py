@@ -1,11 +1,11 @@
-"""The role planner (`scheduler.algorithms.roles`) on a simulated swarm: its inputs from a `Scenario`,
+"""The role planner (`scheduler.algorithms.role_split`) on a simulated swarm: its inputs from a `Scenario`,
 and its candidates scored by goodput in the contended simulator.
 
 A candidate's score is its goodput: the highest Poisson rate at which >= 90% of requests meet both
 SLOs (`goodput_plan.search_goodput`), the servers running the live loop (`--contended serial`), the
 chosen prefill servers taking prompts as the live scheduler plans them (`--disaggregate scheduler`;
 `RoleSearch.disaggregate` selects the client's own rule instead) and handing caches over the
-scenario's links (`scheduler.sim.roles`), the others placed and routed by the policy (cg-bp). A
+scenario's links (`scheduler.sim.contended_roles`), the others placed and routed by the policy (cg-bp). A
 search stops as soon as it cannot beat the best score found so far, and runs that already miss the
 target stop early (`plan_runs._Guarded`), so a plan of a few candidates takes seconds.
 """
@@ -22,14 +22,14 @@ from fractions import Fraction
 import numpy as np
 
 from scheduler.algorithms.problem import Span
-from scheduler.algorithms.roles import BOTH, RoleInputs, RolePlan, Roles, RoleWorkload, plan_roles
+from scheduler.algorithms.role_split import BOTH, RoleInputs, RolePlan, Roles, RoleWorkload, plan_roles
+from scheduler.sim.contended_roles import link_rates
 from scheduler.sim.contended_run import ContendedOptions, simulate_contended
-from scheduler.sim.engine import SimulationError
+from scheduler.sim.discrete_events import SimulationError
 from scheduler.sim.goodput_plan import search_goodput
 from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
 from scheduler.sim.plan_runs import _Guarded, _Hopeless
 from scheduler.sim.policies import build_dispatcher, proposed_placement
-from scheduler.sim.roles import link_rates
 from scheduler.sim.scenarios import Link, Scenario
 from scheduler.sim.workload import Request, poisson
 
@@ -204,8 +204,8 @@ def split_swarm(l_in: int, l_out: int, link_mbps: float, link_rtt_s: float = 0.0
     2 TB/s: the reverse), each able to hold the whole `hetero` model (LLaMA-2-70B-shaped, NF4),
     the client 20 ms from all, every two servers joined at `link_mbps`."""
     from scheduler.sim import hetero
+    from scheduler.sim.contended_roles import uniform_links
     from scheduler.sim.profiles import GIB
-    from scheduler.sim.roles import uniform_links
     from scheduler.sim.scenarios import build_scenario
 
     compute = hetero.footnote11("compute-80GB", 79 * GIB, tflops=300, gb_per_ms=0.5)
@@ -220,7 +220,7 @@ def split_swarm(l_in: int, l_out: int, link_mbps: float, link_rtt_s: float = 0.0
 def roles_document(scenario: Scenario, slo: Slo, link_mbps: float, link_rtt_ms: float) -> dict:
     """`swarm-plan goodput --roles auto --link-mbps M`: the role plan on the swarm with every two
     servers joined at M Mbit/s, as JSON (goodputs are the contended model's, cg-bp, 1 seed)."""
-    from scheduler.sim.roles import uniform_links
+    from scheduler.sim.contended_roles import uniform_links
 
     if not link_mbps > 0 or not link_rtt_ms >= 0:
         raise ValueError("--link-mbps must be positive and --link-rtt-ms >= 0")

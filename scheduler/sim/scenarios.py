@@ -48,7 +48,7 @@ class Scenario:
     `ping_rtt[j]` is the raw RTT PETALS' router sees; `prefill` gives both prefill terms at any
     input length (the servers' values are its lines at the nominal `l_in`).
     `roles` (prefill / decode / both per server; None: all both) and `server_links[a][b]` (the link
-    between servers a and b) matter only to the contended model's hand-offs (`scheduler.sim.roles`).
+    between servers a and b) matter only to the contended model's hand-offs (`scheduler.sim.contended_roles`).
     """
 
     name: str

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from scheduler.sim.runner import CellConfig, run_cell
+from scheduler.sim.monte_carlo import CellConfig, run_cell
 from scheduler.sim.scenarios import TOPOLOGY_NODES
 
 SWEEP_POLICIES = ("petals", "opt-num", "opt-order", "opt-rr", "cg-bp")

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from scheduler.sim import contended_run, hetero, scenarios, workload
-from scheduler.sim.engine import SimResult, simulate
+from scheduler.sim.discrete_events import SimResult, simulate
 from scheduler.sim.length_info import TRACE_MAX_NEW_TOKENS, check_length_info, length_source
 from scheduler.sim.metrics import Slo, average, summarize
 from scheduler.sim.policies import NONE, PAPER000, POLICIES, build_dispatcher
@@ -48,7 +48,7 @@ class CellConfig:
     contended: str | None = None  # the accelerator model: "serial" or "overlap"
     batch_wait_ms: float = 2.0
     prefill_chunk: int = 256
-    roles: str | None = None  # e.g. "prefill*2,decode*6" (`scheduler.sim.roles.parse_roles`)
+    roles: str | None = None  # e.g. "prefill*2,decode*6" (`scheduler.sim.contended_roles.parse_roles`)
     link_mbps: float | None = None  # between every two servers (None: the scenario's own links)
     link_rtt_ms: float = 10.0
     disaggregate: str = "auto"

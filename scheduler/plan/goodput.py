@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 from scheduler.algorithms.placing import Infeasible, PlanInputError
-from scheduler.plan_io import json_number, parse_problem, placement_json
-from scheduler.sim.engine import SimulationError
+from scheduler.plan.problem_io import json_number, parse_problem, placement_json
+from scheduler.sim.discrete_events import SimulationError
 from scheduler.sim.goodput_plan import (
     CandidateError,
     CandidateResult,
@@ -26,10 +26,10 @@ from scheduler.sim.goodput_plan import (
     servers_to_add,
 )
 from scheduler.sim.metrics import Slo
+from scheduler.sim.monte_carlo import SCENARIOS
 from scheduler.sim.planning_swarm import named_swarm, problem_swarm, with_added_servers
 from scheduler.sim.policies import NONE, PAPER000
 from scheduler.sim.role_planning import roles_document
-from scheduler.sim.runner import SCENARIOS
 from scheduler.sim.scenarios import Scenario
 
 HELP = """\
@@ -119,8 +119,8 @@ def add_parser(commands) -> None:
         "--roles",
         choices=("auto", "off"),
         default="auto",
-        help="auto: with --link-mbps, also plan prefill/decode roles (scheduler.algorithms.roles, scored "
-        'by the contended simulator) and report them beside colocated serving under "roles"',
+        help="auto: with --link-mbps, also plan prefill/decode roles (scheduler.algorithms.role_split, "
+        'scored by the contended simulator) and report them beside colocated serving under "roles"',
     )
     parser.add_argument(
         "--link-mbps", type=float, help="bandwidth between every two servers (needed for --roles auto)"

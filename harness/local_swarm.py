@@ -19,11 +19,11 @@ from pathlib import Path
 
 from hivemind.dht import DHT
 
-from swarm import preloaded_launcher
+from harness import preloaded_launcher
+from harness.preloaded_launcher import Process
 from swarm.dht_peer import open_identity, start_dht
 from swarm.dht_records import fetch_servers
 from swarm.identity import ensure_key_files
-from swarm.preloaded_launcher import Process
 from swarm.server_info import ServerInfo, ServerState
 
 PYTHON = sys.executable
@@ -74,8 +74,9 @@ def scheduler_argv(
 ) -> list[str]:
     """`swarm-scheduler` with the swarm's scheduler key, writing "host:port" to `address_file`."""
     return [
-        PYTHON, "-m", "scheduler.cli", "--initial-peers", *initial_peers, "--model-dir", str(model_dir),
-        "--address-file", str(address_file), "--identity-path", str(identity_path), *extra,
+        PYTHON, "-m", "scheduler.service.cli", "--initial-peers", *initial_peers,
+        "--model-dir", str(model_dir), "--address-file", str(address_file),
+        "--identity-path", str(identity_path), *extra,
     ]  # fmt: skip
 
 

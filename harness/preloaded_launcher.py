@@ -1,4 +1,4 @@
-"""Start `python -m MODULE ...` processes from a pre-imported zygote (`swarm.zygote`), when enabled.
+"""Start `python -m MODULE ...` processes from a pre-imported zygote (`harness.zygote`), when enabled.
 
 The test suite enables it (tests/conftest.py): its swarms start hundreds of servers, schedulers and
 DHT peers, and each would otherwise spend seconds of CPU importing torch, transformers and hivemind on
@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PRELOADED_MODULES = ("server.cli", "scheduler.cli", "swarm.cli.dht", "client.api.cli")
+PRELOADED_MODULES = ("server.cli", "scheduler.service.cli", "swarm.cli.dht", "client.api.cli")
 READY_TIMEOUT_S = 120.0
 
 _enabled = False
@@ -91,9 +91,11 @@ class ZygoteProcess:
 
 class _Zygote:
     def __init__(self, env: Mapping[str, str]):
-        self._env = dict(env)
+        # the zygote is a module of this checkout, whatever the working directory of its parent
+        paths = (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", ""))
+        self._env = {**env, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "swarm.zygote", *PRELOADED_MODULES],
+            [sys.executable, "-m", "harness.zygote", *PRELOADED_MODULES],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self._env,

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from scheduler.sim.engine import SimulationError
+from scheduler.sim.discrete_events import SimulationError
 from scheduler.sim.goodput import cell_goodput
 from scheduler.sim.length_info import LENGTH_INFO, TRACE_MAX_NEW_TOKENS
 from scheduler.sim.metrics import goodput
+from scheduler.sim.monte_carlo import SCENARIOS, CellConfig, run_cell
 from scheduler.sim.policies import POLICIES
-from scheduler.sim.runner import SCENARIOS, CellConfig, run_cell
 from scheduler.sim.sweeps import SWEEP_POLICIES, SWEEPS, sweep, sweep_points, write_csv
 from swarm.cli.dataclass_args import dataclass_from_args
 

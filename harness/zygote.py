@@ -2,7 +2,7 @@
 
 Every swarm process (`swarm-server`, `swarm-scheduler`, `swarm-dht`, `swarm-api`) spends seconds of CPU
 importing torch, transformers and hivemind before it does anything. A test suite starts hundreds of
-them on a 2-core machine, so `swarm.preloaded_launcher` can run them from this zygote instead (as
+them on a 2-core machine, so `harness.preloaded_launcher` can run them from this zygote instead (as
 Android does): it imports those modules once, then forks a child per request. The child is an
 ordinary process in its own session, running the module's `__main__` exactly as `python -m` would:
 its own signals, exit code, log file and process group. Only the import is shared.

@@ -1,7 +1,7 @@
 """The `swarm-plan` commands as pure functions: parsed problem in, output document out
 (docs/reference.md section 4).
 
-`scheduler.plan_cli` wraps them with stdin/stdout and exit codes. The algorithms are reached through
+`scheduler.plan.cli` wraps them with stdin/stdout and exit codes. The algorithms are reached through
 `scheduler.algorithms.placing`, typed, which the scheduler service calls too: a placement it
 publishes is exactly what `swarm-plan place` computes from the problem document it records.
 """
@@ -23,7 +23,7 @@ from scheduler.algorithms.placing import (
 from scheduler.algorithms.problem import uncovered_blocks
 from scheduler.algorithms.tuning import compose
 from scheduler.algorithms.wsrr import RoutingState
-from scheduler.plan_io import RoutingProblem, chain_json, json_number, parse_routing, placement_json
+from scheduler.plan.problem_io import RoutingProblem, chain_json, json_number, parse_routing, placement_json
 
 __all__ = ["Infeasible", "compose_chains", "place", "placement_output", "route_petals", "route_ws_rr"]
 

@@ -1,0 +1,1 @@
+"""Examples beyond the README, each run from the repository's root as `python -m examples.NAME`."""
