@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 
@@ -69,23 +68,16 @@ def model_dir(request, bloom_dir, llama_dir) -> Path:
 
 
 # --- the `swarm` marker: tests that start processes ---------------------------------------------------
-# A test is marked when its code or any fixture it uses (transitively) starts something: a local swarm,
-# a subprocess, a browser. `scripts/test.sh -m "not swarm"` then runs the pure tests alone, in seconds.
-PROCESS_STARTERS = ("LocalSwarm(", "subprocess.", "Popen(", "Browser(", "start_server(", "DHT(", "start_dht(")
-
-
-def _source(function) -> str:
-    try:
-        return inspect.getsource(function)
-    except (OSError, TypeError):
-        return ""
+# A test that starts anything (a local swarm, a subprocess, a browser) carries `pytest.mark.swarm`, on
+# itself or its module, so `scripts/test.sh -m "not swarm"` runs the pure tests alone, in seconds. A
+# test that uses the `swarm` fixture without it is a mistake, caught here.
 
 
 def pytest_collection_modifyitems(items) -> None:
-    for item in items:
-        functions = [getattr(item, "function", None)]
-        for name in getattr(item, "fixturenames", ()):
-            definitions = item._fixtureinfo.name2fixturedefs.get(name) or ()
-            functions += [definition.func for definition in definitions]
-        if any(word in _source(function) for function in functions if function for word in PROCESS_STARTERS):
-            item.add_marker(pytest.mark.swarm)
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "swarm" in getattr(item, "fixturenames", ()) and item.get_closest_marker("swarm") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests that start a swarm must be marked `swarm`: {', '.join(unmarked)}")

@@ -70,6 +70,7 @@ def swarm_with_adapters(llama_dir, adapters, tmp_path_factory):
         assert not swarm.close()
 
 
+@pytest.mark.swarm
 @pytest.mark.compat
 def test_generation_with_an_adapter_equals_local_peft(swarm_with_adapters, llama_dir, adapters):
     swarm, online = swarm_with_adapters
@@ -118,6 +119,7 @@ def test_generation_with_an_adapter_equals_local_peft(swarm_with_adapters, llama
             model.shutdown()
 
 
+@pytest.mark.swarm
 def test_an_adapter_no_server_has_is_a_clear_error(swarm_with_adapters, llama_dir):
     swarm, _ = swarm_with_adapters
     options = ClientOptions(wait_for_servers=1.0, request_timeout=20.0)
@@ -133,6 +135,7 @@ def test_an_adapter_no_server_has_is_a_clear_error(swarm_with_adapters, llama_di
         ClientOptions(active_adapter="../etc")
 
 
+@pytest.mark.swarm
 def test_the_memory_budget_counts_the_adapters(swarm_with_adapters, llama_dir, adapters):
     _, online = swarm_with_adapters
     span, _ = load_span(llama_dir, 0, 3)
@@ -190,6 +193,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.swarm
 def test_hostile_adapter_directories_are_refused_at_start_up(llama_dir, adapters, tmp_path):
     span, _ = load_span(llama_dir, 0, 2)
     for name, message in HOSTILE.items():

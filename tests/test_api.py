@@ -31,6 +31,8 @@ from tests.browser import Browser
 from tests.conftest import NUM_BLOCKS
 from tests.tool_model import build_tool_calling_checkpoint
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 KEY = "test-key-0123456789"
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

@@ -351,6 +351,7 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.swarm
 def test_a_killed_batch_resumes_and_answers_every_prompt_once_exactly(
     llama_dir, tmp_path, capsys, one_torch_thread
 ):

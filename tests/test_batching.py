@@ -410,6 +410,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.swarm
 def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path):
     from client import AutoDistributedModelForCausalLM
     from harness.local_swarm import LocalSwarm, prometheus_sample

@@ -33,6 +33,7 @@ def test_help_exits_zero_and_names_an_example(command, capsys, monkeypatch):
     assert command in output
 
 
+@pytest.mark.swarm
 def test_arguments_can_come_from_a_file(tmp_path):
     args = tmp_path / "plan.args"
     args.write_text("place\n--algo\npetals\n")

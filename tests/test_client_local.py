@@ -157,6 +157,7 @@ def test_sampling_matches_under_the_same_seed(models):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.swarm
 def test_generate_command_runs_locally(llama_dir):
     result = subprocess.run(
         [
@@ -188,6 +189,7 @@ def test_beam_search_equals_transformers(models):
     )
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize(
     "flags", [["--assistant", "{model}"], ["--prompt-lookup", "4"]], ids=["assistant", "lookup"]
 )
@@ -211,6 +213,7 @@ def test_generate_command_speculates_and_prints_the_same_text(llama_dir, flags):
     assert "speculation:" in speculative.stderr
 
 
+@pytest.mark.swarm
 def test_a_draft_model_with_another_vocabulary_is_refused(llama_dir, tmp_path):
     other = build_tiny_model(tmp_path / "other", TinyModelSpec(family="llama", num_layers=1, vocab_size=300))
     result = subprocess.run(

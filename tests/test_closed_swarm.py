@@ -30,6 +30,8 @@ from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from swarm.wire import InfoRequest, Open, decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 PROMPT = torch.tensor([[5, 17, 99, 200]])
 
 

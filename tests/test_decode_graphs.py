@@ -217,6 +217,7 @@ def test_replayed_graphs_equal_eager_steps_on_cuda(tmp_path, dtype):
     assert graphs.replays >= replays + 4 and graphs.capture_failures == 0
 
 
+@pytest.mark.swarm
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_servers_on_a_gpu_generate_what_transformers_does(swarm, llama_dir):
     """Two real server processes on the GPU, decoding from CUDA graphs, one padded batch and one

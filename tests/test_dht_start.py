@@ -18,7 +18,7 @@ from swarm.dht_keys import roster_shard_key, roster_shard_of
 from swarm.dht_records import fetch_servers
 from swarm.identity import owner_subkey, public_key_text
 
-pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
+pytestmark = [pytest.mark.version_neutral, pytest.mark.swarm]  # no transformers code: one leg runs it
 
 
 def test_a_stuck_start_is_reported_with_its_stacks_and_the_next_try_starts_afresh(monkeypatch, caplog):

@@ -16,6 +16,8 @@ from swarm.dht_keys import default_prefix
 from swarm.models.span import load_span
 from tests.conftest import NUM_BLOCKS
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 FAST_FAILOVER = ClientOptions(request_timeout=20.0, ban_base=2.0, wait_for_servers=30.0)
 

@@ -181,6 +181,7 @@ def served(tmp_path_factory, default_dir):
         assert not swarm.close(), "process groups left running"
 
 
+@pytest.mark.swarm
 @pytest.mark.compat
 def test_real_servers_generate_what_transformers_generates(served, reference):
     _swarm, model = served
@@ -189,6 +190,7 @@ def test_real_servers_generate_what_transformers_generates(served, reference):
         assert torch.equal(model.generate(PROMPT, max_new_tokens=12, **options), expected), options
 
 
+@pytest.mark.swarm
 def test_concurrent_sessions_batched_on_a_server_equal_each_alone(served, reference):
     from harness.local_swarm import prometheus_sample
 
@@ -220,6 +222,7 @@ def test_concurrent_sessions_batched_on_a_server_equal_each_alone(served, refere
     assert batched(after) > batched(before)
 
 
+@pytest.mark.swarm
 def test_failover_mid_generation_continues_exactly(served, reference):
     """Runs last: it kills the first server of the session's chain between two generate() calls."""
     swarm, model = served

@@ -31,6 +31,7 @@ def run_cli(model_dir, *argv: str) -> subprocess.CompletedProcess:
 
 
 # --- against a real swarm -------------------------------------------------------------------------------
+@pytest.mark.swarm
 def test_check_against_a_real_swarm_prints_chain_speed_and_verdict(swarm, llama_dir, capsys):
     prefix = default_prefix(str(llama_dir))
     swarm.start_server("front", llama_dir, "0:3")

@@ -243,6 +243,7 @@ def run_plan(args: list[str], document: object | None = None) -> tuple[int, str,
     return code, stdout.getvalue(), stderr.getvalue()
 
 
+@pytest.mark.swarm
 def test_the_command_plans_a_tiny_problem_as_a_subprocess():
     args = ["goodput", "--slo-ttft", "5x", "--slo-tpot", "1.5x", *QUICK]
     done = subprocess.run(

@@ -47,6 +47,7 @@ def _wait_for_log(swarm, name: str, text: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.swarm
 def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
     model_dir = llama_dir
     prefix = default_prefix(str(model_dir))
@@ -80,6 +81,7 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
         model.shutdown()
 
 
+@pytest.mark.swarm
 def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama_dir):
     """A hand-off for a move: a managed server that the scheduler moves to another span while
     a session is open on it hands the session's cache to a server holding the session's blocks (the
@@ -135,6 +137,7 @@ def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama
         grpc_server.stop(grace=None)
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize("fault", ["die-pushing", "die-receiving"])
 def test_a_handoff_cut_half_way_falls_back_to_replay(swarm, fault, llama_dir, bloom_dir):
     """The leaving server dies after its first chunk (BLOOM), or the receiving one does (LLaMA): the
@@ -190,6 +193,7 @@ async def _push(connection, peer_id: str, requests: list) -> list[str]:
     )
 
 
+@pytest.mark.swarm
 def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir):
     """This test's own peer pushes caches it was not given, or malformed ones, into a real server:
     each is refused, the session stays empty and usable, and an honest session is exact after."""
@@ -289,6 +293,7 @@ def llama_kv_shape(model_dir) -> tuple[int, int]:
     return config.get("num_key_value_heads", heads), config["hidden_size"] // heads
 
 
+@pytest.mark.swarm
 def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swarm, model_dir):
     """`--role prefill` and `--role decode`, two hops (BLOOM, LLaMA-GQA): the decode servers prefill
     slowly (emulated), so the client sends each prompt to the prefill servers, whose caches are handed
@@ -368,6 +373,7 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
         model.shutdown()
 
 
+@pytest.mark.swarm
 def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir, caplog):
     """WS-RR routes both phases: decode chains only through servers that decode, and each
     session's prompt to the prefill server the scheduler chose (by queue, prefill and hand-off), whose
@@ -430,6 +436,7 @@ def _peer(swarm, prefix: str, name: str) -> str:
     return peer
 
 
+@pytest.mark.swarm
 def test_a_following_hand_off_its_step_does_not_complete_is_refused_and_the_target_stays_usable(
     swarm, llama_dir
 ):

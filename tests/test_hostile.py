@@ -40,6 +40,8 @@ from swarm.wire import (
 )
 from tests.conftest import NUM_BLOCKS
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 HIDDEN = 64
 MAX_LENGTH = 16
 SESSION_TIMEOUT = 3.0

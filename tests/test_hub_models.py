@@ -76,6 +76,7 @@ def snapshot_files(cache: Path, repo: str) -> set[str]:
     return {path.name for path in snapshots.glob("*/*")}
 
 
+@pytest.mark.swarm
 def test_servers_and_a_client_named_by_hub_id_fetch_only_what_they_hold(
     swarm, published, tmp_path, monkeypatch
 ):
@@ -159,6 +160,7 @@ CASES = textwrap.dedent(
 )
 
 
+@pytest.mark.swarm
 @pytest.mark.compat  # huggingface_hub 0.36 beside transformers 4.57, 1.x beside 5
 def test_hub_errors_say_what_to_do_and_downloads_recover(published, tmp_path):
     hub, model_dir, _commit = published

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from transformers import AutoModelForCausalLM
@@ -19,6 +20,8 @@ from swarm.handoff_wire import CHUNK_BYTES, ProbeChunk, ProbeLink
 from swarm.wire import decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
 from tests.raw_streams import exchange
+
+pytestmark = pytest.mark.swarm  # every test here starts processes
 
 HALF = NUM_BLOCKS // 2
 

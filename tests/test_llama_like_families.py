@@ -156,6 +156,7 @@ def assert_concurrent_sessions_equal_each_alone(
         assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=new, do_sample=False))
 
 
+@pytest.mark.swarm
 @pytest.mark.compat
 def test_real_servers_batching_and_failover(swarm, family_dir):
     prefix = default_prefix(str(family_dir))
@@ -188,6 +189,7 @@ def test_real_servers_batching_and_failover(swarm, family_dir):
         model.shutdown()
 
 
+@pytest.mark.swarm
 def test_real_servers_serve_sessions_past_a_mistral_window(swarm, tmp_path):
     """A tiny Mistral with a window of 6 through real servers: sessions past the window and past the
     ring its blocks keep equal local transformers, alone and batched concurrently on the servers; the
@@ -244,6 +246,7 @@ def test_real_servers_serve_sessions_past_a_mistral_window(swarm, tmp_path):
         model.shutdown()
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
 def test_speculative_decoding_through_real_servers_equals_greedy(swarm, family, tmp_path):
     """Prompt lookup and an assistant through two real servers: the servers' caches (GPT-OSS's rings

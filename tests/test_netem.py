@@ -95,6 +95,7 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+@pytest.mark.swarm
 def test_nat_scenario_rtts_relay_generation_and_clean_teardown(netns, tmp_path):
     """nat.json, the emulator's end-to-end check. The network: every pair's RTT by ping within 15%
     (three different RTTs, one of them to a site behind NAT); the home machine reaches out, nothing
@@ -163,6 +164,7 @@ def test_nat_scenario_rtts_relay_generation_and_clean_teardown(netns, tmp_path):
         assert stats is not None and stats["released"] > 0 and stats["dropped"] == 0
 
 
+@pytest.mark.swarm
 def test_ctrl_c_tears_everything_down(netns, tmp_path):
     """`netem up` interrupted with SIGINT (Ctrl-C) removes its namespaces and its delayer."""
     run_dir = tmp_path / "up"
@@ -210,6 +212,7 @@ def test_ctrl_c_tears_everything_down(netns, tmp_path):
         assert not Path(f"/proc/{delayer_pid}").exists() or _is_zombie(int(delayer_pid))
 
 
+@pytest.mark.swarm
 def test_cleanup_removes_leftovers_of_dead_runs_only(netns):
     """`--cleanup` deletes namespaces (and their processes) whose owner died, keeps live runs'."""
     dead = subprocess.Popen(["true"])

@@ -281,6 +281,7 @@ def test_unknown_algorithm_is_a_usage_error():
     assert result.returncode == 2 and "invalid choice" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.swarm
 def test_the_installed_command_reads_stdin_and_exits_with_the_status():
     placed = subprocess.run(
         COMMAND + ["place", "--algo", "cg-bp"],

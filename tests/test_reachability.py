@@ -122,6 +122,7 @@ class _Listener:
         self.socket.close()
 
 
+@pytest.mark.swarm
 def test_the_bootstrap_peer_dials_back_its_asker_and_nobody_else(tmp_path):
     """A plain hivemind peer asks the real `swarm-dht` to dial it back: its own address is dialed and
     the libp2p handshake proves it (reachable); a third party's port on another IP is never

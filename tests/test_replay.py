@@ -20,6 +20,8 @@ from harness.local_swarm import LocalSwarm
 from swarm.dht_keys import default_prefix
 from tests.conftest import NUM_BLOCKS
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 BEFORE, AFTER = 60, 4
 

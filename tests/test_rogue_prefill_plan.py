@@ -22,6 +22,8 @@ from swarm.scheduler_api import scheduler_pb2 as pb
 from tests.conftest import NUM_BLOCKS
 from tests.rogue_scheduler import published_as_trusted, serve_rogue
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7, 12]])
 NEW_TOKENS = 8
 

@@ -288,6 +288,7 @@ def test_swarm_plan_goodput_reports_the_role_plan_beside_the_policies():
 # -- real processes: managed servers adopt the role a scheduler assigns --------------------------
 
 
+@pytest.mark.swarm
 def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_dir, tmp_path):
     """A scheduler speaking the proto (scripted) assigns `prefill` to both managed servers: the one
     started without --role announces prefill; the one started with --role decode keeps decode and
@@ -354,6 +355,7 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
         assert not leaked, f"process groups left running: {leaked}"
 
 
+@pytest.mark.swarm
 def test_a_live_scheduler_plans_roles_and_generation_through_them_stays_exact(swarm, llama_dir):
     """`swarm-scheduler --roles auto` on four managed servers, the netem benchmark's `split` swarm in
     small (two compute-rich servers that decode 2x slower, two that prefill 10x slower; emulated

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from hivemind.dht import DHT
 from transformers import AutoModelForCausalLM
@@ -98,6 +99,7 @@ def _generate_exactly_within_bound(
     return pinged
 
 
+@pytest.mark.swarm
 def test_a_client_generates_exactly_past_dozens_of_dead_and_unreachable_servers(llama_dir, tmp_path):
     """Three real servers (0:2, 2:4, 4:6) among 36 correctly signed records of servers that do not
     exist (30, each announcing itself ten times faster than the real ones) or that announce
@@ -159,6 +161,7 @@ def _status_of(servers: int) -> dict:
     return {"servers": rows, "num_blocks": 6, "coverage": [servers] * 6, "uncovered_blocks": []}
 
 
+@pytest.mark.swarm
 def test_live_dht_peers_announcing_every_block_and_serving_nothing_do_not_stop_a_client(llama_dir, tmp_path):
     """Four full DHT peers (they answer the client's DHT node, so its first read counts them live) each
     announce, under their own identity, every block at 100x the real servers' speed, and serve

@@ -31,6 +31,8 @@ from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 from tests.swarm_processes import dht_started
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 L_IN, L_OUT = 16, 48  # the scheduler's planned session: 64 tokens = one cache slot
 SLOT_TOKENS = L_IN + L_OUT
 OPTIONS = ClientOptions(scheduler_retry=1.0, wait_for_room=120.0)

@@ -182,6 +182,7 @@ def test_bad_input_is_refused_clearly(dirs):
         )
 
 
+@pytest.mark.swarm
 def test_real_servers_classify_and_train_like_local_blocks(swarm, llama_dir, tmp_path):
     """Server "a" holds blocks of the causal checkpoint, "b" of the classification checkpoint, under
     one DHT prefix (the head is the client's: servers only need the blocks). Logits equal

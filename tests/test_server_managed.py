@@ -290,6 +290,7 @@ def petals_memory(model_dir, blocks: int) -> int:
     return math.ceil(petals.autograd_reserve_bytes(model) + blocks * per_block + per_block // 2)
 
 
+@pytest.mark.swarm
 def test_managed_servers_without_scheduler_choose_petals_style(llama_dir, tmp_path):
     prefix = default_prefix(str(llama_dir))
     memory = petals_memory(llama_dir, 3)
@@ -348,6 +349,7 @@ def publish_scripted(swarm: LocalSwarm, prefix: str, port: int) -> None:
     publish_scheduler(swarm.scheduler_dht(), prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
 
 
+@pytest.mark.swarm
 def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
     prefix = default_prefix(str(bloom_dir))
     scheduler = ScriptedScheduler()
@@ -421,6 +423,7 @@ def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
         assert not leaked, f"process groups left running: {leaked}"
 
 
+@pytest.mark.swarm
 def test_managed_server_stopped_while_waiting_leaves_cleanly(llama_dir, tmp_path):
     """SIGTERM before any span is chosen: announce OFFLINE (without blocks) and exit 0 at once."""
     prefix = default_prefix(str(llama_dir))

@@ -22,6 +22,8 @@ from swarm.dht_keys import default_prefix
 from swarm.models.tiny import TinyModelSpec, build_tiny_model
 from tests.conftest import NUM_BLOCKS
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7, 5, 17, 99]])
 BATCH = torch.tensor([[0, 0, 0, 5, 17, 99, 200], [3, 9, 27, 81, 243, 11, 3], [0, 8, 8, 8, 8, 8, 8]])
 BATCH_MASK = (BATCH != 0).long()

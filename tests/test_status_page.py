@@ -22,6 +22,8 @@ from swarm.scheduler_api import scheduler_pb2 as pb
 from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 SERVERS = {"front": "0:4", "back": "3:6"}
 

@@ -22,6 +22,8 @@ import pytest
 from harness.local_swarm import PYTHON, LocalSwarm, dht_argv, wait_for_file
 from swarm.stop_deadline import STOP_DEADLINE
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 # the bound we promise: the stop deadline (which a server extends by its drain timeout), plus exiting
 SERVER_DRAIN = 1.0
 STOP_BOUND = STOP_DEADLINE + SERVER_DRAIN + 4.0

@@ -25,6 +25,8 @@ from swarm.wire import ErrorCode, RemoteError
 from tests.conftest import NUM_BLOCKS
 from tests.swarm_processes import dht_started
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 # uneven spans plus a replica that overlaps two of them
 SERVERS = {"s1": "0:2", "s2": "2:5", "s3": "5:6", "replica": "1:4"}
 PROMPTS = [

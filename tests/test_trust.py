@@ -33,6 +33,8 @@ from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 from tests.rogue_scheduler import published_as_trusted, serve_rogue
 
+pytestmark = pytest.mark.swarm  # every test here starts processes
+
 PROMPT = torch.tensor([[5, 17, 99, 200]])
 NEW_TOKENS = 10
 BOUND_S = 90.0  # a client's start plus one generation, under attack, on a loaded 2-core CI host

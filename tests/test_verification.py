@@ -62,6 +62,7 @@ def reference(llama_dir):
     return AutoModelForCausalLM.from_pretrained(llama_dir).eval()
 
 
+@pytest.mark.swarm
 def test_verifying_every_step_gives_exact_outputs_and_bans_the_liars(lying_swarm, llama_dir, reference):
     swarm, peers = lying_swarm
     client = AutoDistributedModelForCausalLM.from_pretrained(
@@ -90,6 +91,7 @@ def test_verifying_every_step_gives_exact_outputs_and_bans_the_liars(lying_swarm
         assert "reports this server's output for blocks" in swarm.log(name)
 
 
+@pytest.mark.swarm
 def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir):
     """Each step of the liar's hop is verified with probability 0.1: caught after 10 steps on average
     (geometric). Measured over several clients; the step of the catch is printed for the notes."""
@@ -118,6 +120,7 @@ def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir)
     assert all(step is not None and step <= 80 for step in caught_at), caught_at
 
 
+@pytest.mark.swarm
 def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tmp_path, reference):
     """...and when only two servers hold the blocks and they disagree, the step fails naming both;
     a third server that joined after the client's last read of the roster is found to decide."""
