@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from benchmarks.markdown import ROOT, write_section
-from swarm.dht_keys import default_prefix
+from llm_swarm.swarm.dht_keys import default_prefix
 
 if TYPE_CHECKING:  # importing it pulls in hivemind, which takes seconds
     from harness.local_swarm import LocalSwarm

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from client.swarm_model import SwarmModelBase, check_unsupported_arguments
+from llm_swarm.client.swarm_model import SwarmModelBase, check_unsupported_arguments
 
 
 class DistributedModel(SwarmModelBase):

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer, TextStreamer
 
-from client.backend import LocalSpans
-from client.connection import ClientOptions
-from client.generate_report import (
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.connection import ClientOptions
+from llm_swarm.client.generate_report import (
     ChainHop,
     TokenCheck,
     chain_lines,
@@ -20,9 +20,9 @@ from client.generate_report import (
     session_chain,
     speed_line,
 )
-from client.model import DistributedModelForCausalLM
-from client.speculation.assistant import load_assistant, speculation_summary
-from swarm.cli.args import (
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.client.speculation.assistant import load_assistant, speculation_summary
+from llm_swarm.swarm.cli.args import (
     add_model_source_arguments,
     add_swarm_secret_argument,
     command_parser,
@@ -30,12 +30,18 @@ from swarm.cli.args import (
     span_list_argument,
     swarm_secret_from_args,
 )
-from swarm.cli.dataclass_args import dataclass_from_args
-from swarm.cli.errors import run_cli
-from swarm.errors import SwarmUserError
-from swarm.hardware import DTYPE_CHOICES, checkpoint_dtype_name, probe_device, resolve_device, resolve_dtype
-from swarm.models import load_span
-from swarm.models.checkpoint import load_config
+from llm_swarm.swarm.cli.dataclass_args import dataclass_from_args
+from llm_swarm.swarm.cli.errors import run_cli
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.hardware import (
+    DTYPE_CHOICES,
+    checkpoint_dtype_name,
+    probe_device,
+    resolve_device,
+    resolve_dtype,
+)
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.checkpoint import load_config
 
 EXAMPLES = """examples:
   swarm-generate models/tiny-llama --initial-peers $(head -1 dht.maddrs) --prompt "Once upon a time"

@@ -19,23 +19,23 @@ from hivemind.dht import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
 
-from client.options import ClientOptions
-from client.routing import Candidate, choose_chain, probe_shortlist, uncovered_blocks
-from swarm.block_rpc import BlockRpc
-from swarm.closed_swarm import SwarmSecret
-from swarm.dht_peer import start_dht
-from swarm.dht_records import (
+from llm_swarm.client.options import ClientOptions
+from llm_swarm.client.routing import Candidate, choose_chain, probe_shortlist, uncovered_blocks
+from llm_swarm.swarm.block_rpc import BlockRpc
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.dht_peer import start_dht
+from llm_swarm.swarm.dht_records import (
     answered_peers_async,
     fetch_servers_async,
     fetch_servers_covering,
     finish_covering_read,
 )
-from swarm.errors import SwarmUserError
-from swarm.model_limits import ModelLimits
-from swarm.route_request import RouteHop, SessionShape
-from swarm.scheduler_link import SchedulerLink
-from swarm.server_info import ServerInfo
-from swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.scheduler_link import SchedulerLink
+from llm_swarm.swarm.server_info import ServerInfo
+from llm_swarm.swarm.wire import PEER_LIMIT_PREFIX, InfoRequest, Report, encode
 
 logger = logging.getLogger(__name__)
 

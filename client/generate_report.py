@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from client.remote import RemoteBlockSession
-from client.session import InferenceSession
+from llm_swarm.client.remote import RemoteBlockSession
+from llm_swarm.client.session import InferenceSession
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.prefill_cost import prefill_seconds
-from swarm.server_info import ServerInfo
+from llm_swarm.swarm.prefill_cost import prefill_seconds
+from llm_swarm.swarm.server_info import ServerInfo
 
 __all__ = ["WIRE_BYTES_PER_VALUE", "MoveCosts", "move_costs", "prefill_seconds"]
 

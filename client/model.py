@@ -20,21 +20,25 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from client.backend import BlockBackend
-from client.connection import ClientOptions
-from client.continuation import continuation, mask_after
-from client.prompt_tuning import PromptTuning
-from client.sequence_forward import last_block_output, with_prompt_positions
-from client.sequential import RemoteSequential
-from client.session import InferenceSession
-from client.session_cache import SessionCache
-from client.speculation import DraftLength, DraftLengthOptions
-from client.speculation.batched import BatchedSpeculation, check_batched_config
-from client.speculation.candidates import AdaptiveCandidates
-from client.swarm_model import swarm_backend
-from swarm.models.client_parts import ClientParts, load_client_parts
-from swarm.models.hub import resolve_model
-from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT, library_default, resolved_generation_config
+from llm_swarm.client.backend import BlockBackend
+from llm_swarm.client.connection import ClientOptions
+from llm_swarm.client.continuation import continuation, mask_after
+from llm_swarm.client.prompt_tuning import PromptTuning
+from llm_swarm.client.sequence_forward import last_block_output, with_prompt_positions
+from llm_swarm.client.sequential import RemoteSequential
+from llm_swarm.client.session import InferenceSession
+from llm_swarm.client.session_cache import SessionCache
+from llm_swarm.client.speculation import DraftLength, DraftLengthOptions
+from llm_swarm.client.speculation.batched import BatchedSpeculation, check_batched_config
+from llm_swarm.client.speculation.candidates import AdaptiveCandidates
+from llm_swarm.client.swarm_model import swarm_backend
+from llm_swarm.swarm.models.client_parts import ClientParts, load_client_parts
+from llm_swarm.swarm.models.hub import resolve_model
+from llm_swarm.swarm.transformers_compat import (
+    GENERATE_CACHE_ARGUMENT,
+    library_default,
+    resolved_generation_config,
+)
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):

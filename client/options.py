@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.adapter_names import check_adapter_name
-from swarm.closed_swarm import SwarmSecret
-from swarm.errors import SwarmUserError
-from swarm.task_label import check_label
+from llm_swarm.swarm.adapter_names import check_adapter_name
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.task_label import check_label
 
 
 @dataclass
@@ -105,6 +105,6 @@ class ClientOptions:
         except ValueError as error:
             raise SwarmUserError(f"ClientOptions.task_label: {error}") from None
         if self.scheduler_key is not None:
-            from swarm.identity import read_public_key
+            from llm_swarm.swarm.identity import read_public_key
 
             self.scheduler_key = read_public_key(self.scheduler_key)

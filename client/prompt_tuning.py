@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarm.errors import SwarmUserError
-from swarm.models.client_parts import ClientParts
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.models.client_parts import ClientParts
 
 TUNING_MODES = ("ptune", "deep_ptune")
 

@@ -35,20 +35,25 @@ from collections.abc import Sequence
 
 import torch
 
-from client.admission import Admission
-from client.backend import BlockBackend, BlockSession, SessionStep
-from client.connection import SwarmConnection, SwarmUnavailable, run_sync
-from client.handoff_cost import MoveCosts, move_costs
-from client.replay import can_prefill, replay_groups, replay_tensors
-from client.routing import chain_problem
-from client.sequence_rpc import SequenceFunction
-from client.stream import FATAL_CODES, ServerStream, StepInput, catch_up_input
-from client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
-from swarm.handoff_wire import HandOff
-from swarm.prefill_cost import announced_rate, choose_prefill_server, hop_prefill_costs, prefill_seconds
-from swarm.route_request import RouteHop, RouteRequest, SessionShape
-from swarm.server_info import ServerInfo
-from swarm.wire import ErrorCode, RemoteError
+from llm_swarm.client.admission import Admission
+from llm_swarm.client.backend import BlockBackend, BlockSession, SessionStep
+from llm_swarm.client.connection import SwarmConnection, SwarmUnavailable, run_sync
+from llm_swarm.client.handoff_cost import MoveCosts, move_costs
+from llm_swarm.client.replay import can_prefill, replay_groups, replay_tensors
+from llm_swarm.client.routing import chain_problem
+from llm_swarm.client.sequence_rpc import SequenceFunction
+from llm_swarm.client.stream import FATAL_CODES, ServerStream, StepInput, catch_up_input
+from llm_swarm.client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
+from llm_swarm.swarm.handoff_wire import HandOff
+from llm_swarm.swarm.prefill_cost import (
+    announced_rate,
+    choose_prefill_server,
+    hop_prefill_costs,
+    prefill_seconds,
+)
+from llm_swarm.swarm.route_request import RouteHop, RouteRequest, SessionShape
+from llm_swarm.swarm.server_info import ServerInfo
+from llm_swarm.swarm.wire import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
 

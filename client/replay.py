@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from client.stream import StepInput
+from llm_swarm.client.stream import StepInput
 
 
 def can_prefill(history: list[StepInput]) -> bool:

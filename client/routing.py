@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.routing_graph import RoutingGraph
-from scheduler.algorithms.wsrr import link_request_time
-from swarm.route_request import RouteHop, SessionShape
-from swarm.server_info import ServerInfo
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.routing_graph import RoutingGraph
+from llm_swarm.scheduler.algorithms.wsrr import link_request_time
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.server_info import ServerInfo
 
 
 @dataclass(frozen=True)

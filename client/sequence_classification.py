@@ -21,11 +21,16 @@ from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import logging
 
-from client.backend import BlockBackend
-from client.swarm_model import SwarmModelBase, batch_size, check_unsupported_arguments, override_config
-from swarm.errors import CheckpointError, SwarmUserError
-from swarm.models.checkpoint import CheckpointReader
-from swarm.models.client_parts import ClientParts
+from llm_swarm.client.backend import BlockBackend
+from llm_swarm.client.swarm_model import (
+    SwarmModelBase,
+    batch_size,
+    check_unsupported_arguments,
+    override_config,
+)
+from llm_swarm.swarm.errors import CheckpointError, SwarmUserError
+from llm_swarm.swarm.models.checkpoint import CheckpointReader
+from llm_swarm.swarm.models.client_parts import ClientParts
 
 logger = logging.get_logger(__name__)
 

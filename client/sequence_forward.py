@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from client.backend import BlockBackend
-from client.prompt_tuning import PromptTuning
-from swarm.models.client_parts import ClientParts
+from llm_swarm.client.backend import BlockBackend
+from llm_swarm.client.prompt_tuning import PromptTuning
+from llm_swarm.swarm.models.client_parts import ClientParts
 
 
 def with_prompt_positions(attention_mask: torch.Tensor, prompts: PromptTuning | None) -> torch.Tensor:

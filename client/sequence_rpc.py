@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from client.connection import SwarmConnection, SwarmUnavailable, run_sync
-from client.stream import FATAL_CODES, StreamFailure
-from swarm.route_request import RouteHop, SessionShape
-from swarm.wire import (
+from llm_swarm.client.connection import SwarmConnection, SwarmUnavailable, run_sync
+from llm_swarm.client.stream import FATAL_CODES, StreamFailure
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.wire import (
     Backward,
     Computed,
     Error,

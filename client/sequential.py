@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from client.connection import SwarmConnection
-from client.remote import RemoteBlockSession
-from client.sequence_rpc import SequenceFunction
-from swarm.errors import SwarmUserError
+from llm_swarm.client.connection import SwarmConnection
+from llm_swarm.client.remote import RemoteBlockSession
+from llm_swarm.client.sequence_rpc import SequenceFunction
+from llm_swarm.swarm.errors import SwarmUserError
 
 
 class RemoteSequential(nn.Module):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from client.backend import BlockSession
-from swarm.errors import SwarmUserError
-from swarm.linear_fit import LinearCost, LinearFit
+from llm_swarm.client.backend import BlockSession
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.linear_fit import LinearCost, LinearFit
 
 
 class InferenceSession:

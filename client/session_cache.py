@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from client.session import InferenceSession
+from llm_swarm.client.session import InferenceSession
 
 
 class SessionCache(Cache):

@@ -11,12 +11,12 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from client.connection import SwarmConnection
-from swarm.block_rpc import BlockRpc
-from swarm.handoff_wire import HandedOff, HandOff
-from swarm.models.cache import REWIND_RESERVE
-from swarm.route_request import RouteHop, SessionShape
-from swarm.wire import (
+from llm_swarm.client.connection import SwarmConnection
+from llm_swarm.swarm.block_rpc import BlockRpc
+from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
+from llm_swarm.swarm.models.cache import REWIND_RESERVE
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.wire import (
     Error,
     ErrorCode,
     Open,

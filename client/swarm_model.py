@@ -16,17 +16,17 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from client.backend import BlockBackend
-from client.connection import ClientOptions, SwarmConnection
-from client.prompt_tuning import PromptTuning
-from client.remote import RemoteBlocks
-from client.sequence_forward import last_block_output
-from client.sequential import RemoteSequential
-from swarm.dht_keys import default_prefix, validate_prefix
-from swarm.model_limits import ModelLimits
-from swarm.models.checkpoint import load_config
-from swarm.models.client_parts import ClientParts, load_client_parts
-from swarm.models.hub import resolve_model
+from llm_swarm.client.backend import BlockBackend
+from llm_swarm.client.connection import ClientOptions, SwarmConnection
+from llm_swarm.client.prompt_tuning import PromptTuning
+from llm_swarm.client.remote import RemoteBlocks
+from llm_swarm.client.sequence_forward import last_block_output
+from llm_swarm.client.sequential import RemoteSequential
+from llm_swarm.swarm.dht_keys import default_prefix, validate_prefix
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.models.checkpoint import load_config
+from llm_swarm.swarm.models.client_parts import ClientParts, load_client_parts
+from llm_swarm.swarm.models.hub import resolve_model
 
 ModelT = TypeVar("ModelT", bound="SwarmModelBase")
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from client import AutoDistributedModelForCausalLM
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.models.checkpoint import load_config
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm import AutoDistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models.checkpoint import load_config
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 
 def toy_batch(generator: torch.Generator, vocab: int, answer: int, batch: int = 8, length: int = 6):

@@ -21,10 +21,10 @@ from hivemind.dht import DHT
 
 from harness import preloaded_launcher
 from harness.preloaded_launcher import Process
-from swarm.dht_peer import open_identity, start_dht
-from swarm.dht_records import fetch_servers
-from swarm.identity import ensure_key_files
-from swarm.server_info import ServerInfo, ServerState
+from llm_swarm.swarm.dht_peer import open_identity, start_dht
+from llm_swarm.swarm.dht_records import fetch_servers
+from llm_swarm.swarm.identity import ensure_key_files
+from llm_swarm.swarm.server_info import ServerInfo, ServerState
 
 PYTHON = sys.executable
 CHILD_ENV = {
@@ -38,7 +38,7 @@ CHILD_ENV = {
 def dht_argv(maddr_file: Path, host: str | None = None) -> list[str]:
     """`swarm-dht`, writing its multiaddrs to `maddr_file` once it listens (on `host`, or loopback)."""
     where = ["--host", host, "--port", "0"] if host else []
-    return [PYTHON, "-m", "swarm.cli.dht", *where, "--maddr-file", str(maddr_file)]
+    return [PYTHON, "-m", "llm_swarm.swarm.cli.dht", *where, "--maddr-file", str(maddr_file)]
 
 
 def server_argv(
@@ -51,7 +51,7 @@ def server_argv(
     *extra: str,
     host: str | None = None,
     announce_period: float = 2,
-    module: tuple[str, ...] = ("server.cli",),
+    module: tuple[str, ...] = ("llm_swarm.server.cli",),
 ) -> list[str]:
     """`swarm-server` for `blocks` ("0:3"), or managed by the scheduler of `scheduler_key` when None.
     One torch thread (many servers share few cores) and no per-peer cache share: one test client or
@@ -74,7 +74,7 @@ def scheduler_argv(
 ) -> list[str]:
     """`swarm-scheduler` with the swarm's scheduler key, writing "host:port" to `address_file`."""
     return [
-        PYTHON, "-m", "scheduler.service.cli", "--initial-peers", *initial_peers,
+        PYTHON, "-m", "llm_swarm.scheduler.service.cli", "--initial-peers", *initial_peers,
         "--model-dir", str(model_dir), "--address-file", str(address_file),
         "--identity-path", str(identity_path), *extra,
     ]  # fmt: skip
@@ -171,7 +171,7 @@ class LocalSwarm:
         blocks: str | None,
         memory: str = "1GB",
         *extra: str,
-        module: tuple[str, ...] = ("server.cli",),
+        module: tuple[str, ...] = ("llm_swarm.server.cli",),
     ) -> Process:
         """A server of `blocks` ("0:3"), or managed by this swarm's scheduler when `blocks` is None
         (`server_argv`)."""
@@ -194,7 +194,14 @@ class LocalSwarm:
 
     def start_api(self, name: str, model_dir: Path, *extra: str, timeout: float = 120.0) -> str:
         """A `swarm-api` process on a free port of loopback; returns its base URL (http://host:port)."""
-        argv = [PYTHON, "-m", "client.api.cli", str(model_dir), "--initial-peers", *self.initial_peers]
+        argv = [
+            PYTHON,
+            "-m",
+            "llm_swarm.client.api.cli",
+            str(model_dir),
+            "--initial-peers",
+            *self.initial_peers,
+        ]
         process = self.start(name, [*argv, "--port", "0", *extra])
         deadline = time.monotonic() + timeout
         while not (match := re.search(r"API at (http://[\d.]+:\d+)/v1", self.log(name))):

@@ -24,7 +24,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PRELOADED_MODULES = ("server.cli", "scheduler.service.cli", "swarm.cli.dht", "client.api.cli")
+PRELOADED_MODULES = (
+    "llm_swarm.server.cli",
+    "llm_swarm.scheduler.service.cli",
+    "llm_swarm.swarm.cli.dht",
+    "llm_swarm.client.api.cli",
+)
 READY_TIMEOUT_S = 120.0
 
 _enabled = False

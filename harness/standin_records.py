@@ -20,11 +20,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 from tqdm import tqdm
 
-from swarm.dht_keys import block_key, roster_key, roster_shard_key, roster_shard_of
-from swarm.dht_process import SwarmDHT
-from swarm.identity import owner_subkey, peer_id_of_key, public_key_text
-from swarm.record_validator import MAX_RECORD_TTL, SignatureValidator, SwarmRecordValidator
-from swarm.server_info import Reachability, ServerInfo, ServerState
+from llm_swarm.swarm.dht_keys import block_key, roster_key, roster_shard_key, roster_shard_of
+from llm_swarm.swarm.dht_process import SwarmDHT
+from llm_swarm.swarm.identity import owner_subkey, peer_id_of_key, public_key_text
+from llm_swarm.swarm.record_validator import MAX_RECORD_TTL, SignatureValidator, SwarmRecordValidator
+from llm_swarm.swarm.server_info import Reachability, ServerInfo, ServerState
 
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 

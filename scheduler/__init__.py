@@ -1,3 +1,3 @@
 """The scheduler: placement and routing algorithms, the simulator, and the scheduler service."""
 
-import swarm  # noqa: F401  (sets gRPC's fork option before any scheduler module imports grpc)
+import llm_swarm.swarm  # noqa: F401  (sets gRPC's fork option before any scheduler module imports grpc)

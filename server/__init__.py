@@ -1,3 +1,3 @@
 """The server: loads a span of blocks and serves them to clients over the swarm's DHT."""
 
-import swarm  # noqa: F401  (sets gRPC's fork option before the scheduler link imports grpc)
+import llm_swarm.swarm  # noqa: F401  (sets gRPC's fork option before the scheduler link imports grpc)

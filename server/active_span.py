@@ -13,9 +13,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from server.handler import BlockServicer
-from server.memory import CacheBudget
-from swarm.models.span import TransformerSpan
+from llm_swarm.server.handler import BlockServicer
+from llm_swarm.server.memory import CacheBudget
+from llm_swarm.swarm.models.span import TransformerSpan
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from swarm.server_info import ServerRole
+from llm_swarm.swarm.server_info import ServerRole
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms import petals
-from scheduler.algorithms.problem import ModelSpec, ServerSpec
-from scheduler.algorithms.windows import lexicographic_min_window
-from swarm.server_info import ServerInfo, ServerState
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec
+from llm_swarm.scheduler.algorithms.windows import lexicographic_min_window
+from llm_swarm.swarm.server_info import ServerInfo, ServerState
 
 # States whose span counts as served: a MOVING server is about to leave its span and an OFFLINE
 # one already has, so counting them would hide exactly the blocks that are about to lose service.

@@ -20,7 +20,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
-from swarm.wire import Error, ErrorCode, encode
+from llm_swarm.swarm.wire import Error, ErrorCode, encode
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from server.bounded_stream import StreamLimit
-from server.session import FLOAT_DTYPES, Session
-from swarm.handoff_wire import CHUNK_BYTES, CacheAccepted, CacheChunk, PushCache
-from swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
+from llm_swarm.server.bounded_stream import StreamLimit
+from llm_swarm.server.session import FLOAT_DTYPES, Session
+from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, CacheAccepted, CacheChunk, PushCache
+from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from server.cache_progress import CacheProgress
-from server.cache_receiver import ChunkAck
-from server.session import Session
-from swarm.handoff_wire import CHUNK_BYTES, CacheAccepted, CacheChunk, HandOff, PushCache
-from swarm.wire import Error, ErrorCode, ProtocolError, decode_metadata, encode, parse
+from llm_swarm.server.cache_progress import CacheProgress
+from llm_swarm.server.cache_receiver import ChunkAck
+from llm_swarm.server.session import Session
+from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, CacheAccepted, CacheChunk, HandOff, PushCache
+from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_metadata, encode, parse
 
 WINDOW = 2  # chunks in flight: keeps the link busy while acknowledgements measure it
 REPLY_TIMEOUT = 30.0  # seconds to wait for any one answer of B

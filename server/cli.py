@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from server.joining import RELAY_MODES
-from server.server import ServerConfig, SwarmServer
-from swarm.cli.args import (
+from llm_swarm.server.joining import RELAY_MODES
+from llm_swarm.server.server import ServerConfig, SwarmServer
+from llm_swarm.swarm.cli.args import (
     add_model_source_arguments,
     add_swarm_secret_argument,
     command_parser,
@@ -23,13 +23,13 @@ from swarm.cli.args import (
     span_argument,
     swarm_secret_from_args,
 )
-from swarm.cli.dataclass_args import add_field_options, dataclass_from_args
-from swarm.cli.errors import run_cli
-from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.cli.signals import terminate_like_interrupt
-from swarm.dtypes import dtype_name
-from swarm.errors import SwarmUserError
-from swarm.hardware import (
+from llm_swarm.swarm.cli.dataclass_args import add_field_options, dataclass_from_args
+from llm_swarm.swarm.cli.errors import run_cli
+from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
+from llm_swarm.swarm.cli.signals import terminate_like_interrupt
+from llm_swarm.swarm.dtypes import dtype_name
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.hardware import (
     DTYPE_CHOICES,
     checkpoint_dtype_name,
     probe_device,
@@ -37,13 +37,13 @@ from swarm.hardware import (
     resolve_dtype,
     server_memory_budget,
 )
-from swarm.identity import read_public_key
-from swarm.models.adapters import AdapterSource, check_adapters
-from swarm.models.checkpoint import load_config
-from swarm.models.family import family_for
-from swarm.models.span import validate_span
-from swarm.quantization import QUANT_CHOICES, check_quant_device
-from swarm.units import parse_bytes
+from llm_swarm.swarm.identity import read_public_key
+from llm_swarm.swarm.models.adapters import AdapterSource, check_adapters
+from llm_swarm.swarm.models.checkpoint import load_config
+from llm_swarm.swarm.models.family import family_for
+from llm_swarm.swarm.models.span import validate_span
+from llm_swarm.swarm.quantization import QUANT_CHOICES, check_quant_device
+from llm_swarm.swarm.units import parse_bytes
 
 logger = logging.getLogger(__name__)
 

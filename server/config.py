@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.joining import RELAY_MODES
-from swarm.closed_swarm import SwarmSecret
-from swarm.errors import SwarmUserError
-from swarm.models.adapters import MAX_ADAPTERS, AdapterSource
-from swarm.prefill_cost import STREAM_CHUNK_TOKENS
-from swarm.record_validator import MAX_RECORD_TTL
-from swarm.server_info import ServerRole
+from llm_swarm.server.joining import RELAY_MODES
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.models.adapters import MAX_ADAPTERS, AdapterSource
+from llm_swarm.swarm.prefill_cost import STREAM_CHUNK_TOKENS
+from llm_swarm.swarm.record_validator import MAX_RECORD_TTL
+from llm_swarm.swarm.server_info import ServerRole
 
 MAX_ANNOUNCE_PERIOD = (MAX_RECORD_TTL - 1) / 2  # records live 2 periods + 1 s; validators allow no more
 

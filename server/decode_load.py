@@ -19,7 +19,7 @@ different `n`. Pure bookkeeping: the caller passes the clock's readings.
 
 from __future__ import annotations
 
-from swarm.linear_fit import LinearCost, LinearFit
+from llm_swarm.swarm.linear_fit import LinearCost, LinearFit
 
 HORIZON_S = 0.5  # a session that sent no decode step for this long no longer counts as decoding
 MIN_STEPS = 50  # measured steps before anything is announced

@@ -38,11 +38,11 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from server import step_scheduler
-from server.emulated_delay import emulated_seconds_per_block
-from swarm.models.adapters import adapter_rows
-from swarm.models.cache import SpanCache
-from swarm.models.span import TransformerSpan
+from llm_swarm.server import step_scheduler
+from llm_swarm.server.emulated_delay import emulated_seconds_per_block
+from llm_swarm.swarm.models.adapters import adapter_rows
+from llm_swarm.swarm.models.cache import SpanCache
+from llm_swarm.swarm.models.span import TransformerSpan
 
 logger = logging.getLogger(__name__)
 

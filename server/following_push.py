@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from swarm.handoff_wire import HandOff
-from swarm.wire import ProtocolError
+from llm_swarm.swarm.handoff_wire import HandOff
+from llm_swarm.swarm.wire import ProtocolError
 
 
 @dataclass(frozen=True)

@@ -31,27 +31,27 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from server.bounded_stream import StreamLimit, add_bounded_stream_handler
-from server.cache_progress import CacheProgress
-from server.cache_receiver import receive_cache
-from server.cache_sender import REPLY_TIMEOUT, PushResult, push_cache
-from server.decode_load import DecodeLoad
-from server.emulated_delay import emulated_seconds_per_block
-from server.engine import BatchingEngine
-from server.following_push import FollowingPush
-from server.link_probes import PROBE_HANDLE, receive_probe
-from server.memory import CacheBudget, NoCacheRoom
-from server.metrics import ServerMetrics
-from server.replay import MAX_TOKENS_PER_POSITION, parse_replay
-from server.session import Session, check_hypo_ids, check_step_inputs
-from server.session_lengths import SessionLengths
-from server.training import parse_sequence_call, run_backward, run_forward
-from swarm.block_rpc import BlockRpc
-from swarm.closed_swarm import SwarmSecret
-from swarm.handoff_wire import HandedOff, HandOff
-from swarm.models.adapters import adapter_rows
-from swarm.models.span import TransformerSpan
-from swarm.wire import (
+from llm_swarm.server.bounded_stream import StreamLimit, add_bounded_stream_handler
+from llm_swarm.server.cache_progress import CacheProgress
+from llm_swarm.server.cache_receiver import receive_cache
+from llm_swarm.server.cache_sender import REPLY_TIMEOUT, PushResult, push_cache
+from llm_swarm.server.decode_load import DecodeLoad
+from llm_swarm.server.emulated_delay import emulated_seconds_per_block
+from llm_swarm.server.engine import BatchingEngine
+from llm_swarm.server.following_push import FollowingPush
+from llm_swarm.server.link_probes import PROBE_HANDLE, receive_probe
+from llm_swarm.server.memory import CacheBudget, NoCacheRoom
+from llm_swarm.server.metrics import ServerMetrics
+from llm_swarm.server.replay import MAX_TOKENS_PER_POSITION, parse_replay
+from llm_swarm.server.session import Session, check_hypo_ids, check_step_inputs
+from llm_swarm.server.session_lengths import SessionLengths
+from llm_swarm.server.training import parse_sequence_call, run_backward, run_forward
+from llm_swarm.swarm.block_rpc import BlockRpc
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
+from llm_swarm.swarm.models.adapters import adapter_rows
+from llm_swarm.swarm.models.span import TransformerSpan
+from llm_swarm.swarm.wire import (
     PEER_LIMIT_PREFIX,
     Ack,
     Backward,

@@ -22,11 +22,11 @@ from functools import partial
 
 from hivemind.dht import DHT
 
-from swarm.dht_peer import PeerIdentity, dht_options
-from swarm.dht_process import SwarmDHT
-from swarm.p2p_daemon_flags import behind_nat_flags, daemon_flags, relay_flags
-from swarm.reachability import check_reachability, has_circuit
-from swarm.server_info import Reachability
+from llm_swarm.swarm.dht_peer import PeerIdentity, dht_options
+from llm_swarm.swarm.dht_process import SwarmDHT
+from llm_swarm.swarm.p2p_daemon_flags import behind_nat_flags, daemon_flags, relay_flags
+from llm_swarm.swarm.reachability import check_reachability, has_circuit
+from llm_swarm.swarm.server_info import Reachability
 
 logger = logging.getLogger(__name__)
 

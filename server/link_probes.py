@@ -24,12 +24,12 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from server.bounded_stream import StreamLimit
-from server.cache_sender import receive_reply
-from swarm.dht_records import fetch_servers_async
-from swarm.handoff_wire import CHUNK_BYTES, ProbeAck, ProbeChunk, ProbeLink
-from swarm.server_info import ServerInfo
-from swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
+from llm_swarm.server.bounded_stream import StreamLimit
+from llm_swarm.server.cache_sender import receive_reply
+from llm_swarm.swarm.dht_records import fetch_servers_async
+from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, ProbeAck, ProbeChunk, ProbeLink
+from llm_swarm.swarm.server_info import ServerInfo
+from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
 
 logger = logging.getLogger(__name__)
 

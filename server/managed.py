@@ -17,14 +17,14 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from server.block_choice import BlockChoice, choose_blocks, petals_model_spec, served_spans
-from swarm.cost import dtype_bytes
-from swarm.dht_records import fetch_servers_async
-from swarm.scheduler_api.scheduler_pb2 import Assignment
-from swarm.scheduler_link import SchedulerLink
+from llm_swarm.server.block_choice import BlockChoice, choose_blocks, petals_model_spec, served_spans
+from llm_swarm.swarm.cost import dtype_bytes
+from llm_swarm.swarm.dht_records import fetch_servers_async
+from llm_swarm.swarm.scheduler_api.scheduler_pb2 import Assignment
+from llm_swarm.swarm.scheduler_link import SchedulerLink
 
 if TYPE_CHECKING:
-    from server.server import SwarmServer
+    from llm_swarm.server.server import SwarmServer
 
 logger = logging.getLogger(__name__)
 

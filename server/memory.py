@@ -7,7 +7,7 @@ every path. A session that does not fit is refused up front instead of failing h
 
 from __future__ import annotations
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 
 class NoCacheRoom(Exception):

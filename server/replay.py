@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from server.session import Session, check_hidden
-from swarm.wire import ErrorCode, ProtocolError, Replay
+from llm_swarm.server.session import Session, check_hidden
+from llm_swarm.swarm.wire import ErrorCode, ProtocolError, Replay
 
 # a replay carries at most this many positions (summed over its steps) per session position: a
 # client with a longer history (speculative rewinds overlap steps) sends it in several replays

@@ -17,28 +17,28 @@ from importlib.metadata import PackageNotFoundError, version
 from hivemind.dht import DHT
 from tqdm import tqdm
 
-from server.active_span import ActiveSpan, run_bounded
-from server.assigned_role import AssignedRole
-from server.config import ServerConfig
-from server.emulated_delay import emulated_seconds_per_block
-from server.handler import BlockServicer, PeerLimits
-from server.joining import JoinOptions, current_relay_state, join_dht
-from server.link_probes import start_link_probes
-from server.managed import SpanManager, stop_follower
-from server.memory import CacheBudget
-from server.metrics import ServerMetrics
-from server.throughput import BlockTimings, cached_block_timings
-from swarm.cli.signals import stop_on_signals
-from swarm.dht_peer import PeerIdentity, forget_identity, open_identity
-from swarm.dht_records import announce
-from swarm.model_limits import ModelLimits
-from swarm.models.adapters import attach_adapters
-from swarm.models.checkpoint import load_config
-from swarm.models.family import family_for
-from swarm.models.span import TransformerSpan, load_span, rebuild_span
-from swarm.reachability import DialBackService
-from swarm.server_info import Reachability, ServerInfo, ServerState
-from swarm.stop_deadline import STOP_DEADLINE
+from llm_swarm.server.active_span import ActiveSpan, run_bounded
+from llm_swarm.server.assigned_role import AssignedRole
+from llm_swarm.server.config import ServerConfig
+from llm_swarm.server.emulated_delay import emulated_seconds_per_block
+from llm_swarm.server.handler import BlockServicer, PeerLimits
+from llm_swarm.server.joining import JoinOptions, current_relay_state, join_dht
+from llm_swarm.server.link_probes import start_link_probes
+from llm_swarm.server.managed import SpanManager, stop_follower
+from llm_swarm.server.memory import CacheBudget
+from llm_swarm.server.metrics import ServerMetrics
+from llm_swarm.server.throughput import BlockTimings, cached_block_timings
+from llm_swarm.swarm.cli.signals import stop_on_signals
+from llm_swarm.swarm.dht_peer import PeerIdentity, forget_identity, open_identity
+from llm_swarm.swarm.dht_records import announce
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.models.adapters import attach_adapters
+from llm_swarm.swarm.models.checkpoint import load_config
+from llm_swarm.swarm.models.family import family_for
+from llm_swarm.swarm.models.span import TransformerSpan, load_span, rebuild_span
+from llm_swarm.swarm.reachability import DialBackService
+from llm_swarm.swarm.server_info import Reachability, ServerInfo, ServerState
+from llm_swarm.swarm.stop_deadline import STOP_DEADLINE
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.cache_progress import CacheProgress
-from swarm.models.cache import SpanCache
-from swarm.wire import ErrorCode, ProtocolError
+from llm_swarm.server.cache_progress import CacheProgress
+from llm_swarm.swarm.models.cache import SpanCache
+from llm_swarm.swarm.wire import ErrorCode, ProtocolError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -18,8 +18,8 @@ nothing and keep the cache room as their work ahead.
 
 from __future__ import annotations
 
-from server.session import Session
-from swarm.length_prediction import OutputLengthPredictor, SessionLengthLearner
+from llm_swarm.server.session import Session
+from llm_swarm.swarm.length_prediction import OutputLengthPredictor, SessionLengthLearner
 
 
 class SessionLengths:

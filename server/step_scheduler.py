@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from swarm.linear_fit import LinearCost, LinearFit  # noqa: F401  (the engine and tests know them from here)
+from llm_swarm.swarm.linear_fit import LinearCost, LinearFit  # noqa: F401  (the engine and tests know them from here)
 
 
 class Action(Enum):

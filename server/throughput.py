@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from swarm.dtypes import dtype_name
-from swarm.models.span import TransformerSpan
+from llm_swarm.swarm.dtypes import dtype_name
+from llm_swarm.swarm.models.span import TransformerSpan
 
 logger = logging.getLogger(__name__)
 

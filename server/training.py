@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from server.session import check_hidden, check_padding_mask, check_prompts
-from swarm.models.adapters import adapter_rows
-from swarm.models.span import TransformerSpan
-from swarm.wire import ErrorCode, ProtocolError
+from llm_swarm.server.session import check_hidden, check_padding_mask, check_prompts
+from llm_swarm.swarm.models.adapters import adapter_rows
+from llm_swarm.swarm.models.span import TransformerSpan
+from llm_swarm.swarm.wire import ErrorCode, ProtocolError
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch: never an adapter's name

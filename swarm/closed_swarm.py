@@ -23,7 +23,7 @@ from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, A
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 MIN_SECRET_BYTES = 16
 MAX_CLOCK_DIFFERENCE = 120.0  # seconds a signed request may be old (or early: clock skew)

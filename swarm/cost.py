@@ -48,7 +48,7 @@ def cache_bytes_per_block(d_kv: int, num_tokens: int, bytes_per_element: int) ->
 def module_parameter_bytes(module: torch.nn.Module) -> int:
     """`s_m`: the bytes of a loaded block's parameters, as they sit in memory (after any quantization:
     packed weights plus their scales)."""
-    from swarm.quantization import quantization_state_bytes
+    from llm_swarm.swarm.quantization import quantization_state_bytes
 
     return sum(p.numel() * p.element_size() + quantization_state_bytes(p) for p in module.parameters())
 

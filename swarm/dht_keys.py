@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-from swarm.errors import SwarmUserError
-from swarm.hub_snapshot import hub_snapshot
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.hub_snapshot import hub_snapshot
 
 _PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 

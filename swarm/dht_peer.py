@@ -21,11 +21,11 @@ from hivemind.dht import DHT
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm.closed_swarm import SwarmSecret
-from swarm.dht_process import SwarmDHT
-from swarm.errors import SwarmUserError
-from swarm.identity import load_identity, owner_subkey, public_key_text, temporary_identity_path
-from swarm.record_validator import swarm_validators
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.dht_process import SwarmDHT
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.identity import load_identity, owner_subkey, public_key_text, temporary_identity_path
+from llm_swarm.swarm.record_validator import swarm_validators
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 from hivemind.dht import DHT, DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.dht_keys import (
+from llm_swarm.swarm.dht_keys import (
     block_key,
     roster_key,
     roster_keys,
@@ -36,11 +36,11 @@ from swarm.dht_keys import (
     roster_shard_of,
     scheduler_key,
 )
-from swarm.identity import owner_key, peer_id_of_key
-from swarm.model_limits import ModelLimits
-from swarm.record_validator import parse_record
-from swarm.scheduler_record import SCHEDULER_RECORD_VERSION, SchedulerRecord
-from swarm.server_info import ServerInfo
+from llm_swarm.swarm.identity import owner_key, peer_id_of_key
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.record_validator import parse_record
+from llm_swarm.swarm.scheduler_record import SCHEDULER_RECORD_VERSION, SchedulerRecord
+from llm_swarm.swarm.server_info import ServerInfo
 
 Limits = ModelLimits | int  # an int: only the number of blocks is known
 FIRST_READ_PATIENCE = 0.1  # seconds a first read waits for more choice once live servers hold every block

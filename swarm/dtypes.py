@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

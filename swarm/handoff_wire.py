@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from swarm.wire import Message
+from llm_swarm.swarm.wire import Message
 
 TOKEN_PATTERN = r"^[0-9a-f]{32,64}$"  # a secret the client draws (hex): B accepts a cache only with it
 PEER_ID_MAX = 128

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.dtypes import DTYPES, parse_dtype
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.dtypes import DTYPES, parse_dtype
+from llm_swarm.swarm.errors import SwarmUserError
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 MIN_HEADROOM_BYTES = 512 * 2**20  # allocator slack + activations of one step, at least

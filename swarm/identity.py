@@ -26,7 +26,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 _OWNER = re.compile(rb"^\[owner:(ssh-rsa [A-Za-z0-9+/=]{100,1200})\]$")
 

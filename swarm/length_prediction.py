@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from swarm.task_label import check_label
+from llm_swarm.swarm.task_label import check_label
 
 MAX_LENGTH = 1 << 20  # tokens: what a route request may declare (scheduler.service.grpc_api.MAX_TOKENS)
 BUCKET_TOKENS = 200  # TetriInfer's output buckets: [0, 200), [200, 400), ...

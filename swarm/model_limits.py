@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from swarm.models.family import family_for
-from swarm.models.span import prepare_config
-from swarm.server_info import ServerInfo
+from llm_swarm.swarm.models.family import family_for
+from llm_swarm.swarm.models.span import prepare_config
+from llm_swarm.swarm.server_info import ServerInfo
 
 # bytes per parameter a served block may take: nf4 packs 0.5 (plus scales), float32 takes 4
 MIN_BYTES_PER_PARAM = 0.4

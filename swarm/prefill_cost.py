@@ -17,8 +17,8 @@ import zlib
 from collections.abc import Callable, Hashable, Mapping
 from typing import TypeVar
 
-from swarm.route_request import RouteHop
-from swarm.server_info import ServerInfo
+from llm_swarm.swarm.route_request import RouteHop
+from llm_swarm.swarm.server_info import ServerInfo
 
 DISAGGREGATE_POLICIES = ("auto", "always", "never")
 # Servers compute long prompts in chunks of this many tokens (`swarm-server --prefill-chunk`'s

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarm.errors import SwarmUserError
-from swarm.models.expert_weights import is_fused_experts
-from swarm.quantized_experts import QuantizedExperts, fused_layout_problem
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.models.expert_weights import is_fused_experts
+from llm_swarm.swarm.quantized_experts import QuantizedExperts, fused_layout_problem
 
 QUANT_CHOICES = ("none", "int8", "nf4")
 INT8_THRESHOLD = 6.0  # LLM.int8's outlier threshold: columns above it stay in 16 bits

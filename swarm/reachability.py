@@ -26,8 +26,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import Field
 
-from swarm.server_info import Reachability
-from swarm.wire import Message, ProtocolError, encode, parse
+from llm_swarm.swarm.server_info import Reachability
+from llm_swarm.swarm.wire import Message, ProtocolError, encode, parse
 
 logger = logging.getLogger(__name__)
 

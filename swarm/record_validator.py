@@ -22,9 +22,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.identity import owner_key
-from swarm.scheduler_record import SchedulerRecord
-from swarm.server_info import ServerInfo
+from llm_swarm.swarm.identity import owner_key
+from llm_swarm.swarm.scheduler_record import SchedulerRecord
+from llm_swarm.swarm.server_info import ServerInfo
 
 MAX_RECORD_TTL = 300.0  # seconds: servers announce with 2 * period + 1 (period <= 120), schedulers 20
 CLOCK_SKEW = 30.0  # seconds peers' clocks may disagree by

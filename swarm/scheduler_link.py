@@ -26,11 +26,11 @@ import time
 import grpc
 from hivemind.dht import DHT
 
-from swarm.closed_swarm import SwarmSecret
-from swarm.dht_records import fetch_scheduler_async
-from swarm.route_request import RouteRequest
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.dht_records import fetch_scheduler_async
+from llm_swarm.swarm.route_request import RouteRequest
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

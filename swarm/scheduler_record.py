@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from swarm.versioned_record import VersionedRecord
+from llm_swarm.swarm.versioned_record import VersionedRecord
 
 SCHEDULER_RECORD_VERSION = 1
 MAX_PLACEMENT_ENTRIES = 100_000

@@ -15,8 +15,8 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from swarm.adapter_names import ADAPTER_NAME
-from swarm.versioned_record import VersionedRecord
+from llm_swarm.swarm.adapter_names import ADAPTER_NAME
+from llm_swarm.swarm.versioned_record import VersionedRecord
 
 SCHEMA_VERSION = 1
 

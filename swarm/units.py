@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 _UNITS = {
     "": 1,

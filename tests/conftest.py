@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import hypothesis  # noqa: F401  (imported up front: its pytest plugin imports it lazily at exit, which can crash)
 import pytest
 
 from harness import preloaded_launcher
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 # Swarm processes start from one pre-imported interpreter (harness/zygote.py): real processes, without
 # hundreds of seconds of CPU spent importing torch, transformers and hivemind in each on 2 cores.
@@ -81,3 +82,15 @@ def pytest_collection_modifyitems(items) -> None:
     ]
     if unmarked:
         raise pytest.UsageError(f"tests that start a swarm must be marked `swarm`: {', '.join(unmarked)}")
+
+
+def pytest_sessionfinish(session) -> None:
+    """The project's folders are imported only as `llm_swarm.*`: a module loaded under its folder's
+    own name would be a second copy of it (other classes, other state)."""
+    stray = sorted(
+        name for name in sys.modules if name.split(".")[0] in ("swarm", "client", "server", "scheduler")
+    )
+    if stray:
+        raise pytest.UsageError(
+            f"modules imported by their folder's name instead of llm_swarm.*: {stray[:5]}"
+        )

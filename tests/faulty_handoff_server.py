@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from server import cache_receiver, cache_sender, handler
+from llm_swarm.server import cache_receiver, cache_sender, handler
 
 
 def _power_loss() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         handler.receive_cache = receive_then_die
     else:
         raise SystemExit(f"unknown mode {mode!r}: die-pushing or die-receiving")
-    from server.cli import main as server_main
+    from llm_swarm.server.cli import main as server_main
 
     server_main()
 

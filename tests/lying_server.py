@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from server import handler
+from llm_swarm.server import handler
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
         return output + noise * (0.5 * output.norm() / noise.norm().clamp_min(1e-12))
 
     handler.BlockServicer._compute = lying_compute
-    from server.cli import main as server_main
+    from llm_swarm.server.cli import main as server_main
 
     server_main()
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.block_rpc import BlockRpc
-from swarm.wire import decode_metadata
+from llm_swarm.swarm.block_rpc import BlockRpc
+from llm_swarm.swarm.wire import decode_metadata
 
 
 async def exchange(

@@ -10,10 +10,10 @@ from concurrent import futures
 import grpc
 
 from harness.local_swarm import LocalSwarm
-from swarm.dht_records import publish_scheduler
-from swarm.identity import owner_subkey
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.swarm.dht_records import publish_scheduler
+from llm_swarm.swarm.identity import owner_subkey
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 
 
 class RogueScheduler(pb_grpc.SchedulerServicer):

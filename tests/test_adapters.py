@@ -20,14 +20,14 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.connection import SwarmUnavailable
 from harness.local_swarm import CHILD_ENV, server_argv
-from swarm.adapter_names import AdapterError
-from swarm.dht_keys import default_prefix
-from swarm.models import load_span
-from swarm.models.adapters import AdapterSource, attach_adapters
-from swarm.models.tiny_adapter import build_tiny_adapter
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.connection import SwarmUnavailable
+from llm_swarm.swarm.adapter_names import AdapterError
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.adapters import AdapterSource, attach_adapters
+from llm_swarm.swarm.models.tiny_adapter import build_tiny_adapter
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
@@ -239,7 +239,7 @@ def test_an_adapter_of_a_mixtures_experts_is_refused_by_name(tmp_path):
     gathered across rows (and transformers 5 fuses experts into 3-D weights): an adapter of experts
     is refused at start-up on either transformers version, naming the layer, before anything is
     injected; the same adapter without its expert factors is served."""
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(family="mixtral", num_layers=2, num_kv_heads=2)
     model_dir = build_tiny_model(tmp_path / "mixtral", spec)

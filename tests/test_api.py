@@ -23,10 +23,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 from tests.browser import Browser
 from tests.conftest import NUM_BLOCKS
 from tests.tool_model import build_tool_calling_checkpoint

@@ -10,14 +10,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from client.api.admission import Admission
-from client.api.chat_schema import ChatRequest
-from client.api.errors import ApiError
-from client.api.logprobs import LogprobRecorder
-from client.api.planning import choice_seed
-from client.api.prompting import SIMPLE_TEMPLATE, template_renders_tools
-from client.api.schema import CompletionRequest
-from client.api.tools import ToolCallStream, ToolFormat, parse
+from llm_swarm.client.api.admission import Admission
+from llm_swarm.client.api.chat_schema import ChatRequest
+from llm_swarm.client.api.errors import ApiError
+from llm_swarm.client.api.logprobs import LogprobRecorder
+from llm_swarm.client.api.planning import choice_seed
+from llm_swarm.client.api.prompting import SIMPLE_TEMPLATE, template_renders_tools
+from llm_swarm.client.api.schema import CompletionRequest
+from llm_swarm.client.api.tools import ToolCallStream, ToolFormat, parse
 from tests.tool_model import HERMES_TEMPLATE
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris"}}

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.batch.chains import ChainServer, disjoint_chains
-from client.batch.execute import BatchRunner, Generated
-from client.batch.jobs import Job
-from client.batch.plan import choose_steal, fcfs_plan, lower_bound, lpt_plan
-from client.batch.queues import WorkQueues
-from client.batch.records import (
+from llm_swarm.client.batch.chains import ChainServer, disjoint_chains
+from llm_swarm.client.batch.execute import BatchRunner, Generated
+from llm_swarm.client.batch.jobs import Job
+from llm_swarm.client.batch.plan import choose_steal, fcfs_plan, lower_bound, lpt_plan
+from llm_swarm.client.batch.queues import WorkQueues
+from llm_swarm.client.batch.records import (
     BatchInputError,
     InputLimits,
     PromptRecord,
@@ -32,8 +32,8 @@ from client.batch.records import (
     check_prompt_tokens,
     parse_prompt_lines,
 )
-from client.batch.results import ResultsWriter, drop_error_lines, load_results
-from swarm.errors import SwarmUserError
+from llm_swarm.client.batch.results import ResultsWriter, drop_error_lines, load_results
+from llm_swarm.swarm.errors import SwarmUserError
 from tests.conftest import NUM_BLOCKS
 
 LIMITS = InputLimits(default_max_new_tokens=8, max_new_tokens_limit=64, max_prompt_chars=100)
@@ -79,7 +79,7 @@ def test_string_and_integer_ids_stay_distinct_and_huge_lines_are_refused_unread(
     assert len(parse_prompt_lines(['{"id": "7", "prompt": "a"}', '{"id": 7, "prompt": "b"}'], LIMITS)) == 2
     path = tmp_path / "huge.jsonl"
     path.write_text('{"id": "a", "prompt": "' + "x" * 10_000 + '"}\n')
-    from client.batch.records import read_prompts
+    from llm_swarm.client.batch.records import read_prompts
 
     with pytest.raises(BatchInputError, match="huge.jsonl line 1: the line is longer than any valid record"):
         read_prompts(path, LIMITS)
@@ -123,7 +123,7 @@ def test_a_results_file_that_is_not_ours_is_refused(tmp_path):
 
 
 def test_a_finished_batch_has_nothing_to_do_and_says_whether_some_prompts_failed(tmp_path, capsys):
-    from client.batch.cli import build_parser, run_batch
+    from llm_swarm.client.batch.cli import build_parser, run_batch
 
     prompts, out = tmp_path / "p.jsonl", tmp_path / "r.jsonl"
     prompts.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
@@ -170,8 +170,8 @@ def test_two_replicas_of_two_spans_make_two_disjoint_chains_fastest_first():
 
 
 def test_the_scheduler_s_status_leaves_out_servers_about_to_move():
-    from client.batch.discover import staying_spans
-    from swarm.scheduler_api import scheduler_pb2 as pb
+    from llm_swarm.client.batch.discover import staying_spans
+    from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
 
     def status(peer, state, span, assigned=(-1, -1), managed=False):
         start, end = span
@@ -191,7 +191,7 @@ def test_the_scheduler_s_status_leaves_out_servers_about_to_move():
 
 
 def test_the_probe_takes_the_median_prompt_to_decode_and_a_short_and_a_long_one_to_time_prompts():
-    from client.batch.probe import probe_jobs
+    from llm_swarm.client.batch.probe import probe_jobs
 
     jobs = [Job(PromptRecord(f"p{n}", "x", 9, n), tuple(range(n))) for n in range(1, 21)]
     decoding, prompts = probe_jobs(jobs, 8)
@@ -357,9 +357,9 @@ def test_a_killed_batch_resumes_and_answers_every_prompt_once_exactly(
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from client.batch.cli import build_parser, run_batch
     from harness.local_swarm import LocalSwarm
-    from swarm.dht_keys import default_prefix
+    from llm_swarm.client.batch.cli import build_parser, run_batch
+    from llm_swarm.swarm.dht_keys import default_prefix
 
     rng = np.random.default_rng(38)
     prompts = [
@@ -377,7 +377,7 @@ def test_a_killed_batch_resumes_and_answers_every_prompt_once_exactly(
         swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, list(SERVERS))
         peers = swarm.initial_peers
         argv = batch_args(prompts_path, out, llama_dir, peers, "--probe-tokens", "0")
-        first = swarm.start("batch-1", [sys.executable, "-m", "client.batch.cli", *argv])
+        first = swarm.start("batch-1", [sys.executable, "-m", "llm_swarm.client.batch.cli", *argv])
         deadline = time.monotonic() + 120
         while not out.exists() or out.read_text().count("\n") < 3:
             assert first.poll() is None and time.monotonic() < deadline, swarm.log("batch-1")[-3000:]

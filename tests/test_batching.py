@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server.engine import BatchingEngine, EngineStats
-from server.step_scheduler import (
+from llm_swarm.server.engine import BatchingEngine, EngineStats
+from llm_swarm.server.step_scheduler import (
     Action,
     CostModel,
     LinearCost,
@@ -25,8 +25,8 @@ from server.step_scheduler import (
     SchedulerPolicy,
     decide,
 )
-from swarm.models import load_client_parts, load_span
-from swarm.models.cache import BatchedStepCache
+from llm_swarm.swarm.models import load_client_parts, load_span
+from llm_swarm.swarm.models.cache import BatchedStepCache
 from tests.conftest import NUM_BLOCKS
 
 NEW_TOKENS = 12
@@ -412,9 +412,9 @@ PROMPTS = [
 
 @pytest.mark.swarm
 def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path):
-    from client import AutoDistributedModelForCausalLM
     from harness.local_swarm import LocalSwarm, prometheus_sample
-    from swarm.dht_keys import default_prefix
+    from llm_swarm.client import AutoDistributedModelForCausalLM
+    from llm_swarm.swarm.dht_keys import default_prefix
 
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()

@@ -6,8 +6,8 @@ import json
 import logging
 import threading
 
-from server.throughput import cached_block_timings
-from swarm.models import load_span
+from llm_swarm.server.throughput import cached_block_timings
+from llm_swarm.swarm.models import load_span
 
 
 def test_servers_measuring_at_once_leave_one_whole_cache_and_the_next_start_reads_it(
@@ -25,7 +25,7 @@ def test_servers_measuring_at_once_leave_one_whole_cache_and_the_next_start_read
         start.wait()
         measured[delay] = cached_block_timings(span, compute_delay=delay, cache_path=path)
 
-    with caplog.at_level(logging.WARNING, logger="server.throughput"):
+    with caplog.at_level(logging.WARNING, logger="llm_swarm.server.throughput"):
         threads = [threading.Thread(target=server_start, args=(delay,)) for delay in delays]
         for thread in threads:
             thread.start()
@@ -47,7 +47,7 @@ def test_a_damaged_cache_is_measured_afresh_and_replaced(llama_dir, tmp_path, ca
     span, _ = load_span(llama_dir, 0, 1)
     path = tmp_path / "block_timings.json"
     path.write_text('{"half a wri')
-    with caplog.at_level(logging.WARNING, logger="server.throughput"):
+    with caplog.at_level(logging.WARNING, logger="llm_swarm.server.throughput"):
         timings = cached_block_timings(span, cache_path=path)
     assert not caplog.records
     assert cached_block_timings(span, cache_path=path) == timings

@@ -17,8 +17,8 @@ import pytest
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from server.bounded_stream import add_bounded_stream_handler
-from swarm.wire import decode_metadata
+from llm_swarm.server.bounded_stream import add_bounded_stream_handler
+from llm_swarm.swarm.wire import decode_metadata
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

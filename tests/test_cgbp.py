@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.algorithms.cgbp import (
+from llm_swarm.scheduler.algorithms.cgbp import (
     cg_bp,
     choose_num_requests,
     conservative_block_count,
     max_requests,
     session_capacity,
 )
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

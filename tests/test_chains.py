@@ -10,12 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.algorithms.chains import gbp_cr, gca
-from scheduler.algorithms.feasibility import can_follow
-from scheduler.algorithms.jffc import JffcDispatcher
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots, placement_cache_slots
-from scheduler.algorithms.queueing import response_time_bounds
-from scheduler.algorithms.tuning import compose, tune_capacity
+from llm_swarm.scheduler.algorithms.chains import gbp_cr, gca
+from llm_swarm.scheduler.algorithms.feasibility import can_follow
+from llm_swarm.scheduler.algorithms.jffc import JffcDispatcher
+from llm_swarm.scheduler.algorithms.problem import (
+    ModelSpec,
+    ServerSpec,
+    Span,
+    cache_slots,
+    placement_cache_slots,
+)
+from llm_swarm.scheduler.algorithms.queueing import response_time_bounds
+from llm_swarm.scheduler.algorithms.tuning import compose, tune_capacity
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

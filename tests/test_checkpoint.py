@@ -10,10 +10,10 @@ import pytest
 import safetensors
 from transformers import GPT2Config
 
-from client import cli as client_cli
-from swarm.errors import CheckpointError, SpanError, UnsupportedModelError
-from swarm.models import checkpoint as checkpoint_module
-from swarm.models import load_client_parts, load_span
+from llm_swarm.client import cli as client_cli
+from llm_swarm.swarm.errors import CheckpointError, SpanError, UnsupportedModelError
+from llm_swarm.swarm.models import checkpoint as checkpoint_module
+from llm_swarm.swarm.models import load_client_parts, load_span
 
 
 def shards_holding(model_dir: Path, prefix: str) -> set[str]:

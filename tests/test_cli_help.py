@@ -40,7 +40,7 @@ def test_arguments_can_come_from_a_file(tmp_path):
     problem = '{"model": {"num_blocks": 2, "block_bytes": 1, "cache_bytes": 1, "hidden_size": 8}, '
     problem += '"servers": [{"name": "a", "memory_bytes": 1e10, "tau": 0.01}]}'
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler.plan.cli", f"@{args}"],
+        [sys.executable, "-m", "llm_swarm.scheduler.plan.cli", f"@{args}"],
         input=problem,
         capture_output=True,
         text=True,

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client.backend import LocalSpans
-from client.model import DistributedModelForCausalLM
-from client.session_cache import SessionCache
-from swarm.errors import SwarmUserError
-from swarm.models import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.client.session_cache import SessionCache
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_generate_command_runs_locally(llama_dir):
         [
             sys.executable,
             "-m",
-            "client.cli",
+            "llm_swarm.client.cli",
             str(llama_dir),
             "--local-spans",
             "0:3,3:6",
@@ -198,7 +198,7 @@ def test_generate_command_speculates_and_prints_the_same_text(llama_dir, flags):
     one-line summary of the drafts on stderr."""
 
     def run(*extra: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "client.cli", str(llama_dir), "--local-spans", "0:3,3:6"]
+        argv = [sys.executable, "-m", "llm_swarm.client.cli", str(llama_dir), "--local-spans", "0:3,3:6"]
         argv += ["--prompt", "a b c a b c a b", "--max-new-tokens", "16", *extra]
         return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
@@ -217,7 +217,16 @@ def test_generate_command_speculates_and_prints_the_same_text(llama_dir, flags):
 def test_a_draft_model_with_another_vocabulary_is_refused(llama_dir, tmp_path):
     other = build_tiny_model(tmp_path / "other", TinyModelSpec(family="llama", num_layers=1, vocab_size=300))
     result = subprocess.run(
-        [sys.executable, "-m", "client.cli", str(llama_dir), "--local-spans", "0:3,3:6", "--prompt", "hi"]
+        [
+            sys.executable,
+            "-m",
+            "llm_swarm.client.cli",
+            str(llama_dir),
+            "--local-spans",
+            "0:3,3:6",
+            "--prompt",
+            "hi",
+        ]
         + ["--assistant", str(other)],
         capture_output=True,
         text=True,
@@ -265,7 +274,7 @@ class _RecordingSpans(LocalSpans):
 def test_generate_tells_routing_the_real_prompt_and_answer_lengths(model_dir):
     """A one-off generate() opens its session with the prompt's real length; routing then
     counts the rest of max_length (max_new_tokens) as generated tokens."""
-    from client.remote import session_shape
+    from llm_swarm.client.remote import session_shape
 
     backend = _RecordingSpans([load_span(model_dir, 0, 6)[0]])
     model = DistributedModelForCausalLM.from_local_parts(model_dir, backend)

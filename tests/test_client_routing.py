@@ -3,9 +3,9 @@ session's prompt runs, and by the sessions each server already decodes (`client/
 
 from __future__ import annotations
 
-from client.routing import Candidate, choose_chain
-from swarm.route_request import RouteHop, SessionShape
-from swarm.server_info import ServerInfo
+from llm_swarm.client.routing import Candidate, choose_chain
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.server_info import ServerInfo
 from tests.test_record_validation import server_record
 
 LONG = SessionShape(batch_size=1, max_length=1100, l_in=1024, l_out=16)

@@ -16,18 +16,18 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.connection import run_sync
 from harness.local_swarm import PYTHON, LocalSwarm
-from server.handler import BlockServicer
-from swarm.closed_swarm import SwarmSecret
-from swarm.dht_keys import block_key, default_prefix
-from swarm.dht_peer import start_dht
-from swarm.errors import SwarmUserError
-from swarm.identity import peer_id_of_subkey
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
-from swarm.wire import InfoRequest, Open, decode_metadata, encode
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.connection import run_sync
+from llm_swarm.server.handler import BlockServicer
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.dht_keys import block_key, default_prefix
+from llm_swarm.swarm.dht_peer import start_dht
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.identity import peer_id_of_subkey
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.swarm.wire import InfoRequest, Open, decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
 
 pytestmark = pytest.mark.swarm  # every test here starts processes
@@ -44,7 +44,7 @@ def closed_swarm(llama_dir, tmp_path_factory):
         maddr_file = directory / "dht.maddrs"
         swarm.start(
             "dht",
-            [PYTHON, "-m", "swarm.cli.dht", "--maddr-file", str(maddr_file)]
+            [PYTHON, "-m", "llm_swarm.swarm.cli.dht", "--maddr-file", str(maddr_file)]
             + ["--swarm-secret", str(secret_file), "--new-swarm-secret"],
         )
         swarm.initial_peers = wait_file(swarm, maddr_file).split()

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarm.cost import HopCost, cache_bytes_per_block, cache_slots, kv_dim, request_time
-from swarm.models import load_span
+from llm_swarm.swarm.cost import HopCost, cache_bytes_per_block, cache_slots, kv_dim, request_time
+from llm_swarm.swarm.models import load_span
 
 
 def test_block_bytes_equal_the_parameter_bytes_of_one_block(bloom_dir, llama_dir):

@@ -11,10 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.models import load_span
-from swarm.models.decode_graphs import MAX_CAPTURES_PER_SESSION, MIN_WIDTH, DecodeGraphs, window_width
-from swarm.models.family import family_for
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.decode_graphs import (
+    MAX_CAPTURES_PER_SESSION,
+    MIN_WIDTH,
+    DecodeGraphs,
+    window_width,
+)
+from llm_swarm.swarm.models.family import family_for
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 CUDA = torch.cuda.is_available()
 
@@ -224,8 +229,8 @@ def test_servers_on_a_gpu_generate_what_transformers_does(swarm, llama_dir):
     prompt: greedy tokens equal local transformers' on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    from client import AutoDistributedModelForCausalLM
-    from swarm.dht_keys import default_prefix
+    from llm_swarm.client import AutoDistributedModelForCausalLM
+    from llm_swarm.swarm.dht_keys import default_prefix
 
     prefix = default_prefix(str(llama_dir))
     for name, blocks in (("a", "0:3"), ("b", "3:6")):

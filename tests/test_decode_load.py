@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.decode_load import DecodeLoad
+from llm_swarm.server.decode_load import DecodeLoad
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -13,10 +13,10 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils.mpfuture import MPFuture
 
 from harness.standin_records import new_keys, publish_standins, standin_info, start_standin_dht
-from swarm import dht_peer
-from swarm.dht_keys import roster_shard_key, roster_shard_of
-from swarm.dht_records import fetch_servers
-from swarm.identity import owner_subkey, public_key_text
+from llm_swarm.swarm import dht_peer
+from llm_swarm.swarm.dht_keys import roster_shard_key, roster_shard_of
+from llm_swarm.swarm.dht_records import fetch_servers
+from llm_swarm.swarm.identity import owner_subkey, public_key_text
 
 pytestmark = [pytest.mark.version_neutral, pytest.mark.swarm]  # no transformers code: one leg runs it
 

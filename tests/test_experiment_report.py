@@ -15,7 +15,7 @@ from benchmarks.table2.placement import place, with_chain_times
 from benchmarks.table2.plans import attainment, measured_times, parse_plan, parse_plans, run_attainment
 from benchmarks.table2.repeatability import compare
 from benchmarks.table2.report import command_of, markdown
-from scheduler.algorithms.problem import ModelSpec
+from llm_swarm.scheduler.algorithms.problem import ModelSpec
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from swarm.dht_keys import default_prefix
-from swarm.models.span import load_span
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models.span import load_span
 from tests.conftest import NUM_BLOCKS
 
 pytestmark = pytest.mark.swarm  # every test here starts processes

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.backend import LocalSpans
-from client.model import DistributedModelForCausalLM
-from swarm.dht_keys import default_prefix
-from swarm.models import load_span
-from swarm.models.tiny import FALCON_VARIANTS, TinyModelSpec, build_tiny_model
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.tiny import FALCON_VARIANTS, TinyModelSpec, build_tiny_model
 
 LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])

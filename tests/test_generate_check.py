@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-from client import cli as client_cli
-from client.backend import LocalSpans
-from client.generate_report import ChainHop, TokenCheck, chain_lines, speed_line
-from client.model import DistributedModelForCausalLM
-from swarm.dht_keys import default_prefix
-from swarm.models import load_span
+from llm_swarm.client import cli as client_cli
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.generate_report import ChainHop, TokenCheck, chain_lines, speed_line
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models import load_span
 from tests.conftest import NUM_BLOCKS
 
 PEER_A = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -26,7 +26,7 @@ PEER_C = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
 
 
 def run_cli(model_dir, *argv: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "client.cli", str(model_dir), *argv]
+    command = [sys.executable, "-m", "llm_swarm.client.cli", str(model_dir), *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=180)
 
 

@@ -20,38 +20,38 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler.algorithms.cgbp import cg_bp
-from scheduler.algorithms.placing import PlanInputError
-from scheduler.plan import cli as plan_cli
-from scheduler.plan.problem_io import parse_problem
-from scheduler.service.core import CoreSettings, SchedulerCore
-from scheduler.service.grpc_api import SchedulerApi
-from scheduler.service.planner import PlanSettings
-from scheduler.service.slo_admission import SloTargets, predict
-from scheduler.sim.discrete_events import simulate
-from scheduler.sim.goodput_plan import (
+from llm_swarm.scheduler.algorithms.cgbp import cg_bp
+from llm_swarm.scheduler.algorithms.placing import PlanInputError
+from llm_swarm.scheduler.plan import cli as plan_cli
+from llm_swarm.scheduler.plan.problem_io import parse_problem
+from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
+from llm_swarm.scheduler.service.grpc_api import SchedulerApi
+from llm_swarm.scheduler.service.planner import PlanSettings
+from llm_swarm.scheduler.service.slo_admission import SloTargets, predict
+from llm_swarm.scheduler.sim.discrete_events import simulate
+from llm_swarm.scheduler.sim.goodput_plan import (
     plan_goodput,
     search_goodput,
     servers_to_add,
     smallest_count,
 )
-from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
-from scheduler.sim.plan_runs import (
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
+from llm_swarm.scheduler.sim.plan_runs import (
     Candidate,
     Evaluator,
     SearchSettings,
     dispatcher_for,
     idle_latency,
 )
-from scheduler.sim.planning_swarm import choose_client, problem_swarm, with_added_servers
-from scheduler.sim.policies import NONE, build_dispatcher
-from swarm.errors import SwarmUserError
-from swarm.route_request import RouteRequest, SessionShape
-from swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.scheduler.sim.planning_swarm import choose_client, problem_swarm, with_added_servers
+from llm_swarm.scheduler.sim.policies import NONE, build_dispatcher
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.route_request import RouteRequest, SessionShape
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
 from tests.test_scheduler_core import BLOCK, SERVERS, SHAPE, SLOT, L, core_with, info, serving
 
 _SCRIPT = Path(sys.executable).with_name("swarm-plan")
-COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "scheduler.plan.cli"]
+COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "llm_swarm.scheduler.plan.cli"]
 
 
 def server(name: str, memory: float, tau: float, rtt: float) -> dict:
@@ -371,8 +371,8 @@ class _Reached(Exception):
 
 
 def _client_session(reply, accept: bool):
-    from client.options import ClientOptions
-    from client.remote import RemoteBlockSession
+    from llm_swarm.client.options import ClientOptions
+    from llm_swarm.client.remote import RemoteBlockSession
 
     class Connection:
         scheduler = _Link(reply)
@@ -395,7 +395,7 @@ def _client_session(reply, accept: bool):
 
 
 def test_the_client_gives_up_on_an_slo_miss_unless_it_accepts_them():
-    from client.connection import SwarmUnavailable
+    from llm_swarm.client.connection import SwarmUnavailable
 
     reply = pb.RouteReply(
         session_id="routed",

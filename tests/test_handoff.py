@@ -16,14 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.connection import run_sync
-from client.stream import ServerStream, StepInput
-from server.handler import PUSH_HANDLE
-from swarm.dht_keys import default_prefix
-from swarm.handoff_wire import CacheChunk, PushCache
-from swarm.route_request import RouteHop, SessionShape
-from swarm.wire import decode_tensors, encode
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.connection import run_sync
+from llm_swarm.client.stream import ServerStream, StepInput
+from llm_swarm.server.handler import PUSH_HANDLE
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.handoff_wire import CacheChunk, PushCache
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.wire import decode_tensors, encode
 from tests.conftest import NUM_BLOCKS
 from tests.raw_streams import exchange
 
@@ -87,7 +87,7 @@ def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama
     a session is open on it hands the session's cache to a server holding the session's blocks (the
     only one: `spare`, made slower so that the session starts on the mover), and generation stays
     equal to local transformers; the mover then serves its new span."""
-    from swarm.dht_records import fetch_roster_async
+    from llm_swarm.swarm.dht_records import fetch_roster_async
     from tests.test_server_managed import (
         ScriptedScheduler,
         publish_scripted,
@@ -152,7 +152,7 @@ def test_a_handoff_cut_half_way_falls_back_to_replay(swarm, fault, llama_dir, bl
         blocks,
         "1GB",
         *drain,
-        module=faulty if fault == "die-pushing" else ("server.cli",),
+        module=faulty if fault == "die-pushing" else ("llm_swarm.server.cli",),
     )
     swarm.wait_online(prefix, NUM_BLOCKS, ["leaving"])
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -162,7 +162,7 @@ def test_a_handoff_cut_half_way_falls_back_to_replay(swarm, fault, llama_dir, bl
     try:
         with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
             first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
-            receiver = faulty if fault == "die-receiving" else ("server.cli",)
+            receiver = faulty if fault == "die-receiving" else ("llm_swarm.server.cli",)
             swarm.start_server("target", model_dir, blocks, "1GB", module=receiver)
             swarm.wait_online(prefix, NUM_BLOCKS, ["leaving", "target"])
             swarm.processes["leaving"].send_signal(signal.SIGTERM)
@@ -412,7 +412,7 @@ def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir
     def generate(index: int) -> None:
         outputs[index] = models[index].generate(prompt, max_new_tokens=8, do_sample=False)
 
-    caplog.set_level("INFO", logger="client")
+    caplog.set_level("INFO", logger="llm_swarm.client")
     try:
         threads = [threading.Thread(target=generate, args=(index,)) for index in range(2)]
         for thread in threads:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server import cli as server_cli
-from server.cli import build_parser, config_from_args
-from swarm.cost import module_parameter_bytes
-from swarm.errors import SwarmUserError
-from swarm.hardware import (
+from llm_swarm.server import cli as server_cli
+from llm_swarm.server.cli import build_parser, config_from_args
+from llm_swarm.swarm.cost import module_parameter_bytes
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.hardware import (
     MIN_HEADROOM_BYTES,
     DeviceFacts,
     headroom_bytes,
@@ -19,9 +19,9 @@ from swarm.hardware import (
     server_memory_budget,
     usable_memory,
 )
-from swarm.models import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
-from swarm.quantization import check_quant_device, parse_quant, quantize_block
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.quantization import check_quant_device, parse_quant, quantize_block
 
 GIB = 2**30
 NO_GPU = DeviceFacts(cuda_devices=0)

@@ -20,12 +20,12 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM
-from client.connection import SwarmConnection, run_sync
 from harness.local_swarm import LocalSwarm
-from server.handler import BlockServicer
-from swarm.dht_keys import default_prefix
-from swarm.wire import (
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.client.connection import SwarmConnection, run_sync
+from llm_swarm.server.handler import BlockServicer
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.wire import (
     PEER_LIMIT_PREFIX,
     Backward,
     Computed,
@@ -299,7 +299,7 @@ class Target:
 
 @pytest.fixture(scope="module")
 def target(llama_dir, tmp_path_factory):
-    from swarm.models import load_span
+    from llm_swarm.swarm.models import load_span
 
     span, _ = load_span(llama_dir, 0, NUM_BLOCKS)
     session_bytes = span.cache_bytes(MAX_LENGTH) * NUM_BLOCKS

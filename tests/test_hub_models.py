@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness import preloaded_launcher
 from harness.local_swarm import CHILD_ENV, PYTHON
-from swarm.dht_keys import default_prefix
-from swarm.errors import SwarmUserError
-from swarm.models.hub import resolve_model
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.models.hub import resolve_model
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 from tests.fake_hub import FakeHub, FakeRepo
 
 REPO = "swarm-tests/tiny-llama"
@@ -105,7 +105,16 @@ def test_servers_and_a_client_named_by_hub_id_fetch_only_what_they_hold(
         .eval()
         .generate(prompt, max_new_tokens=12, do_sample=False)
     )
-    command = [PYTHON, "-m", "client.cli", REPO, "--initial-peers", *swarm.initial_peers, "--prompt", PROMPT]
+    command = [
+        PYTHON,
+        "-m",
+        "llm_swarm.client.cli",
+        REPO,
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--prompt",
+        PROMPT,
+    ]
     command += ["--max-new-tokens", "12"]
     client_cache = tmp_path / "client"
     done = subprocess.run(
@@ -122,8 +131,8 @@ CASES = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from swarm.models import load_span
-    from swarm.models.hub import resolve_model
+    from llm_swarm.swarm.models import load_span
+    from llm_swarm.swarm.models.hub import resolve_model
 
     def outcome(call):
         try:
@@ -142,7 +151,7 @@ CASES = textwrap.dedent(
         "interrupted download": outcome(lambda: load_span(resolve_model(repo), 0, 1)),
     }
     snapshot = resolve_model(repo)
-    from swarm.dht_keys import default_prefix
+    from llm_swarm.swarm.dht_keys import default_prefix
     results["swarm names"] = [default_prefix(str(snapshot)), default_prefix(str(resolve_model(repo, "v2")))]
     weight_map = json.loads((snapshot / "model.safetensors.index.json").read_text())["weight_map"]
     shard = weight_map["model.layers.0.input_layernorm.weight"]

@@ -12,17 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.options import ClientOptions
-from scheduler.service.core import CoreSettings, SchedulerCore
-from scheduler.service.planner import PlanSettings
-from scheduler.service.view import ModelShape
-from scheduler.sim import length_info
-from scheduler.sim.cli import main as sim_main
-from scheduler.sim.discrete_events import simulate
-from scheduler.sim.monte_carlo import CellConfig, make_requests, make_scenario, run_seed
-from scheduler.sim.policies import NONE, build_dispatcher
-from swarm.errors import SwarmUserError
-from swarm.length_prediction import (
+from llm_swarm.client.options import ClientOptions
+from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
+from llm_swarm.scheduler.service.planner import PlanSettings
+from llm_swarm.scheduler.service.view import ModelShape
+from llm_swarm.scheduler.sim import length_info
+from llm_swarm.scheduler.sim.cli import main as sim_main
+from llm_swarm.scheduler.sim.discrete_events import simulate
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, make_requests, make_scenario, run_seed
+from llm_swarm.scheduler.sim.policies import NONE, build_dispatcher
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.length_prediction import (
     MAX_LENGTH,
     MIN_OBSERVATIONS,
     NUM_OUTPUT_BUCKETS,
@@ -32,8 +32,8 @@ from swarm.length_prediction import (
     output_bucket,
     prompt_bucket,
 )
-from swarm.route_request import RouteRequest, SessionShape
-from swarm.server_info import ServerInfo, ServerState
+from llm_swarm.swarm.route_request import RouteRequest, SessionShape
+from llm_swarm.swarm.server_info import ServerInfo, ServerState
 
 lengths_strategy = st.lists(st.integers(1, 5000), min_size=1, max_size=300)
 
@@ -360,10 +360,10 @@ def test_the_residual_length_of_a_running_session_follows_the_tail():
 def test_a_server_learns_its_sessions_lengths_and_expects_less_decode_work():
     import torch
 
-    from server.engine import _Step
-    from server.session import Session
-    from server.session_lengths import SessionLengths
-    from swarm.models.cache import SpanCache
+    from llm_swarm.server.engine import _Step
+    from llm_swarm.server.session import Session
+    from llm_swarm.server.session_lengths import SessionLengths
+    from llm_swarm.swarm.models.cache import SpanCache
 
     lengths = SessionLengths()
 

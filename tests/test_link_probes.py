@@ -12,12 +12,12 @@ import torch
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM
-from client.connection import run_sync
-from server.link_probes import PROBE_HANDLE
-from swarm.dht_keys import default_prefix
-from swarm.handoff_wire import CHUNK_BYTES, ProbeChunk, ProbeLink
-from swarm.wire import decode_metadata, encode
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.client.connection import run_sync
+from llm_swarm.server.link_probes import PROBE_HANDLE
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, ProbeChunk, ProbeLink
+from llm_swarm.swarm.wire import decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
 from tests.raw_streams import exchange
 

@@ -23,17 +23,17 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.mxfp4 import FP4_VALUES
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.backend import LocalSpans
-from client.model import DistributedModelForCausalLM
-from swarm.cost import module_parameter_bytes
-from swarm.dht_keys import default_prefix
-from swarm.errors import CheckpointError, UnsupportedModelError
-from swarm.models import load_span
-from swarm.models.cache import REWIND_RESERVE
-from swarm.models.tiny import FAMILIES as TINY_FAMILIES
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
-from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.swarm.cost import module_parameter_bytes
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.errors import CheckpointError, UnsupportedModelError
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.cache import REWIND_RESERVE
+from llm_swarm.swarm.models.tiny import FAMILIES as TINY_FAMILIES
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
 
 LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from scheduler.algorithms import petals
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

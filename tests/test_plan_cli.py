@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.plan import cli as plan_cli
+from llm_swarm.scheduler.plan import cli as plan_cli
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 
 _SCRIPT = Path(sys.executable).with_name("swarm-plan")
-COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "scheduler.plan.cli"]
+COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "llm_swarm.scheduler.plan.cli"]
 
 
 def run(args: list[str], document: object | str) -> subprocess.CompletedProcess:

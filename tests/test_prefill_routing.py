@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.service.prefill_routing import PrefillPlanner
-from scheduler.service.view import ModelShape, SwarmView
-from swarm.handoff_wire import HandOff
-from swarm.prefill_cost import hop_prefill_costs, streamed_seconds
-from swarm.route_request import RouteHop
-from swarm.server_info import ServerInfo, ServerRole, ServerState
-from swarm.wire import decode_metadata, encode
+from llm_swarm.scheduler.service.prefill_routing import PrefillPlanner
+from llm_swarm.scheduler.service.view import ModelShape, SwarmView
+from llm_swarm.swarm.handoff_wire import HandOff
+from llm_swarm.swarm.prefill_cost import hop_prefill_costs, streamed_seconds
+from llm_swarm.swarm.route_request import RouteHop
+from llm_swarm.swarm.server_info import ServerInfo, ServerRole, ServerState
+from llm_swarm.swarm.wire import decode_metadata, encode
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import benchmarks.families.decode_step_profile as experiment
-from swarm.models.span import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.models.span import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 
 @pytest.mark.parametrize("kv_heads", [None, 2])

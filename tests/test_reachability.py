@@ -16,9 +16,9 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from client.routing import Candidate, chain_problem, choose_chain
 from harness.local_swarm import LocalSwarm
-from swarm.reachability import (
+from llm_swarm.client.routing import Candidate, chain_problem, choose_chain
+from llm_swarm.swarm.reachability import (
     DialBackRequest,
     DialBackResult,
     DialBackRpc,
@@ -26,9 +26,9 @@ from swarm.reachability import (
     has_circuit,
     peer_ids_of,
 )
-from swarm.route_request import RouteHop, SessionShape
-from swarm.server_info import Reachability, ServerInfo
-from swarm.wire import encode, parse
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.server_info import Reachability, ServerInfo
+from llm_swarm.swarm.wire import encode, parse
 from tests.test_record_validation import server_record
 
 # --- pure rules ---------------------------------------------------------------------------------------

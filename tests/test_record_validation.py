@@ -12,9 +12,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from client.routing import chain_problem
-from swarm.closed_swarm import SwarmSecret
-from swarm.identity import (
+from llm_swarm.client.routing import chain_problem
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.identity import (
     load_identity,
     owner_subkey,
     peer_id_of_key,
@@ -22,11 +22,11 @@ from swarm.identity import (
     public_key_text,
     read_public_key,
 )
-from swarm.model_limits import ModelLimits
-from swarm.models.checkpoint import load_config
-from swarm.record_validator import MAX_RECORD_TTL, parse_record, swarm_validators
-from swarm.route_request import RouteHop
-from swarm.server_info import ServerInfo, ServerState
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.models.checkpoint import load_config
+from llm_swarm.swarm.record_validator import MAX_RECORD_TTL, parse_record, swarm_validators
+from llm_swarm.swarm.route_request import RouteHop
+from llm_swarm.swarm.server_info import ServerInfo, ServerState
 
 
 def server_record(**overrides) -> dict:

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.swarm.dht_keys import default_prefix
 from tests.conftest import NUM_BLOCKS
 
 pytestmark = pytest.mark.swarm  # every test here starts processes

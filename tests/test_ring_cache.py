@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from swarm.models import load_span
-from swarm.models.cache import REWIND_RESERVE, SpanCache
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.cache import REWIND_RESERVE, SpanCache
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 WINDOW = 5
 RING = WINDOW - 1 + REWIND_RESERVE

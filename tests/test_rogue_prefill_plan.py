@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
 from tests.conftest import NUM_BLOCKS
 from tests.rogue_scheduler import published_as_trusted, serve_rogue
 
@@ -69,7 +69,7 @@ def test_bogus_prefill_plans_are_ignored_and_a_good_entry_is_followed(llama_dir,
                 pb.Hop(peer_id=peers["pre"], start=1, end=3),  # no hop of the chain
             ]
             rogue.prefill = bogus * 2000  # 12,000 entries, all to be ignored
-            with caplog.at_level(logging.INFO, logger="client"):
+            with caplog.at_level(logging.INFO, logger="llm_swarm.client"):
                 assert torch.equal(generate(llama_dir, swarm), expected)
             assert "ignoring 12000 of the scheduler's 12000 prefill hops" in caplog.text
             assert caplog.text.count("prefill hops") == 1  # one line, not one per entry
@@ -80,7 +80,7 @@ def test_bogus_prefill_plans_are_ignored_and_a_good_entry_is_followed(llama_dir,
 
             # a good entry among the bogus ones: the prompt of blocks 0:3 runs on the prefill server
             rogue.prefill = [*bogus, pb.Hop(peer_id=peers["pre"], start=0, end=3)]
-            with caplog.at_level(logging.INFO, logger="client"):
+            with caplog.at_level(logging.INFO, logger="llm_swarm.client"):
                 assert torch.equal(generate(llama_dir, swarm), expected)
             assert "its prompt goes to prefill servers" in caplog.text
             assert "scheduler's plan: yes" in caplog.text

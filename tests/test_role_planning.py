@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from scheduler.algorithms.problem import ServerSpec, Span
-from scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
-from scheduler.algorithms.role_split import (
+from llm_swarm.scheduler.algorithms.problem import ServerSpec, Span
+from llm_swarm.scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
+from llm_swarm.scheduler.algorithms.role_split import (
     BOTH,
     PREFILL,
     RoleInputs,
@@ -22,15 +22,15 @@ from scheduler.algorithms.role_split import (
     hand_off_targets,
     plan_roles,
 )
-from scheduler.service.core import CoreSettings, SchedulerCore
-from scheduler.service.planner import PlanSettings, compute_plan
-from scheduler.service.view import ModelShape
-from scheduler.sim.metrics import Slo
-from scheduler.sim.role_planning import plan_scenario_roles, roles_text, split_swarm
-from server.assigned_role import AssignedRole
-from swarm.errors import SwarmUserError
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.server_info import ServerInfo, ServerRole, ServerState
+from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
+from llm_swarm.scheduler.service.planner import PlanSettings, compute_plan
+from llm_swarm.scheduler.service.view import ModelShape
+from llm_swarm.scheduler.sim.metrics import Slo
+from llm_swarm.scheduler.sim.role_planning import plan_scenario_roles, roles_text, split_swarm
+from llm_swarm.server.assigned_role import AssignedRole
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.server_info import ServerInfo, ServerRole, ServerState
 
 KV = 4096.0  # cache bytes per token per block
 L_IN = 2048
@@ -237,7 +237,7 @@ def test_roles_whose_decode_servers_cannot_hold_the_model_fall_back_to_colocated
     records = core_records(1.25e9, compute_memory=8 * GIB)
     scheduler.update_roster(records, 0.0)
     scheduler.roles.roles = {p: "prefill" for p in records if p.startswith("bandwidth")}
-    with caplog.at_level(logging.WARNING, logger="scheduler.service.live_roles"):
+    with caplog.at_level(logging.WARNING, logger="llm_swarm.scheduler.service.live_roles"):
         assert scheduler.review(1.0, force=True)
     assert scheduler.roles.roles == {} and "cannot be placed alone" in caplog.text
     colocated = compute_plan(scheduler.view, sorted(records), scheduler.settings.plan, 1)
@@ -254,7 +254,7 @@ def test_the_proto_role_defaults_to_empty():
 
 
 def test_a_server_follows_assigned_roles_unless_started_with_one(caplog):
-    caplog.set_level(logging.INFO, logger="server.assigned_role")
+    caplog.set_level(logging.INFO, logger="llm_swarm.server.assigned_role")
     managed = AssignedRole("both")
     assert managed.follow("prefill") and managed.role == ServerRole.PREFILL
     assert not managed.follow("prefill")
@@ -297,8 +297,8 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
     import time
 
     from harness.local_swarm import LocalSwarm
-    from swarm.dht_keys import default_prefix
-    from swarm.dht_records import fetch_roster_async
+    from llm_swarm.swarm.dht_keys import default_prefix
+    from llm_swarm.swarm.dht_records import fetch_roster_async
     from tests.conftest import NUM_BLOCKS
     from tests.test_server_managed import (
         ScriptedScheduler,
@@ -365,8 +365,8 @@ def test_a_live_scheduler_plans_roles_and_generation_through_them_stays_exact(sw
     import torch
     from transformers import AutoModelForCausalLM
 
-    from client import AutoDistributedModelForCausalLM, ClientOptions
-    from swarm.dht_keys import default_prefix
+    from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+    from llm_swarm.swarm.dht_keys import default_prefix
     from tests.conftest import NUM_BLOCKS
     from tests.test_handoff import _wait_for_log
     from tests.test_server_managed import start_managed

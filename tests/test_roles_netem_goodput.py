@@ -7,8 +7,8 @@ import math
 import pytest
 
 from benchmarks.roles.sim import attainment, measured_times, rate_goodput, trace_requests
-from scheduler.sim.metrics import Slo
-from scheduler.sim.workload import TraceRecord
+from llm_swarm.scheduler.sim.metrics import Slo
+from llm_swarm.scheduler.sim.workload import TraceRecord
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -12,9 +12,6 @@ import torch
 from hivemind.dht import DHT
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM
-from client.connection import SwarmConnection, run_sync
-from client.routing import probe_shortlist
 from harness.local_swarm import LocalSwarm
 from harness.standin_records import (
     StandInSigner,
@@ -24,12 +21,15 @@ from harness.standin_records import (
     standin_info,
     start_standin_dht,
 )
-from scheduler.service.status_page import SERVERS_PER_PAGE, render_status_page
-from swarm.dht_keys import default_prefix
-from swarm.dht_records import fetch_servers_covering, finish_covering_read
-from swarm.identity import load_identity
-from swarm.record_validator import SwarmRecordValidator
-from swarm.server_info import Reachability, ServerInfo
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.client.connection import SwarmConnection, run_sync
+from llm_swarm.client.routing import probe_shortlist
+from llm_swarm.scheduler.service.status_page import SERVERS_PER_PAGE, render_status_page
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.dht_records import fetch_servers_covering, finish_covering_read
+from llm_swarm.swarm.identity import load_identity
+from llm_swarm.swarm.record_validator import SwarmRecordValidator
+from llm_swarm.swarm.server_info import Reachability, ServerInfo
 from tests.conftest import NUM_BLOCKS
 from tests.test_record_validation import server_record
 from tests.test_trust import BOUND_S, NEW_TOKENS, PROMPT

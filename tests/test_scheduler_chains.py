@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from scheduler.algorithms.problem import ServerSpec
-from scheduler.plan.commands import place
-from scheduler.plan.problem_io import parse_problem
-from scheduler.service.chain_routing import queue_start_times, timings_moved
-from scheduler.service.core import CoreSettings, SchedulerCore
-from scheduler.service.planner import PlanSettings
-from swarm.route_request import RouteRequest, SessionShape
-from swarm.server_info import ServerState
+from llm_swarm.scheduler.algorithms.problem import ServerSpec
+from llm_swarm.scheduler.plan.commands import place
+from llm_swarm.scheduler.plan.problem_io import parse_problem
+from llm_swarm.scheduler.service.chain_routing import queue_start_times, timings_moved
+from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
+from llm_swarm.scheduler.service.planner import PlanSettings
+from llm_swarm.swarm.route_request import RouteRequest, SessionShape
+from llm_swarm.swarm.server_info import ServerState
 from tests.test_scheduler_core import BLOCK, SERVERS, SHAPE, SLOT, L, info
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it

@@ -6,17 +6,17 @@ import json
 
 import pytest
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.plan.commands import place
-from scheduler.plan.problem_io import dumps, parse_problem, problem_json
-from scheduler.service.core import CoreSettings, SchedulerCore
-from scheduler.service.planner import PlanSettings, r_changed
-from scheduler.service.runner import SchedulerConfig
-from scheduler.service.sessions import SessionBook
-from scheduler.service.view import ModelShape
-from swarm.errors import SwarmUserError
-from swarm.route_request import RouteRequest, SessionShape
-from swarm.server_info import Reachability, ServerInfo, ServerState
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.plan.commands import place
+from llm_swarm.scheduler.plan.problem_io import dumps, parse_problem, problem_json
+from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
+from llm_swarm.scheduler.service.planner import PlanSettings, r_changed
+from llm_swarm.scheduler.service.runner import SchedulerConfig
+from llm_swarm.scheduler.service.sessions import SessionBook
+from llm_swarm.scheduler.service.view import ModelShape
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.route_request import RouteRequest, SessionShape
+from llm_swarm.swarm.server_info import Reachability, ServerInfo, ServerState
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
 from harness.local_swarm import LocalSwarm
-from swarm.models.span import load_span
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.swarm.models.span import load_span
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 from tests.swarm_processes import dht_started
 
@@ -187,7 +187,7 @@ def test_managed_spans_equal_swarm_plan_and_generation_is_exact(five, llama_dir,
     swarm, address = five
     current = wait_until(lambda: placed(address, len(FIVE)), 150, "the five servers to serve their spans")
     plan = subprocess.run(
-        [sys.executable, "-m", "scheduler.plan.cli", "place", "--algo", "cg-bp"],
+        [sys.executable, "-m", "llm_swarm.scheduler.plan.cli", "place", "--algo", "cg-bp"],
         input=current.plan_input,
         capture_output=True,
         text=True,

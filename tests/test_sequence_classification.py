@@ -13,16 +13,16 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForSequenceClassification
 
-from client import (
+from llm_swarm.client import (
     AutoDistributedModel,
     AutoDistributedModelForSequenceClassification,
     DistributedModelForSequenceClassification,
 )
-from client.backend import LocalSpans
-from swarm.dht_keys import default_prefix
-from swarm.errors import SwarmUserError
-from swarm.models import load_span
-from swarm.models.tiny import PAD_ID
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.tiny import PAD_ID
 from tests.conftest import NUM_BLOCKS
 
 NUM_LABELS = 3

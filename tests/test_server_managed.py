@@ -20,21 +20,27 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM
 from harness.local_swarm import PYTHON, LocalSwarm, prometheus_sample
-from scheduler.algorithms import petals
-from scheduler.algorithms.problem import ModelSpec
-from server.block_choice import ServedSpan, block_throughput, choose_blocks, petals_model_spec, served_spans
-from server.cli import build_parser, config_from_args
-from server.server import ServerConfig
-from swarm.dht_keys import default_prefix
-from swarm.dht_records import fetch_roster_async, publish_scheduler
-from swarm.errors import SpanError, SwarmUserError
-from swarm.identity import owner_subkey
-from swarm.models import load_span
-from swarm.models.span import rebuild_span
-from swarm.scheduler_api import scheduler_pb2, scheduler_pb2_grpc
-from swarm.server_info import ServerInfo, ServerState
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.problem import ModelSpec
+from llm_swarm.server.block_choice import (
+    ServedSpan,
+    block_throughput,
+    choose_blocks,
+    petals_model_spec,
+    served_spans,
+)
+from llm_swarm.server.cli import build_parser, config_from_args
+from llm_swarm.server.server import ServerConfig
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.dht_records import fetch_roster_async, publish_scheduler
+from llm_swarm.swarm.errors import SpanError, SwarmUserError
+from llm_swarm.swarm.identity import owner_subkey
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.span import rebuild_span
+from llm_swarm.swarm.scheduler_api import scheduler_pb2, scheduler_pb2_grpc
+from llm_swarm.swarm.server_info import ServerInfo, ServerState
 from tests.conftest import NUM_BLOCKS
 
 # --- (a) rebuild_span reuses blocks and computes what a fresh load computes -----------------------
@@ -234,7 +240,7 @@ def test_a_config_built_in_code_gets_the_same_checks_as_the_command_line(llama_d
 
 def start_managed(swarm: LocalSwarm, name: str, model_dir, memory: int, *extra: str):
     """A server started without --blocks (`LocalSwarm.start_server` always pins a span)."""
-    argv = [PYTHON, "-m", "server.cli", str(model_dir), "--initial-peers", *swarm.initial_peers]
+    argv = [PYTHON, "-m", "llm_swarm.server.cli", str(model_dir), "--initial-peers", *swarm.initial_peers]
     argv += ["--memory", str(memory), "--announce-period", "2", "--torch-threads", "1"]
     # float32 as `petals_memory` counts (on a GPU, `--dtype auto` halves the bytes per block)
     argv += ["--scheduler-key", swarm.scheduler_key, "--dtype", "float32"]

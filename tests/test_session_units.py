@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.replay import replay_groups, replay_tensors, session_mask
-from client.speculation.draft_length import (
+from llm_swarm.client.replay import replay_groups, replay_tensors, session_mask
+from llm_swarm.client.speculation.draft_length import (
     DraftLength,
     DraftLengthOptions,
     best_draft_length,
     expected_tokens,
 )
-from client.stream import StepInput, catch_up_input
-from swarm.linear_fit import LinearCost
+from llm_swarm.client.stream import StepInput, catch_up_input
+from llm_swarm.swarm.linear_fit import LinearCost
 
 ROUND_TRIP = LinearCost(fixed=0.150, per_unit=0.0005)  # three 50 ms hops; verifying a token costs little
 CHEAP_DRAFT = LinearCost(fixed=0.0, per_unit=0.002)
@@ -121,7 +121,7 @@ def test_replay_groups_split_by_tokens_and_refuse_masks_they_cannot_carry():
 
 
 def test_continuation_tells_the_two_conventions_apart_and_refuses_what_fits_neither():
-    from client.continuation import continuation, mask_after
+    from llm_swarm.client.continuation import continuation, mask_after
 
     last = torch.tensor([[0, 5, 6, 7]])
     last_mask = torch.tensor([[0, 1, 1, 1]])

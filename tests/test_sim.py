@@ -8,15 +8,15 @@ import math
 import numpy as np
 import pytest
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.sim import scenarios
-from scheduler.sim.cli import main
-from scheduler.sim.discrete_events import CLIENT, simulate
-from scheduler.sim.monte_carlo import CellConfig, run_seed
-from scheduler.sim.policies import NONE, POLICIES, WsRrRouting, build_dispatcher
-from scheduler.sim.topology import parse_repetita, rtt_matrix
-from scheduler.sim.workload import Request, poisson
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.sim import scenarios
+from llm_swarm.scheduler.sim.cli import main
+from llm_swarm.scheduler.sim.discrete_events import CLIENT, simulate
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, run_seed
+from llm_swarm.scheduler.sim.policies import NONE, POLICIES, WsRrRouting, build_dispatcher
+from llm_swarm.scheduler.sim.topology import parse_repetita, rtt_matrix
+from llm_swarm.scheduler.sim.workload import Request, poisson
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -8,29 +8,29 @@ import math
 import numpy as np
 import pytest
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.algorithms.routing_graph import ChainHop
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.sim import iteration_rule
-from scheduler.sim.contended import ContendedConfig, ContendedService
-from scheduler.sim.contended_roles import Disaggregation, parse_roles
-from scheduler.sim.discrete_events import CLIENT, service_hops, simulate
-from scheduler.sim.host_cpu import HostCpuModel, SharedCpu
-from scheduler.sim.monte_carlo import CellConfig, run_seed
-from scheduler.sim.policies import WsRrRouting
-from scheduler.sim.scenarios import Link
-from scheduler.sim.server_costs import IterationCost, ServerCost, from_scenario, relative_host_cost
-from scheduler.sim.workload import Request
-from server import step_scheduler
-from swarm.cost import request_time
-from swarm.prefill_cost import (
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.algorithms.routing_graph import ChainHop
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.sim import iteration_rule
+from llm_swarm.scheduler.sim.contended import ContendedConfig, ContendedService
+from llm_swarm.scheduler.sim.contended_roles import Disaggregation, parse_roles
+from llm_swarm.scheduler.sim.discrete_events import CLIENT, service_hops, simulate
+from llm_swarm.scheduler.sim.host_cpu import HostCpuModel, SharedCpu
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, run_seed
+from llm_swarm.scheduler.sim.policies import WsRrRouting
+from llm_swarm.scheduler.sim.scenarios import Link
+from llm_swarm.scheduler.sim.server_costs import IterationCost, ServerCost, from_scenario, relative_host_cost
+from llm_swarm.scheduler.sim.workload import Request
+from llm_swarm.server import step_scheduler
+from llm_swarm.swarm.cost import request_time
+from llm_swarm.swarm.prefill_cost import (
     choose_prefill_server,
     disaggregated_seconds,
     prompt_chunks,
     scaled_prefill_seconds,
     streamed_seconds,
 )
-from swarm.server_info import ServerRole
+from llm_swarm.swarm.server_info import ServerRole
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 
@@ -252,10 +252,10 @@ def test_prefill_servers_too_small_for_the_model_pair_with_the_placed_decode_spa
     engine takes the placement from the dispatcher, through the goodput search's wrapper."""
     import dataclasses
 
-    from scheduler.sim.contended_roles import split, uniform_links
-    from scheduler.sim.contended_run import placed_spans
-    from scheduler.sim.monte_carlo import make_scenario
-    from scheduler.sim.plan_runs import _Guarded
+    from llm_swarm.scheduler.sim.contended_roles import split, uniform_links
+    from llm_swarm.scheduler.sim.contended_run import placed_spans
+    from llm_swarm.scheduler.sim.monte_carlo import make_scenario
+    from llm_swarm.scheduler.sim.plan_runs import _Guarded
 
     config = CellConfig(scenario="hetero", rate=0.2, l_in=2048, l_out=128, requests=1, setup="none")
     scenario = make_scenario(config, np.random.default_rng(0))
@@ -309,7 +309,7 @@ def test_the_scheduler_s_queue_aware_prompt_plan_beats_each_client_s_own_rule_un
 
 def test_server_costs_from_a_scenario():
     server = ServerSpec("s", 1.0, tau=0.004, tau_prefill=0.05)
-    from scheduler.sim.prefill import PrefillModel
+    from llm_swarm.scheduler.sim.prefill import PrefillModel
 
     model = ModelSpec(num_blocks=1, block_bytes=1e9, cache_bytes=1.0, kv_dim=1024, dtype_bytes=2)
     (cost,) = from_scenario([server], model, PrefillModel((0.001,), (1e-5,), (0.0,), (0.0,)))
@@ -396,7 +396,7 @@ def test_service_hops_agree_with_the_contended_round_trips():
 
 
 def test_swarm_sim_runs_contended_with_roles(capsys):
-    from scheduler.sim.cli import main
+    from llm_swarm.scheduler.sim.cli import main
 
     argv = ["--scenario", "hetero", "--arrivals", "azure-lengths", "--l-in", "2048", "--max-l-in", "2048"]
     argv += ["--max-l-out", "8", "--setup", "none", "--contended", "overlap", "--roles", "prefill*2,decode*6"]

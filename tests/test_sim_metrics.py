@@ -7,12 +7,12 @@ import csv
 
 import pytest
 
-from scheduler.sim import sweeps
-from scheduler.sim.cli import main
-from scheduler.sim.discrete_events import RequestRecord
-from scheduler.sim.goodput import search_rates
-from scheduler.sim.metrics import Slo, goodput, slo_attainment, summarize
-from scheduler.sim.monte_carlo import CellConfig
+from llm_swarm.scheduler.sim import sweeps
+from llm_swarm.scheduler.sim.cli import main
+from llm_swarm.scheduler.sim.discrete_events import RequestRecord
+from llm_swarm.scheduler.sim.goodput import search_rates
+from llm_swarm.scheduler.sim.metrics import Slo, goodput, slo_attainment, summarize
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

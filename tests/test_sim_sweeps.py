@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler.sim.cli import main
-from scheduler.sim.monte_carlo import CellConfig
-from scheduler.sim.sweeps import SWEEP_POLICIES, sweep_points
+from llm_swarm.scheduler.sim.cli import main
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig
+from llm_swarm.scheduler.sim.sweeps import SWEEP_POLICIES, sweep_points
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.sim import scenarios
-from scheduler.sim.discrete_events import CLIENT, simulate
-from scheduler.sim.policies import WsRrRouting
-from scheduler.sim.prefill import affine_prefill
-from scheduler.sim.workload import Request, TraceRecord, trace_replay
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.sim import scenarios
+from llm_swarm.scheduler.sim.discrete_events import CLIENT, simulate
+from llm_swarm.scheduler.sim.policies import WsRrRouting
+from llm_swarm.scheduler.sim.prefill import affine_prefill
+from llm_swarm.scheduler.sim.workload import Request, TraceRecord, trace_replay
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

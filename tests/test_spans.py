@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarm.models import load_client_parts, load_span
+from llm_swarm.swarm.models import load_client_parts, load_span
 
 PREFILL_TOKENS = 7
 DECODE_STEPS = 20

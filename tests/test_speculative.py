@@ -15,11 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.speculation import DraftLengthOptions
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.speculation import DraftLengthOptions
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 from tests.conftest import NUM_BLOCKS
 
 pytestmark = pytest.mark.swarm  # every test here starts processes

@@ -15,11 +15,11 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
 from harness.local_swarm import LocalSwarm, prometheus_sample
-from swarm.dht_keys import default_prefix
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 
 pytestmark = pytest.mark.swarm  # every test here starts processes
@@ -45,7 +45,13 @@ def swarm(llama_dir, tmp_path_factory):
         for name, blocks in SERVERS.items():
             swarm.start_server(name, llama_dir, blocks, "1GB", "--metrics-port", "0")
         url_file = swarm.log_dir / "health.url"
-        argv = [sys.executable, "-m", "scheduler.service.health_cli", "--initial-peers", *swarm.initial_peers]
+        argv = [
+            sys.executable,
+            "-m",
+            "llm_swarm.scheduler.service.health_cli",
+            "--initial-peers",
+            *swarm.initial_peers,
+        ]
         swarm.start(
             "health", argv + ["--model-dir", str(llama_dir), "--port", "0", "--address-file", str(url_file)]
         )

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from harness.local_swarm import PYTHON, LocalSwarm, dht_argv, wait_for_file
-from swarm.stop_deadline import STOP_DEADLINE
+from llm_swarm.swarm.stop_deadline import STOP_DEADLINE
 
 pytestmark = pytest.mark.swarm  # every test here starts processes
 
@@ -47,7 +47,7 @@ def _start_commands(swarm: LocalSwarm, model_dir: Path, names: tuple[str, ...]) 
         health = [
             PYTHON,
             "-m",
-            "scheduler.service.health_cli",
+            "llm_swarm.scheduler.service.health_cli",
             "--initial-peers",
             *peers,
             "--model-dir",

@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.backend import LocalSpans
-from client.connection import run_sync
-from client.remote import RemoteBlockSession
-from client.stream import ServerStream
 from harness.local_swarm import CHILD_ENV, LocalSwarm, child_pids
-from swarm.dht_keys import default_prefix
-from swarm.models.span import load_span
-from swarm.route_request import RouteHop, SessionShape
-from swarm.wire import ErrorCode, RemoteError
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.connection import run_sync
+from llm_swarm.client.remote import RemoteBlockSession
+from llm_swarm.client.stream import ServerStream
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models.span import load_span
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.wire import ErrorCode, RemoteError
 from tests.conftest import NUM_BLOCKS
 from tests.swarm_processes import dht_started
 
@@ -138,7 +138,7 @@ class TestCacheRoom:
 
     @pytest.fixture
     def tight_swarm(self, llama_dir, tmp_path_factory):
-        from swarm.models import load_span
+        from llm_swarm.swarm.models import load_span
 
         span, _ = load_span(llama_dir, 0, NUM_BLOCKS)
         session_bytes = span.cache_bytes(self.MAX_LENGTH) * NUM_BLOCKS

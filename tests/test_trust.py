@@ -23,13 +23,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import block_key, default_prefix, roster_keys, scheduler_key
-from swarm.dht_records import publish_scheduler
-from swarm.identity import owner_subkey, peer_id_of_key, public_key_text
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.swarm.dht_keys import block_key, default_prefix, roster_keys, scheduler_key
+from llm_swarm.swarm.dht_records import publish_scheduler
+from llm_swarm.swarm.identity import owner_subkey, peer_id_of_key, public_key_text
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 from tests.rogue_scheduler import published_as_trusted, serve_rogue
 
@@ -110,7 +110,13 @@ def attacked_swarm(llama_dir, tmp_path_factory):
         swarm.start_server("front", llama_dir, "0:3", "64MB")
         swarm.start_server("back", llama_dir, "3:6", "64MB")
         url_file = swarm.log_dir / "health.url"
-        argv = [sys.executable, "-m", "scheduler.service.health_cli", "--initial-peers", *swarm.initial_peers]
+        argv = [
+            sys.executable,
+            "-m",
+            "llm_swarm.scheduler.service.health_cli",
+            "--initial-peers",
+            *swarm.initial_peers,
+        ]
         argv += ["--model-dir", str(llama_dir), "--port", "0", "--address-file", str(url_file)]
         swarm.start("health", argv)
         prefix = default_prefix(str(llama_dir))
@@ -323,7 +329,7 @@ def test_a_rogue_scheduler_with_the_trusted_key_is_checked(llama_dir, tmp_path, 
         with published_as_trusted(swarm, prefix, rogue_address):
             swarm.start_server("front", llama_dir, "0:3")
             # managed, trusting the key: the rogue assigns blocks 0:100 of a 6-block model
-            argv = [sys.executable, "-m", "server.cli", str(llama_dir)]
+            argv = [sys.executable, "-m", "llm_swarm.server.cli", str(llama_dir)]
             argv += ["--initial-peers", *swarm.initial_peers]
             argv += ["--memory", str(10**9), "--announce-period", "2", "--torch-threads", "1"]
             argv += [

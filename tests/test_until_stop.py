@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from swarm.until_stop import Stopped, until_stop
+from llm_swarm.swarm.until_stop import Stopped, until_stop
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.connection import SwarmUnavailable, run_sync
-from client.verification import TOLERANCE, UNKNOWN_TOLERANCE, agree, tolerance
 from harness.local_swarm import LocalSwarm, prometheus_sample
-from swarm.dht_keys import default_prefix
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.connection import SwarmUnavailable, run_sync
+from llm_swarm.client.verification import TOLERANCE, UNKNOWN_TOLERANCE, agree, tolerance
+from llm_swarm.swarm.dht_keys import default_prefix
 from tests.conftest import NUM_BLOCKS
 
 PROMPT = torch.tensor([[5, 17, 99, 200]])

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.algorithms.feasibility import blocks_processed, can_follow
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
-from scheduler.algorithms.wsrr import RoutingState, link_request_time
-from swarm.cost import HopCost, link_time_all_tokens
+from llm_swarm.scheduler.algorithms.feasibility import blocks_processed, can_follow
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState, link_request_time
+from llm_swarm.swarm.cost import HopCost, link_time_all_tokens
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
 
@@ -272,7 +272,7 @@ def test_a_rescheduled_session_releases_its_room_at_its_new_end():
 
 
 def test_duration_calibration_is_a_bounded_median_of_enough_sessions():
-    from scheduler.service.durations import MIN_SAMPLES, DurationCalibration
+    from llm_swarm.scheduler.service.durations import MIN_SAMPLES, DurationCalibration
 
     calibration = DurationCalibration()
     for _ in range(MIN_SAMPLES - 1):

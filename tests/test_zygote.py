@@ -32,10 +32,10 @@ def _launch(tmp_path, name: str, *args: str):
 
 
 def test_a_forked_process_runs_the_module_with_its_own_session_log_and_exit_code(tmp_path):
-    usage = _launch(tmp_path, "help", "swarm.cli.dht", "--help")
+    usage = _launch(tmp_path, "help", "llm_swarm.swarm.cli.dht", "--help")
     assert usage.wait(60) == 0
     assert "usage:" in (tmp_path / "help.log").read_text()
-    refused = _launch(tmp_path, "bad", "swarm.cli.dht", "--no-such-flag")
+    refused = _launch(tmp_path, "bad", "llm_swarm.swarm.cli.dht", "--no-such-flag")
     assert refused.wait(60) == 2  # argparse's exit code, and its message in the log
     assert "unrecognized arguments" in (tmp_path / "bad.log").read_text()
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from swarm.models.span import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.models.span import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 DEVICE = "cuda"
 DTYPE = torch.float16

@@ -26,10 +26,10 @@ from transformers import (
 )
 
 from benchmarks.common import parse_bench_args, publish_table
-from swarm.models import span as _span  # noqa: F401  (registers the families)
-from swarm.models.cache import REWIND_RESERVE, SpanCache
-from swarm.models.family import StepTokens, family_for
-from swarm.transformers_compat import layer_cache_argument
+from llm_swarm.swarm.models import span as _span  # noqa: F401  (registers the families)
+from llm_swarm.swarm.models.cache import REWIND_RESERVE, SpanCache
+from llm_swarm.swarm.models.family import StepTokens, family_for
+from llm_swarm.swarm.transformers_compat import layer_cache_argument
 
 BYTES = 2  # bfloat16
 

@@ -36,12 +36,12 @@ import torch
 
 from benchmarks.markdown import write_section
 from benchmarks.serving.latency import TokenClock
-from client.model import DistributedModelForCausalLM
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.hardware import probe_device, resolve_device
-from swarm.models import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.hardware import probe_device, resolve_device
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 HEADER = "## Real-size blocks on real hardware"
 

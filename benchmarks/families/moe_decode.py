@@ -22,8 +22,8 @@ from torch import nn
 from transformers import MistralConfig, MixtralConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from benchmarks.common import parse_bench_args, publish_table
-from swarm.models.family import family_for
-from swarm.models.span import TransformerSpan, prepare_config
+from llm_swarm.swarm.models.family import family_for
+from llm_swarm.swarm.models.span import TransformerSpan, prepare_config
 
 
 def pairs(hidden: int) -> dict[str, tuple[PretrainedConfig, PretrainedConfig]]:

@@ -33,7 +33,7 @@ def prepare_model(scenario: Scenario, run_dir: Path) -> Path:
     spec = scenario.model
     if spec.get("dir"):
         return Path(spec["dir"]).resolve()
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     keys = {
         "family": "family",

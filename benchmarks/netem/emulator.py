@@ -35,7 +35,7 @@ from harness.local_swarm import (
     stop_groups,
     wait_for_file,
 )
-from swarm.identity import ensure_key_files
+from llm_swarm.swarm.identity import ensure_key_files
 
 from .scenario import Scenario
 from .system import SetupError

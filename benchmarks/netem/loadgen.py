@@ -54,8 +54,8 @@ class TokenTimes:
 
 
 def run(spec: dict) -> dict:
-    from client import AutoDistributedModelForCausalLM, ClientOptions
-    from client.connection import SwarmUnavailable, run_sync
+    from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+    from llm_swarm.client.connection import SwarmUnavailable, run_sync
 
     policy = spec["policy"]
     fixed_lengths = spec.get("route_lengths")  # None: each request tells routing its own lengths

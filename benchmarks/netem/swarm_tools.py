@@ -24,13 +24,13 @@ import time
 
 def wait_online(args: argparse.Namespace) -> int:
 
-    from client.connection import ClientOptions, SwarmConnection, run_sync
-    from swarm.dht_keys import default_prefix
-    from swarm.dht_peer import start_dht
-    from swarm.dht_records import fetch_servers
-    from swarm.models.checkpoint import load_config
-    from swarm.models.family import family_for
-    from swarm.server_info import ServerState
+    from llm_swarm.client.connection import ClientOptions, SwarmConnection, run_sync
+    from llm_swarm.swarm.dht_keys import default_prefix
+    from llm_swarm.swarm.dht_peer import start_dht
+    from llm_swarm.swarm.dht_records import fetch_servers
+    from llm_swarm.swarm.models.checkpoint import load_config
+    from llm_swarm.swarm.models.family import family_for
+    from llm_swarm.swarm.server_info import ServerState
 
     config = load_config(args.model_dir)
     num_blocks = family_for(config).num_blocks(config)
@@ -88,7 +88,7 @@ def generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from client import AutoDistributedModelForCausalLM, ClientOptions
+    from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids

@@ -50,7 +50,7 @@ CHECKS_PER_RATE = 2
 def _wait_links(connection, seconds: float) -> dict:
     """Until every prefill server announces a rate to every decode server (or `seconds` pass):
     the client's rule then decides with measured links from the first request."""
-    from client.connection import run_sync
+    from llm_swarm.client.connection import run_sync
 
     deadline = time.monotonic() + seconds
     while True:
@@ -67,7 +67,7 @@ def _wait_links(connection, seconds: float) -> dict:
 
 def _announced_roles(connection) -> dict[str, str]:
     """Peer id -> the role each server announces now."""
-    from client.connection import run_sync
+    from llm_swarm.client.connection import run_sync
 
     servers = run_sync(connection.servers(refresh=True))
     return {peer: getattr(info.role, "value", str(info.role)) for peer, info in servers.items()}
@@ -76,7 +76,7 @@ def _announced_roles(connection) -> dict[str, str]:
 def _settle_roles(connection, seconds: float) -> dict[str, str]:
     """`auto`: until every server announces a rate to every other (or a minute passes), then
     `seconds` more for the scheduler's next placement reviews to plan the roles; the roles then."""
-    from client.connection import run_sync
+    from llm_swarm.client.connection import run_sync
 
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
@@ -92,12 +92,12 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from client import AutoDistributedModelForCausalLM, ClientOptions
+    from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     handed = LogLines()
-    logger = logging.getLogger("client")  # client.remote's hand-offs and fallbacks
+    logger = logging.getLogger("llm_swarm.client")  # client.remote's hand-offs and fallbacks
     logger.setLevel(logging.INFO)
     logger.addHandler(handed)
     plan = json.loads(Path(args.plan).read_text())
@@ -246,7 +246,7 @@ def cpu_costs(model_dir: Path):
     import torch
 
     from benchmarks.roles.sim import CpuCosts
-    from swarm.models import load_span
+    from llm_swarm.swarm.models import load_span
 
     torch.set_num_threads(1)
     span, _ = load_span(str(model_dir), 0, LAYERS, dtype="float32")
@@ -348,8 +348,8 @@ def run_mode(args, emulation, model_dir: Path, mode: str, plan: dict, work: Path
 def run(args: argparse.Namespace, work: Path) -> dict:
     from benchmarks.netem.emulator import Emulation
     from benchmarks.roles.sim import trace_requests
-    from scheduler.sim.workload import load_azure_trace
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.scheduler.sim.workload import load_azure_trace
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(family="llama", num_layers=LAYERS, hidden_size=HIDDEN, num_heads=8, num_kv_heads=8)
     model_dir = build_tiny_model(work / "llama-512", spec)

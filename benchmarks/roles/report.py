@@ -32,10 +32,10 @@ from benchmarks.roles.sim import (
     simulated_summary,
     trace_requests,
 )
-from scheduler.sim.metrics import Slo
-from scheduler.sim.workload import Request, load_azure_trace
-from swarm.prefill_cost import STREAM_CHUNK_TOKENS
-from swarm.units import parse_bytes
+from llm_swarm.scheduler.sim.metrics import Slo
+from llm_swarm.scheduler.sim.workload import Request, load_azure_trace
+from llm_swarm.swarm.prefill_cost import STREAM_CHUNK_TOKENS
+from llm_swarm.swarm.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,19 +25,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.table2.plans import measured_times  # noqa: F401  (the measured side, shared with Table 2)
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.sim.contended import ContendedService
-from scheduler.sim.contended_roles import split, subset, uniform_links
-from scheduler.sim.contended_run import ContendedOptions
-from scheduler.sim.discrete_events import RequestRecord, simulate
-from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, goodput, per_request, slo_attainment
-from scheduler.sim.policies import WsRrRouting
-from scheduler.sim.profiles import GpuProfile, ModelProfile
-from scheduler.sim.scenarios import CLIENT, Link, Scenario, build_scenario
-from scheduler.sim.server_costs import IterationCost, ServerCost
-from scheduler.sim.workload import Request, TraceRecord
-from swarm.prefill_cost import STREAM_CHUNK_TOKENS
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.sim.contended import ContendedService
+from llm_swarm.scheduler.sim.contended_roles import split, subset, uniform_links
+from llm_swarm.scheduler.sim.contended_run import ContendedOptions
+from llm_swarm.scheduler.sim.discrete_events import RequestRecord, simulate
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, goodput, per_request, slo_attainment
+from llm_swarm.scheduler.sim.policies import WsRrRouting
+from llm_swarm.scheduler.sim.profiles import GpuProfile, ModelProfile
+from llm_swarm.scheduler.sim.scenarios import CLIENT, Link, Scenario, build_scenario
+from llm_swarm.scheduler.sim.server_costs import IterationCost, ServerCost
+from llm_swarm.scheduler.sim.workload import Request, TraceRecord
+from llm_swarm.swarm.prefill_cost import STREAM_CHUNK_TOKENS
 
 SERVER_NAMES = ("rich0", "rich1", "slow0", "slow1")  # 2 compute-rich, then 2 prefill-slow
 OPERATOR_ROLES = "prefill*2,decode*2"
@@ -153,7 +153,7 @@ def simulate_swarm(
     l_out = round(float(np.mean([r.l_out for r in requests])))
     base = scenario(swarm, l_in, l_out, rtts)
     if roles is not None:
-        from scheduler.sim.contended_roles import parse_roles
+        from llm_swarm.scheduler.sim.contended_roles import parse_roles
 
         parsed = tuple(str(r) for r in parse_roles(roles, len(base.servers)))
         memory = swarm.prefill_memory_bytes or swarm.memory_bytes
@@ -216,7 +216,7 @@ def simulate_swarm(
 def planner_choice(swarm: EmulatedSwarm, slo: Slo, l_in: int, l_out: int, requests_at) -> str:
     """`scheduler.algorithms.role_split.plan_roles` on this swarm (the live planner's algorithm, scored in
     the contended model, cg-bp): 'colocated' or its roles text."""
-    from scheduler.sim.role_planning import RoleSearch, plan_scenario_roles, roles_text
+    from llm_swarm.scheduler.sim.role_planning import RoleSearch, plan_scenario_roles, roles_text
 
     search = RoleSearch(link_rtt_s=swarm.link_rtt_s, min_requests=40, horizon_s=60.0)
     plan, _ = plan_scenario_roles(scenario(swarm, l_in, l_out), slo, search, requests_at)

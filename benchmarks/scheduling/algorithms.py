@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 
 from benchmarks.common import bench_parser
-from scheduler.algorithms.cgbp import cg_bp
-from scheduler.algorithms.chains import gbp_cr, gca
-from scheduler.algorithms.problem import ModelSpec, ServerSpec
-from scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.algorithms.cgbp import cg_bp
+from llm_swarm.scheduler.algorithms.chains import gbp_cr, gca
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
 
 MODEL = ModelSpec(num_blocks=80, block_bytes=1.3234e9, cache_bytes=2 * 14336 * 148 * 2)
 CLIENTS = [f"c{k}" for k in range(10)]

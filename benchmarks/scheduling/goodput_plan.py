@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import bench_parser, publish_table
-from scheduler.sim.goodput_plan import plan_goodput, search_goodput, servers_to_add
-from scheduler.sim.metrics import Slo
-from scheduler.sim.plan_runs import Candidate, Evaluator, SearchSettings, idle_latency
-from scheduler.sim.planning_swarm import named_swarm
+from llm_swarm.scheduler.sim.goodput_plan import plan_goodput, search_goodput, servers_to_add
+from llm_swarm.scheduler.sim.metrics import Slo
+from llm_swarm.scheduler.sim.plan_runs import Candidate, Evaluator, SearchSettings, idle_latency
+from llm_swarm.scheduler.sim.planning_swarm import named_swarm
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import parse_bench_args, publish_table
-from scheduler.sim import length_info, workload
-from scheduler.sim.discrete_events import simulate
-from scheduler.sim.monte_carlo import CellConfig, make_scenario
-from scheduler.sim.policies import NONE, build_dispatcher
-from swarm.length_prediction import OutputLengthPredictor, output_bucket
+from llm_swarm.scheduler.sim import length_info, workload
+from llm_swarm.scheduler.sim.discrete_events import simulate
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, make_scenario
+from llm_swarm.scheduler.sim.policies import NONE, build_dispatcher
+from llm_swarm.swarm.length_prediction import OutputLengthPredictor, output_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from scheduler.sim.monte_carlo import CellConfig, run_cell
-from scheduler.sim.plots import plot_comparison
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, run_cell
+from llm_swarm.scheduler.sim.plots import plot_comparison
 
 CELLS = [(0.1, 64), (0.1, 128), (0.5, 64), (0.5, 128)]  # (rate, l_out) columns of Tables 4-5
 # Sun et al., Table 4 / Table 5: (experiment, MATLAB simulator) per cell, in CELLS order.

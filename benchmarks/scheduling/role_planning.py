@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.markdown import write_section
-from scheduler.sim import hetero, workload
-from scheduler.sim.contended_roles import parse_roles, uniform_links
-from scheduler.sim.metrics import Slo
-from scheduler.sim.role_planning import (
+from llm_swarm.scheduler.sim import hetero, workload
+from llm_swarm.scheduler.sim.contended_roles import parse_roles, uniform_links
+from llm_swarm.scheduler.sim.metrics import Slo
+from llm_swarm.scheduler.sim.role_planning import (
     GoodputOfRoles,
     RoleSearch,
     plan_scenario_roles,

@@ -42,12 +42,19 @@ from benchmarks.markdown import write_section
 from benchmarks.table2.inputs import ServerPlan, TinyCosts, paper_model, scaled_scenario, server_plans
 from benchmarks.table2.prediction import predict
 from benchmarks.table2.repeatability import METRICS  # the four metrics a run is judged on
-from scheduler.algorithms.problem import Span
-from scheduler.sim import workload
-from scheduler.sim.contended import ContendedConfig, ContendedService
-from scheduler.sim.host_cpu import HostCpuModel
-from scheduler.sim.roles_goodput import ROLES, RolesCase, base_config, case_config, case_goodput, probe
-from scheduler.sim.server_costs import IterationCost, ServerCost, relative_host_cost
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.sim import workload
+from llm_swarm.scheduler.sim.contended import ContendedConfig, ContendedService
+from llm_swarm.scheduler.sim.host_cpu import HostCpuModel
+from llm_swarm.scheduler.sim.roles_goodput import (
+    ROLES,
+    RolesCase,
+    base_config,
+    case_config,
+    case_goodput,
+    probe,
+)
+from llm_swarm.scheduler.sim.server_costs import IterationCost, ServerCost, relative_host_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -314,8 +321,8 @@ def measure_host_shape(rounds: int = 6, blocks: int = 8) -> dict:
 
     import torch
 
-    from swarm.models import load_span
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models import load_span
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     torch.set_num_threads(1)  # as the emulated servers (--torch-threads 1)
     with tempfile.TemporaryDirectory() as folder:

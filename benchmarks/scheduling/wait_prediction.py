@@ -41,7 +41,7 @@ MODES = ("fixed", "real")
 def trace_requests(args: argparse.Namespace) -> list[dict]:
     import numpy as np
 
-    from scheduler.sim import workload
+    from llm_swarm.scheduler.sim import workload
 
     records = workload.load_azure_trace()
     window = workload.trace_replay(records, args.requests, None, None, np.random.default_rng(args.seed))
@@ -59,8 +59,8 @@ def trace_requests(args: argparse.Namespace) -> list[dict]:
 def run(args: argparse.Namespace, work: Path) -> list[dict]:
     from benchmarks.netem.emulator import Emulation
     from benchmarks.netem.scenario import equidistant_scenario
-    from swarm.models import load_span
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models import load_span
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     model_dir = build_tiny_model(
         work / "tiny-llama", TinyModelSpec(family="llama", num_layers=args.layers, num_kv_heads=2)

@@ -27,10 +27,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.common import parse_bench_args, publish_table, run_concurrently, serving_swarm
 from benchmarks.serving.timing import percentile
-from client import AutoDistributedModelForCausalLM
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 PROMPT = "Once upon a time there was"
 SERVERS = {"first": "0:3", "second": "3:6"}

@@ -50,7 +50,7 @@ def trace_lengths(args) -> list[tuple[int, int]]:
     """(prompt tokens, new tokens) of `args.prompts` trace records, scaled as the docstring says."""
     import numpy as np
 
-    from scheduler.sim import workload
+    from llm_swarm.scheduler.sim import workload
 
     records = workload.load_azure_trace()
     rng = np.random.default_rng(args.seed)
@@ -94,7 +94,7 @@ def write_prompts(path: Path, lengths: list[tuple[int, int]], tokenizer, seed: i
 def run_mode(mode: str, work: Path, label: str, model_dir: Path, peers: list[str], args) -> dict:
     out, summary = work / f"{label}.results.jsonl", work / f"{label}.summary.json"
     argv = [
-        sys.executable, "-m", "client.batch.cli", str(work / "prompts.jsonl"), "--out", str(out),
+        sys.executable, "-m", "llm_swarm.client.batch.cli", str(work / "prompts.jsonl"), "--out", str(out),
         "--model", str(model_dir), "--initial-peers", *peers,
         "--sessions-per-chain", str(args.sessions_per_chain),
         "--max-new-tokens-limit", str(args.max_output), "--probe-tokens", "8", "--no-progress",
@@ -169,7 +169,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from harness.local_swarm import LocalSwarm
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         work = Path(tmp)
@@ -193,7 +193,7 @@ def main() -> None:
                     name, model_dir, blocks, "1GB", "--compute-delay", repr(delay),
                     "--compute-delay-per-token", repr(delay * args.per_token_factor),
                 )  # fmt: skip
-            from swarm.dht_keys import default_prefix
+            from llm_swarm.swarm.dht_keys import default_prefix
 
             swarm.wait_online(default_prefix(str(model_dir)), LAYERS, list(servers))
             for round_index in range(args.rounds):

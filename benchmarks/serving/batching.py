@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.markdown import write_section
-from client.connection import ClientOptions, SwarmConnection, run_sync
-from client.stream import ServerStream, StepInput
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.route_request import (
+from llm_swarm.client.connection import ClientOptions, SwarmConnection, run_sync
+from llm_swarm.client.stream import ServerStream, StepInput
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.route_request import (
     RouteHop,
     SessionShape,
 )
@@ -196,7 +196,7 @@ def main() -> None:
         model_dir = Path(scratch) / "bench-llama"
         subprocess.run(
             [
-                sys.executable, "-m", "swarm.models.tiny", str(model_dir), "--family", "llama",
+                sys.executable, "-m", "llm_swarm.swarm.models.tiny", str(model_dir), "--family", "llama",
                 "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                 "--kv-heads", str(args.kv_heads), "--dtype", args.dtype, "--init-range", str(args.init_range),
                 *(["--intermediate", str(args.intermediate)] if args.intermediate else []),

@@ -45,7 +45,7 @@ def decoder(args: argparse.Namespace) -> None:
     import torch
     from transformers.generation.streamers import BaseStreamer
 
-    from client import AutoDistributedModelForCausalLM
+    from llm_swarm.client import AutoDistributedModelForCausalLM
 
     class TokenClock(BaseStreamer):
         """When each generated token reached the client (the first `put` is the prompt)."""
@@ -92,7 +92,7 @@ def prompter(args: argparse.Namespace) -> None:
     first token (one warm-up prompt before it starts is not counted)."""
     import torch
 
-    from client import AutoDistributedModelForCausalLM
+    from llm_swarm.client import AutoDistributedModelForCausalLM
 
     torch.set_num_threads(1)
     work = Path(args.work)
@@ -118,7 +118,7 @@ def prompter(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, work: Path) -> list[dict]:
     from benchmarks.netem.emulator import Emulation
     from benchmarks.netem.scenario import equidistant_scenario
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     model_dir = build_tiny_model(
         work / "tiny-llama", TinyModelSpec(family="llama", num_layers=args.layers, num_kv_heads=2)

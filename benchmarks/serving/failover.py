@@ -20,10 +20,10 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.markdown import write_section
-from client import AutoDistributedModelForCausalLM
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 LAYERS = 6
 

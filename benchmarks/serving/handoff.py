@@ -52,8 +52,8 @@ def _wait_file(path: Path, timeout: float = 600.0) -> dict:
 
 def _wait_until_leaving(connection, peer: str, timeout: float = 60.0) -> None:
     """Until the server's record says it left ONLINE (it then marks its answers: the next step moves)."""
-    from client.connection import run_sync
-    from swarm.server_info import ServerState
+    from llm_swarm.client.connection import run_sync
+    from llm_swarm.swarm.server_info import ServerState
 
     deadline = time.monotonic() + timeout
     while (info := run_sync(connection.servers(refresh=True)).get(peer)) and info.state == ServerState.ONLINE:
@@ -66,12 +66,12 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from client import AutoDistributedModelForCausalLM, ClientOptions
+    from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     moves = LogLines()
-    logging.getLogger("client.remote").addHandler(moves)
+    logging.getLogger("llm_swarm.client.remote").addHandler(moves)
     work, history = Path(args.work), int(args.history)
     reference = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
     reference.generation_config.eos_token_id = None  # a random model may say EOS: generate on
@@ -157,7 +157,7 @@ def scenario(args: argparse.Namespace):
 
 def run(args: argparse.Namespace, work: Path) -> list[dict]:
     from benchmarks.netem.emulator import Emulation
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(family="llama", num_layers=LAYERS, hidden_size=512, num_heads=8, num_kv_heads=8)
     model_dir = build_tiny_model(work / "llama-512", spec)

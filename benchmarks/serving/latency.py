@@ -19,12 +19,12 @@ import torch
 
 from benchmarks.common import parse_bench_args, publish_table
 from benchmarks.serving.timing import TokenClock, percentile
-from client.backend import LocalSpans
-from client.model import DistributedModelForCausalLM
 from harness.local_swarm import LocalSwarm
-from swarm.dht_keys import default_prefix
-from swarm.models import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 CHAINS = {2: ["0:3", "3:6"], 3: ["0:2", "2:4", "4:6"]}
 

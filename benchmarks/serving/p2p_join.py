@@ -26,7 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from tqdm import tqdm
 
 from benchmarks.markdown import write_section
-from swarm.p2p_daemon_flags import daemon_flags
+from llm_swarm.swarm.p2p_daemon_flags import daemon_flags
 
 LIFETIME_S = 1.5  # how long each new reader's daemon lives
 SETTLE_S = 5.0  # after the swarm's daemons joined, before the first reader

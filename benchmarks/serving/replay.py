@@ -41,7 +41,7 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from client import AutoDistributedModelForCausalLM, ClientOptions
+    from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -91,7 +91,7 @@ def measure(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, work: Path) -> list[dict]:
     from benchmarks.netem.emulator import Emulation
     from benchmarks.netem.scenario import equidistant_scenario
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     model_dir = build_tiny_model(
         work / "tiny-llama", TinyModelSpec(family="llama", num_layers=LAYERS, num_kv_heads=2)

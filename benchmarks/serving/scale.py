@@ -43,13 +43,13 @@ from hivemind.utils.serializer import MSGPackSerializer
 from tqdm import tqdm
 
 from benchmarks.markdown import write_section
-from client import AutoDistributedModelForCausalLM, ClientOptions
-from client.connection import run_sync
 from harness.local_swarm import LocalSwarm, cpu_seconds_by_group
 from harness.standin_records import new_keys, publish_standins, standin_info, start_standin_dht
-from swarm.dht_keys import default_prefix, roster_keys
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
-from swarm.route_request import SessionShape
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.connection import run_sync
+from llm_swarm.swarm.dht_keys import default_prefix, roster_keys
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.route_request import SessionShape
 
 LAYERS = 24
 SPANS = ((0, 8), (8, 16), (16, 24))

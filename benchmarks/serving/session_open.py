@@ -41,10 +41,10 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from client import AutoDistributedModelForCausalLM, ClientOptions
-    from client.connection import run_sync
-    from client.stream import ServerStream
-    from swarm.route_request import SessionShape
+    from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+    from llm_swarm.client.connection import run_sync
+    from llm_swarm.client.stream import ServerStream
+    from llm_swarm.swarm.route_request import SessionShape
 
     torch.set_num_threads(1)
     model = AutoDistributedModelForCausalLM.from_pretrained(
@@ -144,7 +144,7 @@ def scenario(args: argparse.Namespace):
 
 def run(args: argparse.Namespace, work: Path) -> dict:
     from benchmarks.netem.emulator import Emulation
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(family="llama", num_layers=LAYERS, hidden_size=64, num_heads=4, num_kv_heads=2)
     model_dir = build_tiny_model(work / "llama-64", spec)

@@ -112,7 +112,7 @@ def timed_generate(model, prompt, extra: dict, tokens: int):
 def measure(args: argparse.Namespace) -> None:
     import torch
 
-    from client import AutoDistributedModelForCausalLM
+    from llm_swarm.client import AutoDistributedModelForCausalLM
 
     torch.set_num_threads(1)
     drafts = build_drafts(Path(args.model_dir))
@@ -160,7 +160,7 @@ def measure(args: argparse.Namespace) -> None:
 
 # --- the swarms ---------------------------------------------------------------------------------------------
 def build_model(work: Path) -> Path:
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(
         work / "tiny-llama", TinyModelSpec(family="llama", num_layers=LAYERS, num_kv_heads=2)
@@ -177,7 +177,7 @@ def measure_argv(model_dir: Path, peers: list[str], out: Path, args: argparse.Na
 
 def run_loopback(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     from harness.local_swarm import LocalSwarm
-    from swarm.dht_keys import default_prefix
+    from llm_swarm.swarm.dht_keys import default_prefix
 
     (work / "loopback").mkdir()
     swarm = LocalSwarm(work / "loopback")

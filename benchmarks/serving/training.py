@@ -22,10 +22,10 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import parse_bench_args, publish_table, serving_swarm
-from client import AutoDistributedModelForCausalLM
 from harness.local_swarm import LocalSwarm
-from swarm.models.span import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client import AutoDistributedModelForCausalLM
+from llm_swarm.swarm.models.span import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 NUM_BLOCKS = 8
 SERVERS = {"first": "0:4", "second": "4:8"}

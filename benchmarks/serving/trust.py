@@ -13,6 +13,7 @@ pinging servers, routing, opening streams, prefill); per-token latency is each l
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -33,11 +34,17 @@ def worker(tree: Path, model_dir: Path, log_dir: Path, tokens: int, out: Path) -
     sys.path.insert(0, str(tree))
     import torch
 
-    import server
     from benchmarks.serving.timing import TokenClock
-    from client.model import DistributedModelForCausalLM
-    from harness.local_swarm import LocalSwarm
-    from swarm.dht_keys import default_prefix
+
+    # a baseline from before the one import name has its folders at the top, and its local swarm in swarm/
+    package = "llm_swarm." if (tree / "llm_swarm").is_dir() else ""
+    server = importlib.import_module(f"{package}server")
+    DistributedModelForCausalLM = importlib.import_module(
+        f"{package}client.model"
+    ).DistributedModelForCausalLM
+    default_prefix = importlib.import_module(f"{package}swarm.dht_keys").default_prefix
+    swarm_tools = "harness.local_swarm" if (tree / "harness").is_dir() else "swarm.local_swarm"
+    LocalSwarm = importlib.import_module(swarm_tools).LocalSwarm
 
     assert Path(server.__file__).resolve().is_relative_to(tree.resolve()), server.__file__
     torch.set_num_threads(1)
@@ -110,7 +117,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from benchmarks.serving.timing import percentile
-    from swarm.models.tiny import TinyModelSpec, build_tiny_model
+    from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)

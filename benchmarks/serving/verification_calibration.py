@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import parse_bench_args, publish_table
-from client.verification import TOLERANCE, relative_difference, tolerance
-from swarm.models import load_span
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client.verification import TOLERANCE, relative_difference, tolerance
+from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 SHAPES = {
     "llama h64": TinyModelSpec(family="llama", num_layers=3, num_kv_heads=2),

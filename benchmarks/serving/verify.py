@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from benchmarks.common import parse_bench_args, publish_table, run_concurrently, serving_swarm
 from benchmarks.serving.timing import TokenClock, percentile
-from client import AutoDistributedModelForCausalLM, ClientOptions
 from harness.local_swarm import LocalSwarm
-from swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 LEVELS = (0.0, 0.1, 1.0)
 SERVERS = {"a1": "0:3", "a2": "0:3", "b1": "3:6", "b2": "3:6"}

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 from benchmarks.netem.scenario import Scenario, parse_scenario
-from scheduler.algorithms.problem import ModelSpec
-from scheduler.sim.profiles import GIB
-from swarm.cost import cache_bytes_per_block
+from llm_swarm.scheduler.algorithms.problem import ModelSpec
+from llm_swarm.scheduler.sim.profiles import GIB
+from llm_swarm.swarm.cost import cache_bytes_per_block
 
 PREFILL_TOKENS = 20  # what servers time their prefill on (ServerConfig.prefill_tokens)
 
@@ -48,8 +48,8 @@ def measure_tiny(model_dir: Path, l_in: int) -> TinyCosts:
     """Per-block CPU costs of the tiny model, best of 3 (the least disturbed by other jobs)."""
     import torch
 
-    from server.throughput import measure_block_timings
-    from swarm.models import load_span
+    from llm_swarm.server.throughput import measure_block_timings
+    from llm_swarm.swarm.models import load_span
 
     torch.set_num_threads(1)
     span, _ = load_span(str(model_dir), 0, 8, dtype="float32")
@@ -71,8 +71,8 @@ def write_block_timings(model_dir: Path, tiny: TinyCosts, delays: set[float], ca
     """
     import torch
 
-    from server.throughput import timings_cache_key
-    from swarm.models import load_span
+    from llm_swarm.server.throughput import timings_cache_key
+    from llm_swarm.swarm.models import load_span
 
     torch.set_num_threads(1)  # the servers run with --torch-threads 1: part of the key
     span, _ = load_span(str(model_dir), 0, 1, dtype="float32")

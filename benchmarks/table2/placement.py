@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 from benchmarks.netem.scenario import Scenario
-from scheduler.algorithms import petals
-from scheduler.algorithms.cgbp import choose_num_requests
-from scheduler.algorithms.chains import request_times
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
-from scheduler.plan.problem_io import dumps, parse_problem
-from scheduler.sim.discrete_events import CLIENT
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.cgbp import choose_num_requests
+from llm_swarm.scheduler.algorithms.chains import request_times
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
+from llm_swarm.scheduler.plan.problem_io import dumps, parse_problem
+from llm_swarm.scheduler.sim.discrete_events import CLIENT
 
 from .inputs import ServerPlan, TinyCosts
 
@@ -49,7 +49,7 @@ def problem_document(
 def swarm_plan(algo: str, document: dict) -> tuple[int, dict]:
     """`swarm-plan place --algo ALGO` on `document` (the CLI itself: the same path a user takes)."""
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler.plan.cli", "place", "--algo", algo],
+        [sys.executable, "-m", "llm_swarm.scheduler.plan.cli", "place", "--algo", algo],
         input=json.dumps(document),
         capture_output=True,
         text=True,

@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scheduler.algorithms.chains import gca, request_times
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.sim import workload
-from scheduler.sim.discrete_events import CLIENT, RetryAt, Service, simulate
-from scheduler.sim.metrics import Slo, per_request, summarize
-from scheduler.sim.policies import JffcRouting, PetalsRouting, WsRrRouting
+from llm_swarm.scheduler.algorithms.chains import gca, request_times
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.sim import workload
+from llm_swarm.scheduler.sim.discrete_events import CLIENT, RetryAt, Service, simulate
+from llm_swarm.scheduler.sim.metrics import Slo, per_request, summarize
+from llm_swarm.scheduler.sim.policies import JffcRouting, PetalsRouting, WsRrRouting
 
 from .inputs import ServerPlan
 

@@ -70,10 +70,10 @@ from benchmarks.table2.placement import cache_slot_counts, place, problem_docume
 from benchmarks.table2.plans import PlanSpec, attainment, check_slo, measured_times, parse_plans
 from benchmarks.table2.prediction import predict
 from benchmarks.table2.report import HEADER, benchmarks_section, markdown
-from scheduler.algorithms.problem import Span
-from scheduler.sim import workload
-from scheduler.sim.discrete_events import RequestRecord
-from scheduler.sim.metrics import Slo, summarize
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.sim import workload
+from llm_swarm.scheduler.sim.discrete_events import RequestRecord
+from llm_swarm.scheduler.sim.metrics import Slo, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 

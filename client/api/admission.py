@@ -14,7 +14,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 
-from client.api.errors import ApiError
+from llm_swarm.client.api.errors import ApiError
 
 
 class Admission:

@@ -22,19 +22,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from client.api.admission import Admission
-from client.api.chat_schema import ChatRequest
-from client.api.config import ApiConfig
-from client.api.errors import ApiError, error_body
-from client.api.generation import GenerationJob
-from client.api.logprobs import TokenTexts, install_hook
-from client.api.metrics import ApiMetrics
-from client.api.planning import RequestPlan, plan_chat, plan_completion
-from client.api.responses import Responder
-from client.api.schema import CompletionRequest, now
-from client.api.streaming import stream_choices
-from client.connection import SwarmUnavailable
-from swarm.errors import SwarmUserError
+from llm_swarm.client.api.admission import Admission
+from llm_swarm.client.api.chat_schema import ChatRequest
+from llm_swarm.client.api.config import ApiConfig
+from llm_swarm.client.api.errors import ApiError, error_body
+from llm_swarm.client.api.generation import GenerationJob
+from llm_swarm.client.api.logprobs import TokenTexts, install_hook
+from llm_swarm.client.api.metrics import ApiMetrics
+from llm_swarm.client.api.planning import RequestPlan, plan_chat, plan_completion
+from llm_swarm.client.api.responses import Responder
+from llm_swarm.client.api.schema import CompletionRequest, now
+from llm_swarm.client.api.streaming import stream_choices
+from llm_swarm.client.connection import SwarmUnavailable
+from llm_swarm.swarm.errors import SwarmUserError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class SwarmApi:
 
     # --- plain routes ---------------------------------------------------------------------------
     async def page(self, _request: web.Request) -> web.Response:
-        html = resources.files("client.api").joinpath("static/chat.html").read_text()
+        html = resources.files("llm_swarm.client.api").joinpath("static/chat.html").read_text()
         return web.Response(text=html.replace("{{MODEL}}", self.config.model_name), content_type="text/html")
 
     async def health(self, _request: web.Request) -> web.Response:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from client.api.schema import RequestBase
+from llm_swarm.client.api.schema import RequestBase
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the chat `top_logprobs`
 MAX_TOOLS = 128  # OpenAI's bound on `tools`

@@ -10,12 +10,12 @@ from pathlib import Path
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from client.api.app import SwarmApi
-from client.api.config import ApiConfig
-from client.connection import ClientOptions
-from client.model import DistributedModelForCausalLM
-from client.speculation.assistant import load_assistant
-from swarm.cli.args import (
+from llm_swarm.client.api.app import SwarmApi
+from llm_swarm.client.api.config import ApiConfig
+from llm_swarm.client.connection import ClientOptions
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.client.speculation.assistant import load_assistant
+from llm_swarm.swarm.cli.args import (
     add_model_source_arguments,
     add_swarm_secret_argument,
     command_parser,
@@ -23,10 +23,10 @@ from swarm.cli.args import (
     resolve_model_argument,
     swarm_secret_from_args,
 )
-from swarm.cli.dataclass_args import dataclass_from_args
-from swarm.cli.errors import run_cli
-from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
+from llm_swarm.swarm.cli.dataclass_args import dataclass_from_args
+from llm_swarm.swarm.cli.errors import run_cli
+from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
+from llm_swarm.swarm.cli.signals import stop_on_signals, terminate_like_interrupt
 
 logger = logging.getLogger("swarm-api")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.connection import ClientOptions
-from swarm.errors import SwarmUserError
+from llm_swarm.client.connection import ClientOptions
+from llm_swarm.swarm.errors import SwarmUserError
 
 
 @dataclass(frozen=True)

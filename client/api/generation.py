@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, StoppingCriteria, TemperatureLogitsWarper, TopPLogitsWarper
 
-from client.api.logprobs import LogprobRecorder, PlacedLogprob, TokenLogprob, recording
-from client.api.prompting import StopStrings
+from llm_swarm.client.api.logprobs import LogprobRecorder, PlacedLogprob, TokenLogprob, recording
+from llm_swarm.client.api.prompting import StopStrings
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from client.api.generation import GenerationResult
-from swarm.prometheus_metrics import PrometheusMetrics
+from llm_swarm.client.api.generation import GenerationResult
+from llm_swarm.swarm.prometheus_metrics import PrometheusMetrics
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from client.api.chat_schema import ChatRequest
-from client.api.config import ApiConfig
-from client.api.errors import bad_request
-from client.api.generation import GenerationParams
-from client.api.prompting import chat_prompt, chat_template, completion_prompt, prompt_text
-from client.api.schema import CompletionRequest, RequestBase
-from client.api.tools import ToolFormat
+from llm_swarm.client.api.chat_schema import ChatRequest
+from llm_swarm.client.api.config import ApiConfig
+from llm_swarm.client.api.errors import bad_request
+from llm_swarm.client.api.generation import GenerationParams
+from llm_swarm.client.api.prompting import chat_prompt, chat_template, completion_prompt, prompt_text
+from llm_swarm.client.api.schema import CompletionRequest, RequestBase
+from llm_swarm.client.api.tools import ToolFormat
 
 
 @dataclass(frozen=True)

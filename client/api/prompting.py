@@ -8,8 +8,8 @@ from functools import lru_cache
 import jinja2
 import jinja2.meta
 
-from client.api.chat_schema import Message
-from client.api.errors import bad_request
+from llm_swarm.client.api.chat_schema import Message
+from llm_swarm.client.api.errors import bad_request
 
 # For checkpoints without a chat template (the tiny test models). Documented in the README: each
 # message on its own line after a role tag, then the assistant's tag the model continues from.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from client.api.generation import GenerationResult
-from client.api.logprobs import PlacedLogprob, TokenTexts, chat_logprobs, completion_logprobs
-from client.api.planning import RequestPlan
-from client.api.schema import new_id, now, usage
-from client.api.tools import parse
+from llm_swarm.client.api.generation import GenerationResult
+from llm_swarm.client.api.logprobs import PlacedLogprob, TokenTexts, chat_logprobs, completion_logprobs
+from llm_swarm.client.api.planning import RequestPlan
+from llm_swarm.client.api.schema import new_id, now, usage
+from llm_swarm.client.api.tools import parse
 
 
 class Responder:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from client.api.generation import GenerationJob
-from client.api.responses import Responder
-from client.api.tools import ToolCallStream
+from llm_swarm.client.api.generation import GenerationJob
+from llm_swarm.client.api.responses import Responder
+from llm_swarm.client.api.tools import ToolCallStream
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.routing_graph import RoutingGraph
-from swarm.cost import HopCost, request_time
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.routing_graph import RoutingGraph
+from llm_swarm.swarm.cost import HopCost, request_time
 
 
 @dataclass(frozen=True)

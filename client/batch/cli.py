@@ -18,36 +18,36 @@ from pathlib import Path
 
 import numpy as np
 
-from client.batch.chains import BatchChain, ChainSpeed
-from client.batch.discover import find_chains
-from client.batch.execute import BatchRunner
-from client.batch.jobs import Job, job_times, timeline, tokenize
-from client.batch.pinned import PinnedConnection
-from client.batch.plan import fcfs_plan, lower_bound, lpt_plan
-from client.batch.probe import probe_speeds
-from client.batch.queues import WorkQueues
-from client.batch.records import (
+from llm_swarm.client.batch.chains import BatchChain, ChainSpeed
+from llm_swarm.client.batch.discover import find_chains
+from llm_swarm.client.batch.execute import BatchRunner
+from llm_swarm.client.batch.jobs import Job, job_times, timeline, tokenize
+from llm_swarm.client.batch.pinned import PinnedConnection
+from llm_swarm.client.batch.plan import fcfs_plan, lower_bound, lpt_plan
+from llm_swarm.client.batch.probe import probe_speeds
+from llm_swarm.client.batch.queues import WorkQueues
+from llm_swarm.client.batch.records import (
     InputLimits,
     PromptRecord,
     TokenBounds,
     error_record,
     read_prompts,
 )
-from client.batch.report import PlanReport, plan_lines, summary_json, summary_line
-from client.batch.results import ResultsWriter, drop_error_lines, load_results
-from client.connection import ClientOptions, SwarmUnavailable, run_sync
-from client.model import DistributedModelForCausalLM
-from swarm.cli.args import (
+from llm_swarm.client.batch.report import PlanReport, plan_lines, summary_json, summary_line
+from llm_swarm.client.batch.results import ResultsWriter, drop_error_lines, load_results
+from llm_swarm.client.connection import ClientOptions, SwarmUnavailable, run_sync
+from llm_swarm.client.model import DistributedModelForCausalLM
+from llm_swarm.swarm.cli.args import (
     add_model_source_arguments,
     add_swarm_secret_argument,
     command_parser,
     resolve_model_argument,
     swarm_secret_from_args,
 )
-from swarm.cli.errors import run_cli
-from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.cli.signals import terminate_like_interrupt
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.cli.errors import run_cli
+from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
+from llm_swarm.swarm.cli.signals import terminate_like_interrupt
+from llm_swarm.swarm.errors import SwarmUserError
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def run_batch(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from swarm.models.checkpoint import load_config
+    from llm_swarm.swarm.models.checkpoint import load_config
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)

@@ -17,13 +17,13 @@ from collections.abc import Iterable
 
 import grpc
 
-from client.batch.chains import BatchChain, ChainServer, disjoint_chains
-from client.connection import SwarmConnection
-from swarm.dht_records import fetch_scheduler_async
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
-from swarm.server_info import ServerInfo
-from swarm.wire import InfoRequest, encode
+from llm_swarm.client.batch.chains import BatchChain, ChainServer, disjoint_chains
+from llm_swarm.client.connection import SwarmConnection
+from llm_swarm.swarm.dht_records import fetch_scheduler_async
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.swarm.server_info import ServerInfo
+from llm_swarm.swarm.wire import InfoRequest, encode
 
 logger = logging.getLogger(__name__)
 

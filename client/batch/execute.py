@@ -18,12 +18,12 @@ import torch
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from client.batch.jobs import Job
-from client.batch.pinned import PinnedConnection, open_pinned_session
-from client.batch.queues import WorkQueues
-from client.batch.records import error_record, result_record
-from client.batch.results import ResultsWriter
-from client.model import DistributedModelForCausalLM
+from llm_swarm.client.batch.jobs import Job
+from llm_swarm.client.batch.pinned import PinnedConnection, open_pinned_session
+from llm_swarm.client.batch.queues import WorkQueues
+from llm_swarm.client.batch.records import error_record, result_record
+from llm_swarm.client.batch.results import ResultsWriter
+from llm_swarm.client.model import DistributedModelForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.batch.chains import BatchChain, ChainSpeed
-from client.batch.queues import WorkQueues
-from client.batch.records import PromptRecord, TokenBounds, check_prompt_tokens
+from llm_swarm.client.batch.chains import BatchChain, ChainSpeed
+from llm_swarm.client.batch.queues import WorkQueues
+from llm_swarm.client.batch.records import PromptRecord, TokenBounds, check_prompt_tokens
 
 
 @dataclass(frozen=True)

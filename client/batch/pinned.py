@@ -14,12 +14,12 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from client.backend import BlockSession
-from client.connection import SwarmConnection
-from client.remote import RemoteBlockSession
-from client.routing import Candidate, choose_chain
-from client.session import InferenceSession
-from swarm.route_request import RouteHop, SessionShape
+from llm_swarm.client.backend import BlockSession
+from llm_swarm.client.connection import SwarmConnection
+from llm_swarm.client.remote import RemoteBlockSession
+from llm_swarm.client.routing import Candidate, choose_chain
+from llm_swarm.client.session import InferenceSession
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
 
 logger = logging.getLogger(__name__)
 

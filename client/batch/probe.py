@@ -22,11 +22,11 @@ import statistics
 import threading
 from collections.abc import Sequence
 
-from client.batch.chains import BatchChain, ChainSpeed
-from client.batch.execute import Generated, generate_pinned
-from client.batch.jobs import Job
-from client.batch.pinned import PinnedConnection
-from client.model import DistributedModelForCausalLM
+from llm_swarm.client.batch.chains import BatchChain, ChainSpeed
+from llm_swarm.client.batch.execute import Generated, generate_pinned
+from llm_swarm.client.batch.jobs import Job
+from llm_swarm.client.batch.pinned import PinnedConnection
+from llm_swarm.client.model import DistributedModelForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.batch.plan import Plan, choose_steal
+from llm_swarm.client.batch.plan import Plan, choose_steal
 
 SMOOTHING = 0.3  # weight of the newest job in a chain's correction factor
 

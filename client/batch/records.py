@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 MAX_ID_CHARS = 256
 INPUT_FIELDS = ("id", "prompt", "max_new_tokens")

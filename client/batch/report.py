@@ -6,8 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from client.batch.chains import BatchChain, ChainSpeed
-from client.batch.plan import LowerBound, Plan
+from llm_swarm.client.batch.chains import BatchChain, ChainSpeed
+from llm_swarm.client.batch.plan import LowerBound, Plan
 
 
 @dataclass(frozen=True)

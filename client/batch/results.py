@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.batch.records import BatchInputError, id_key
+from llm_swarm.client.batch.records import BatchInputError, id_key
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Speculative decoding through the swarm: several tokens verified per round trip (docs/speculative.md)."""
 
-from client.speculation.draft_length import DraftLength, DraftLengthOptions
+from llm_swarm.client.speculation.draft_length import DraftLength, DraftLengthOptions
 
 __all__ = ["DraftLength", "DraftLengthOptions"]

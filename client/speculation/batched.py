@@ -25,9 +25,9 @@ from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from client.speculation.draft_length import DraftLength
-from swarm.errors import SwarmUserError
-from swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
+from llm_swarm.client.speculation.draft_length import DraftLength
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
 
 # generation settings that would add logits processors, which this loop does not apply
 _UNSUPPORTED = {

@@ -16,7 +16,7 @@ import time
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from client.speculation.draft_length import DraftLength
+from llm_swarm.client.speculation.draft_length import DraftLength
 
 
 class AdaptiveCandidates(CandidateGenerator):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.linear_fit import LinearCost, LinearFit
+from llm_swarm.swarm.linear_fit import LinearCost, LinearFit
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,14 @@ decisions out.
 - `chains` (GBP-CR, GCA), `jffc` (JFFC), `queueing` (Theorem 3.7), `tuning` (c tuning), docs/reference.md 3.4.
 """
 
-from scheduler.algorithms.cgbp import CgBpResult, cg_bp, choose_num_requests, max_requests
-from scheduler.algorithms.chains import GbpCrPlacement, ServerChain, gbp_cr, gca
-from scheduler.algorithms.jffc import JffcDispatcher
-from scheduler.algorithms.problem import ModelSpec, Placement, ServerSpec, Span
-from scheduler.algorithms.queueing import response_time_bounds
-from scheduler.algorithms.routing_graph import Chain, ChainHop, RoutingGraph
-from scheduler.algorithms.tuning import Composition, compose, tune_capacity
-from scheduler.algorithms.wsrr import RoutingState, WsRrRoute
+from llm_swarm.scheduler.algorithms.cgbp import CgBpResult, cg_bp, choose_num_requests, max_requests
+from llm_swarm.scheduler.algorithms.chains import GbpCrPlacement, ServerChain, gbp_cr, gca
+from llm_swarm.scheduler.algorithms.jffc import JffcDispatcher
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, Placement, ServerSpec, Span
+from llm_swarm.scheduler.algorithms.queueing import response_time_bounds
+from llm_swarm.scheduler.algorithms.routing_graph import Chain, ChainHop, RoutingGraph
+from llm_swarm.scheduler.algorithms.tuning import Composition, compose, tune_capacity
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState, WsRrRoute
 
 __all__ = [
     "CgBpResult",

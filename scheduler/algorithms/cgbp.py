@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, floor_ratio
-from scheduler.algorithms.windows import lexicographic_min_window, max_sum_window
-from scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, floor_ratio
+from llm_swarm.scheduler.algorithms.windows import lexicographic_min_window, max_sum_window
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
 
 
 @dataclass(frozen=True)

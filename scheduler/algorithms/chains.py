@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms.problem import (
+from llm_swarm.scheduler.algorithms.problem import (
     ModelSpec,
     Placement,
     ServerSpec,
@@ -22,7 +22,7 @@ from scheduler.algorithms.problem import (
     floor_ratio,
     placement_cache_slots,
 )
-from scheduler.algorithms.routing_graph import ChainHop, RoutingGraph
+from llm_swarm.scheduler.algorithms.routing_graph import ChainHop, RoutingGraph
 
 DEFAULT_RHO_BAR = 0.7  # Sun, He and Hou, section 4.1: target maximum load
 

@@ -10,7 +10,7 @@ all build their links from these two functions (through `routing_graph.RoutingGr
 
 from __future__ import annotations
 
-from scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.problem import Span
 
 CLIENT_END = 0  # the client (source) behaves as a node whose span ends before block 0
 

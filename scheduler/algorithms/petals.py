@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms.problem import (
+from llm_swarm.scheduler.algorithms.problem import (
     ModelSpec,
     Placement,
     ServerSpec,
@@ -36,8 +36,8 @@ from scheduler.algorithms.problem import (
     floor_ratio,
     uncovered_blocks,
 )
-from scheduler.algorithms.routing_graph import Chain, RoutingGraph
-from scheduler.algorithms.windows import lexicographic_min_window
+from llm_swarm.scheduler.algorithms.routing_graph import Chain, RoutingGraph
+from llm_swarm.scheduler.algorithms.windows import lexicographic_min_window
 
 HOP_OVERHEAD_S = 0.018  # added to every hop's rtt/2 by PETALS' router
 NO_CACHE_ROOM_PENALTY_S = 10.0

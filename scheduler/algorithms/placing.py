@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.algorithms import petals
-from scheduler.algorithms.cgbp import cg_bp, choose_num_requests
-from scheduler.algorithms.chains import DEFAULT_RHO_BAR, gbp_cr
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, uncovered_blocks
-from scheduler.algorithms.tuning import Composition, tune_capacity
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.cgbp import cg_bp, choose_num_requests
+from llm_swarm.scheduler.algorithms.chains import DEFAULT_RHO_BAR, gbp_cr
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, uncovered_blocks
+from llm_swarm.scheduler.algorithms.tuning import Composition, tune_capacity
 
 
 class PlanInputError(ValueError):

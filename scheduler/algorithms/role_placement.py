@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.problem import Span
 
 Links = Mapping[str, Mapping[str, float]]  # sender name -> receiver name -> bytes/s
 

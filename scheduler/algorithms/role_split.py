@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.algorithms.problem import Placement, ServerSpec
+from llm_swarm.scheduler.algorithms.problem import Placement, ServerSpec
 
 PREFILL, DECODE, BOTH = "prefill", "decode", "both"
 ROLE_NAMES = (PREFILL, DECODE, BOTH)

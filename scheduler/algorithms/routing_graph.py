@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms.feasibility import CLIENT_END, predecessor_ends
-from scheduler.algorithms.problem import Placement
+from llm_swarm.scheduler.algorithms.feasibility import CLIENT_END, predecessor_ends
+from llm_swarm.scheduler.algorithms.problem import Placement
 
 _CLIENT_INDEX = -1  # the source client sorts before every server on ties (it is the only end-0 node)
 

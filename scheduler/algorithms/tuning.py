@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from scheduler.algorithms.chains import DEFAULT_RHO_BAR, GbpCrPlacement, ServerChain, gbp_cr, gca
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, floor_ratio
-from scheduler.algorithms.queueing import response_time_bounds
+from llm_swarm.scheduler.algorithms.chains import DEFAULT_RHO_BAR, GbpCrPlacement, ServerChain, gbp_cr, gca
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, floor_ratio
+from llm_swarm.scheduler.algorithms.queueing import response_time_bounds
 
 Objective = Literal["lower-bound", "surrogate"]
 

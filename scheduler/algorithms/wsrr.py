@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms.problem import ModelSpec, Placement, ServerSpec, placement_cache_slots
-from scheduler.algorithms.routing_graph import Chain, RoutingGraph
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, Placement, ServerSpec, placement_cache_slots
+from llm_swarm.scheduler.algorithms.routing_graph import Chain, RoutingGraph
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.algorithms.placing import PLACEMENTS, Infeasible, PlanInputError
-from scheduler.plan import goodput as goodput_command
-from scheduler.plan.commands import compose_chains, place, route_petals, route_ws_rr
-from scheduler.plan.problem_io import dumps, parse_problem
+from llm_swarm.scheduler.algorithms.placing import PLACEMENTS, Infeasible, PlanInputError
+from llm_swarm.scheduler.plan import goodput as goodput_command
+from llm_swarm.scheduler.plan.commands import compose_chains, place, route_petals, route_ws_rr
+from llm_swarm.scheduler.plan.problem_io import dumps, parse_problem
 
 EXIT_INVALID_INPUT = 2
 EXIT_INFEASIBLE = 3

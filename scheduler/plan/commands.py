@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.algorithms import petals
-from scheduler.algorithms.placing import (
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.placing import (
     PLACEMENTS,
     Infeasible,
     PlacedServers,
@@ -20,10 +20,16 @@ from scheduler.algorithms.placing import (
     require_server_fields,
     tuned_composition,
 )
-from scheduler.algorithms.problem import uncovered_blocks
-from scheduler.algorithms.tuning import compose
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.plan.problem_io import RoutingProblem, chain_json, json_number, parse_routing, placement_json
+from llm_swarm.scheduler.algorithms.problem import uncovered_blocks
+from llm_swarm.scheduler.algorithms.tuning import compose
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.plan.problem_io import (
+    RoutingProblem,
+    chain_json,
+    json_number,
+    parse_routing,
+    placement_json,
+)
 
 __all__ = ["Infeasible", "compose_chains", "place", "placement_output", "route_petals", "route_ws_rr"]
 

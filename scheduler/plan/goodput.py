@@ -13,10 +13,10 @@ import math
 import re
 from typing import Any
 
-from scheduler.algorithms.placing import Infeasible, PlanInputError
-from scheduler.plan.problem_io import json_number, parse_problem, placement_json
-from scheduler.sim.discrete_events import SimulationError
-from scheduler.sim.goodput_plan import (
+from llm_swarm.scheduler.algorithms.placing import Infeasible, PlanInputError
+from llm_swarm.scheduler.plan.problem_io import json_number, parse_problem, placement_json
+from llm_swarm.scheduler.sim.discrete_events import SimulationError
+from llm_swarm.scheduler.sim.goodput_plan import (
     CandidateError,
     CandidateResult,
     GoodputPlan,
@@ -25,12 +25,12 @@ from scheduler.sim.goodput_plan import (
     plan_goodput,
     servers_to_add,
 )
-from scheduler.sim.metrics import Slo
-from scheduler.sim.monte_carlo import SCENARIOS
-from scheduler.sim.planning_swarm import named_swarm, problem_swarm, with_added_servers
-from scheduler.sim.policies import NONE, PAPER000
-from scheduler.sim.role_planning import roles_document
-from scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.sim.metrics import Slo
+from llm_swarm.scheduler.sim.monte_carlo import SCENARIOS
+from llm_swarm.scheduler.sim.planning_swarm import named_swarm, problem_swarm, with_added_servers
+from llm_swarm.scheduler.sim.policies import NONE, PAPER000
+from llm_swarm.scheduler.sim.role_planning import roles_document
+from llm_swarm.scheduler.sim.scenarios import Scenario
 
 HELP = """\
 Search the placement policy and its parameter (the PETALS baseline; CG-BP + WS-RR with R chosen

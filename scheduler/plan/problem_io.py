@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.algorithms.chains import DEFAULT_RHO_BAR
-from scheduler.algorithms.placing import PlanInputError, PlanProblem, server_where
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from scheduler.algorithms.routing_graph import ChainHop
+from llm_swarm.scheduler.algorithms.chains import DEFAULT_RHO_BAR
+from llm_swarm.scheduler.algorithms.placing import PlanInputError, PlanProblem, server_where
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.scheduler.algorithms.routing_graph import ChainHop
 
 MODEL_KEYS = {"num_blocks", "block_bytes", "cache_bytes", "hidden_size", "kv_dim", "dtype_bytes"}
 SERVER_KEYS = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from swarm.closed_swarm import PROOF_METADATA_KEY, SwarmSecret
+from llm_swarm.swarm.closed_swarm import PROOF_METADATA_KEY, SwarmSecret
 
 
 class SwarmProofInterceptor(grpc.aio.ServerInterceptor):

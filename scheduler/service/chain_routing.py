@@ -17,9 +17,9 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from scheduler.algorithms.chains import chain_hops, gca
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from swarm.route_request import RouteHop
+from llm_swarm.scheduler.algorithms.chains import chain_hops, gca
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.swarm.route_request import RouteHop
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from scheduler.service.core import CoreSettings
-from scheduler.service.planner import POLICIES, PlanSettings
-from scheduler.service.runner import SchedulerConfig, run_scheduler
-from scheduler.service.view import ModelShape
-from swarm.cli.args import (
+from llm_swarm.scheduler.service.core import CoreSettings
+from llm_swarm.scheduler.service.planner import POLICIES, PlanSettings
+from llm_swarm.scheduler.service.runner import SchedulerConfig, run_scheduler
+from llm_swarm.scheduler.service.view import ModelShape
+from llm_swarm.swarm.cli.args import (
     add_model_config_arguments,
     add_swarm_secret_argument,
     command_parser,
@@ -16,12 +16,12 @@ from swarm.cli.args import (
     resolve_model_argument,
     swarm_secret_from_args,
 )
-from swarm.cli.dataclass_args import add_field_options, dataclass_from_args
-from swarm.cli.errors import run_cli
-from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.errors import SwarmUserError
-from swarm.model_limits import ModelLimits
-from swarm.models.checkpoint import load_config
+from llm_swarm.swarm.cli.dataclass_args import add_field_options, dataclass_from_args
+from llm_swarm.swarm.cli.errors import run_cli
+from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.models.checkpoint import load_config
 
 EXAMPLES = """examples:
   swarm-scheduler --initial-peers $(head -1 dht.maddrs) --model-dir models/tiny-llama

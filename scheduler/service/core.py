@@ -19,10 +19,10 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler.algorithms.placing import Infeasible, PlanInputError
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.role_split import PREFILL
-from scheduler.service.planner import (
+from llm_swarm.scheduler.algorithms.placing import Infeasible, PlanInputError
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.role_split import PREFILL
+from llm_swarm.scheduler.service.planner import (
     ArrivalRate,
     Plan,
     PlanSettings,
@@ -35,16 +35,16 @@ from scheduler.service.planner import (
     r_changed,
     role_assigner,
 )
-from scheduler.service.prefill_routing import PrefillPlanner
-from scheduler.service.request_stats import RequestStats
-from scheduler.service.sessions import RouteDecision, SessionBook, SessionRecord
-from scheduler.service.slo_admission import SloTargets, chain_latency, predict
-from scheduler.service.status import describe_servers
-from scheduler.service.view import ModelShape, SwarmView, prefill_time
-from swarm.errors import SwarmUserError
-from swarm.length_prediction import OutputLengthPredictor, SessionLengthLearner
-from swarm.route_request import RouteRequest
-from swarm.server_info import ServerInfo
+from llm_swarm.scheduler.service.prefill_routing import PrefillPlanner
+from llm_swarm.scheduler.service.request_stats import RequestStats
+from llm_swarm.scheduler.service.sessions import RouteDecision, SessionBook, SessionRecord
+from llm_swarm.scheduler.service.slo_admission import SloTargets, chain_latency, predict
+from llm_swarm.scheduler.service.status import describe_servers
+from llm_swarm.scheduler.service.view import ModelShape, SwarmView, prefill_time
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.length_prediction import OutputLengthPredictor, SessionLengthLearner
+from llm_swarm.swarm.route_request import RouteRequest
+from llm_swarm.swarm.server_info import ServerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ import time
 
 import grpc
 
-from scheduler.service.core import RouteRefused, SchedulerCore
-from scheduler.service.metrics import SchedulerMetrics
-from scheduler.service.request_stats import SUMMARY_KEYS
-from scheduler.service.slo_admission import SloPrediction
-from swarm.route_request import RouteRequest
-from swarm.scheduler_api import scheduler_pb2 as pb
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
-from swarm.task_label import check_label
+from llm_swarm.scheduler.service.core import RouteRefused, SchedulerCore
+from llm_swarm.scheduler.service.metrics import SchedulerMetrics
+from llm_swarm.scheduler.service.request_stats import SUMMARY_KEYS
+from llm_swarm.scheduler.service.slo_admission import SloPrediction
+from llm_swarm.swarm.route_request import RouteRequest
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.swarm.task_label import check_label
 
 MAX_AWAIT_S = 30.0  # one AwaitAdmission blocks at most this long; clients call again
 MAX_TOKENS = 1 << 20

@@ -14,10 +14,10 @@ import time
 
 from hivemind.dht import DHT
 
-from scheduler.service.status import announced_capacity, describe_servers
-from scheduler.service.view import ModelShape, SwarmView
-from scheduler.service.web import make_app, start_web
-from swarm.cli.args import (
+from llm_swarm.scheduler.service.status import announced_capacity, describe_servers
+from llm_swarm.scheduler.service.view import ModelShape, SwarmView
+from llm_swarm.scheduler.service.web import make_app, start_web
+from llm_swarm.swarm.cli.args import (
     add_model_config_arguments,
     add_swarm_secret_argument,
     command_parser,
@@ -25,15 +25,15 @@ from swarm.cli.args import (
     resolve_model_argument,
     swarm_secret_from_args,
 )
-from swarm.cli.errors import run_cli
-from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
-from swarm.dht_peer import start_dht
-from swarm.dht_records import fetch_roster_async
-from swarm.errors import SwarmUserError
-from swarm.model_limits import ModelLimits
-from swarm.models.checkpoint import load_config
-from swarm.until_stop import DHT_READ_TIMEOUT, Stopped, until_stop
+from llm_swarm.swarm.cli.errors import run_cli
+from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
+from llm_swarm.swarm.cli.signals import stop_on_signals, terminate_like_interrupt
+from llm_swarm.swarm.dht_peer import start_dht
+from llm_swarm.swarm.dht_records import fetch_roster_async
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.models.checkpoint import load_config
+from llm_swarm.swarm.until_stop import DHT_READ_TIMEOUT, Stopped, until_stop
 
 logger = logging.getLogger(__name__)
 

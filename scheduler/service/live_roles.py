@@ -19,14 +19,14 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from scheduler.algorithms.problem import ServerSpec, Span
-from scheduler.algorithms.role_split import BOTH, RolePlan, plan_roles
-from scheduler.service.view import SwarmView
-from scheduler.sim.metrics import Slo
-from scheduler.sim.prefill import PrefillModel
-from scheduler.sim.role_planning import GoodputOfRoles, RoleSearch, role_inputs, with_links
-from scheduler.sim.scenarios import CLIENT, Scenario
-from swarm.errors import SwarmUserError
+from llm_swarm.scheduler.algorithms.problem import ServerSpec, Span
+from llm_swarm.scheduler.algorithms.role_split import BOTH, RolePlan, plan_roles
+from llm_swarm.scheduler.service.view import SwarmView
+from llm_swarm.scheduler.sim.metrics import Slo
+from llm_swarm.scheduler.sim.prefill import PrefillModel
+from llm_swarm.scheduler.sim.role_planning import GoodputOfRoles, RoleSearch, role_inputs, with_links
+from llm_swarm.scheduler.sim.scenarios import CLIENT, Scenario
+from llm_swarm.swarm.errors import SwarmUserError
 
 logger = logging.getLogger(__name__)
 

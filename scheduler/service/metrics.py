@@ -6,7 +6,7 @@ A registry per service keeps tests (several schedulers in one process) apart.
 
 from __future__ import annotations
 
-from swarm.prometheus_metrics import PrometheusMetrics
+from llm_swarm.swarm.prometheus_metrics import PrometheusMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

@@ -22,21 +22,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from scheduler.algorithms.cgbp import (
+from llm_swarm.scheduler.algorithms.cgbp import (
     choose_num_requests,
     session_capacity,
     slowest_client_request_time,
 )
-from scheduler.algorithms.placing import PLACEMENTS, PlacedServers, PlanProblem
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
-from scheduler.algorithms.role_split import prefill_ratio
-from scheduler.plan.commands import placement_output
-from scheduler.plan.problem_io import problem_json
-from scheduler.service.live_roles import RoleAssigner, announced_links
-from scheduler.service.live_roles import check_mode as check_role_mode
-from scheduler.service.view import SwarmView
-from swarm.errors import SwarmUserError
+from llm_swarm.scheduler.algorithms.placing import PLACEMENTS, PlacedServers, PlanProblem
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.role_placement import prefill_blocks, prefill_spans
+from llm_swarm.scheduler.algorithms.role_split import prefill_ratio
+from llm_swarm.scheduler.plan.commands import placement_output
+from llm_swarm.scheduler.plan.problem_io import problem_json
+from llm_swarm.scheduler.service.live_roles import RoleAssigner, announced_links
+from llm_swarm.scheduler.service.live_roles import check_mode as check_role_mode
+from llm_swarm.scheduler.service.view import SwarmView
+from llm_swarm.swarm.errors import SwarmUserError
 
 POLICIES = ("cg-bp", "gbp-cr", "chains", "petals")
 

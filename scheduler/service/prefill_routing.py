@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from swarm.prefill_cost import choose_prefill_server, hop_prefill_costs, prefill_seconds
-from swarm.route_request import RouteHop
-from swarm.server_info import ServerInfo
+from llm_swarm.swarm.prefill_cost import choose_prefill_server, hop_prefill_costs, prefill_seconds
+from llm_swarm.swarm.route_request import RouteHop
+from llm_swarm.swarm.server_info import ServerInfo
 
 MIN_PROMPT = 2  # a one-token prompt is a decode step: nothing to disaggregate (as the client's rule)
 

@@ -16,21 +16,21 @@ from dataclasses import dataclass
 
 import grpc
 
-from scheduler.service.auth import SwarmProofInterceptor
-from scheduler.service.core import CoreSettings, SchedulerCore
-from scheduler.service.grpc_api import SchedulerApi
-from scheduler.service.metrics import SchedulerMetrics
-from scheduler.service.view import ModelShape
-from scheduler.service.web import make_app, start_web
-from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
-from swarm.closed_swarm import SwarmSecret
-from swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
-from swarm.dht_process import SwarmDHT
-from swarm.dht_records import RosterReader, publish_scheduler
-from swarm.errors import SwarmUserError
-from swarm.model_limits import ModelLimits
-from swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
-from swarm.until_stop import DHT_READ_TIMEOUT, Stopped, until_stop
+from llm_swarm.scheduler.service.auth import SwarmProofInterceptor
+from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
+from llm_swarm.scheduler.service.grpc_api import SchedulerApi
+from llm_swarm.scheduler.service.metrics import SchedulerMetrics
+from llm_swarm.scheduler.service.view import ModelShape
+from llm_swarm.scheduler.service.web import make_app, start_web
+from llm_swarm.swarm.cli.signals import stop_on_signals, terminate_like_interrupt
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.dht_peer import PeerIdentity, dht_options, forget_identity, open_identity
+from llm_swarm.swarm.dht_process import SwarmDHT
+from llm_swarm.swarm.dht_records import RosterReader, publish_scheduler
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.model_limits import ModelLimits
+from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
+from llm_swarm.swarm.until_stop import DHT_READ_TIMEOUT, Stopped, until_stop
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.service.slo_admission import SloPrediction
-from swarm.route_request import RouteHop
+from llm_swarm.scheduler.service.slo_admission import SloPrediction
+from llm_swarm.swarm.route_request import RouteHop
 
 
 @dataclass

@@ -33,19 +33,19 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
-from scheduler.algorithms import petals
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, placement_cache_slots
-from scheduler.algorithms.wsrr import RoutingState, overdue_end
-from scheduler.service.chain_routing import (
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, placement_cache_slots
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState, overdue_end
+from llm_swarm.scheduler.service.chain_routing import (
     LiveChain,
     compose_live_chains,
     fastest_free_chain,
     queue_start_times,
     timings_moved,
 )
-from scheduler.service.durations import DurationCalibration
-from scheduler.service.session_records import RouteDecision, SessionRecord
-from swarm.route_request import RouteHop
+from llm_swarm.scheduler.service.durations import DurationCalibration
+from llm_swarm.scheduler.service.session_records import RouteDecision, SessionRecord
+from llm_swarm.swarm.route_request import RouteHop
 
 
 class SessionBook:

@@ -17,8 +17,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from swarm.errors import SwarmUserError
-from swarm.route_request import RouteHop
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.route_request import RouteHop
 
 
 @dataclass(frozen=True)

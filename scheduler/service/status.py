@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from scheduler.algorithms.problem import Span, uncovered_blocks
-from scheduler.service.view import SwarmView
+from llm_swarm.scheduler.algorithms.problem import Span, uncovered_blocks
+from llm_swarm.scheduler.service.view import SwarmView
 
 
 def describe_servers(

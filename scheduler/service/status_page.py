@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from scheduler.service.request_stats import SUMMARY_KEYS
+from llm_swarm.scheduler.service.request_stats import SUMMARY_KEYS
 
 STATE_COLORS = {"online": "#2e9d5b", "moving": "#e39b21", "joining": "#8d99ae", "offline": "#c8553d"}
 
 
-_environment = Environment(loader=PackageLoader("scheduler", "templates"), autoescape=select_autoescape())
+_environment = Environment(
+    loader=PackageLoader("llm_swarm.scheduler", "templates"), autoescape=select_autoescape()
+)
 _template = _environment.get_template("status.html")
 
 LABEL_WIDTH = 170

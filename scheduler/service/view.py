@@ -24,10 +24,10 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.algorithms.placing import PlanProblem
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
-from swarm.models.family import family_for
-from swarm.server_info import ServerInfo, ServerRole, ServerState
+from llm_swarm.scheduler.algorithms.placing import PlanProblem
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.swarm.models.family import family_for
+from llm_swarm.swarm.server_info import ServerInfo, ServerRole, ServerState
 
 VIRTUAL_CLIENT = "any"
 

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from scheduler.service.status_page import render_status_page
+from llm_swarm.scheduler.service.status_page import render_status_page
 
 logger = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from scheduler.sim.discrete_events import SimulationError
-from scheduler.sim.goodput import cell_goodput
-from scheduler.sim.length_info import LENGTH_INFO, TRACE_MAX_NEW_TOKENS
-from scheduler.sim.metrics import goodput
-from scheduler.sim.monte_carlo import SCENARIOS, CellConfig, run_cell
-from scheduler.sim.policies import POLICIES
-from scheduler.sim.sweeps import SWEEP_POLICIES, SWEEPS, sweep, sweep_points, write_csv
-from swarm.cli.dataclass_args import dataclass_from_args
+from llm_swarm.scheduler.sim.discrete_events import SimulationError
+from llm_swarm.scheduler.sim.goodput import cell_goodput
+from llm_swarm.scheduler.sim.length_info import LENGTH_INFO, TRACE_MAX_NEW_TOKENS
+from llm_swarm.scheduler.sim.metrics import goodput
+from llm_swarm.scheduler.sim.monte_carlo import SCENARIOS, CellConfig, run_cell
+from llm_swarm.scheduler.sim.policies import POLICIES
+from llm_swarm.scheduler.sim.sweeps import SWEEP_POLICIES, SWEEPS, sweep, sweep_points, write_csv
+from llm_swarm.swarm.cli.dataclass_args import dataclass_from_args
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -148,7 +148,7 @@ def _config(args: argparse.Namespace) -> CellConfig:
 
 
 def _run_sweep(args: argparse.Namespace, config: CellConfig) -> dict:
-    from scheduler.sim.plots import plot_sweep  # matplotlib only when plotting
+    from llm_swarm.scheduler.sim.plots import plot_sweep  # matplotlib only when plotting
 
     total = len(sweep_points(args.sweep, config)) * len(SWEEP_POLICIES)
     with tqdm(total=total, desc=f"sweep {args.sweep}", file=sys.stderr) as bar:

@@ -39,13 +39,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.algorithms.problem import ServerSpec
-from scheduler.algorithms.routing_graph import ChainHop
-from scheduler.sim import iteration_rule as rule
-from scheduler.sim.host_cpu import HostCpuModel, SharedCpu
-from scheduler.sim.prefill import PrefillModel
-from scheduler.sim.server_costs import ACCELERATOR_MODELS, ServerCost
-from scheduler.sim.workload import Request
+from llm_swarm.scheduler.algorithms.problem import ServerSpec
+from llm_swarm.scheduler.algorithms.routing_graph import ChainHop
+from llm_swarm.scheduler.sim import iteration_rule as rule
+from llm_swarm.scheduler.sim.host_cpu import HostCpuModel, SharedCpu
+from llm_swarm.scheduler.sim.prefill import PrefillModel
+from llm_swarm.scheduler.sim.server_costs import ACCELERATOR_MODELS, ServerCost
+from llm_swarm.scheduler.sim.workload import Request
 
 CLIENT = "client"
 EPSILON = 1e-12  # a batching window this short is over (float noise of `oldest + window - now`)

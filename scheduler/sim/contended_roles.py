@@ -31,14 +31,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.role_placement import prefill_blocks
-from scheduler.algorithms.role_placement import prefill_spans as placed_prefill_spans
-from scheduler.algorithms.routing_graph import ChainHop
-from scheduler.sim.prefill import PrefillModel
-from scheduler.sim.scenarios import CLIENT, Link, Scenario
-from scheduler.sim.workload import Request
-from swarm.prefill_cost import (
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.role_placement import prefill_blocks
+from llm_swarm.scheduler.algorithms.role_placement import prefill_spans as placed_prefill_spans
+from llm_swarm.scheduler.algorithms.routing_graph import ChainHop
+from llm_swarm.scheduler.sim.prefill import PrefillModel
+from llm_swarm.scheduler.sim.scenarios import CLIENT, Link, Scenario
+from llm_swarm.scheduler.sim.workload import Request
+from llm_swarm.swarm.prefill_cost import (
     STREAM_CHUNK_TOKENS,
     choose_prefill_server,
     disaggregated_seconds,
@@ -46,7 +46,7 @@ from swarm.prefill_cost import (
     scaled_prefill_seconds,
     streamed_seconds,
 )
-from swarm.server_info import ServerRole
+from llm_swarm.swarm.server_info import ServerRole
 
 SCHEDULER_POLICY = "scheduler"  # `--disaggregate scheduler`: the live scheduler's queue-aware plan
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from scheduler.sim.contended import ContendedConfig, ContendedService
-from scheduler.sim.contended_roles import (
+from llm_swarm.scheduler.sim.contended import ContendedConfig, ContendedService
+from llm_swarm.scheduler.sim.contended_roles import (
     SCHEDULER_POLICY,
     decoding,
     parse_roles,
@@ -16,12 +16,12 @@ from scheduler.sim.contended_roles import (
     subset,
     uniform_links,
 )
-from scheduler.sim.discrete_events import Dispatcher, SimResult, simulate
-from scheduler.sim.iteration_rule import RulePolicy
-from scheduler.sim.scenarios import Scenario
-from scheduler.sim.server_costs import ACCELERATOR_MODELS, from_scenario
-from scheduler.sim.workload import Request
-from swarm.prefill_cost import DISAGGREGATE_POLICIES
+from llm_swarm.scheduler.sim.discrete_events import Dispatcher, SimResult, simulate
+from llm_swarm.scheduler.sim.iteration_rule import RulePolicy
+from llm_swarm.scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.sim.server_costs import ACCELERATOR_MODELS, from_scenario
+from llm_swarm.scheduler.sim.workload import Request
+from llm_swarm.swarm.prefill_cost import DISAGGREGATE_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,11 +44,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec
-from scheduler.algorithms.routing_graph import ChainHop
-from scheduler.sim.prefill import PrefillModel
-from scheduler.sim.workload import Request
-from swarm.cost import HopCost, request_time
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec
+from llm_swarm.scheduler.algorithms.routing_graph import ChainHop
+from llm_swarm.scheduler.sim.prefill import PrefillModel
+from llm_swarm.scheduler.sim.workload import Request
+from llm_swarm.swarm.cost import HopCost, request_time
 
 CLIENT = "client"
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from scheduler.sim.metrics import GOODPUT_ATTAINMENT, goodput
-from scheduler.sim.monte_carlo import CellConfig, run_cell
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, goodput
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, run_cell
 
 
 @dataclass(frozen=True)

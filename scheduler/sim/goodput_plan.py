@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.algorithms.cgbp import cg_bp, choose_num_requests, max_requests
-from scheduler.algorithms.problem import Span, floor_ratio
-from scheduler.algorithms.tuning import compose, max_capacity, tune_capacity
-from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, goodput
-from scheduler.sim.plan_runs import (
+from llm_swarm.scheduler.algorithms.cgbp import cg_bp, choose_num_requests, max_requests
+from llm_swarm.scheduler.algorithms.problem import Span, floor_ratio
+from llm_swarm.scheduler.algorithms.tuning import compose, max_capacity, tune_capacity
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, goodput
+from llm_swarm.scheduler.sim.plan_runs import (
     DEFAULT_POLICIES,
     Candidate,
     CandidateError,
@@ -45,9 +45,9 @@ from scheduler.sim.plan_runs import (
     idle_latency,
     spans_of,
 )
-from scheduler.sim.planning_swarm import with_added_servers
-from scheduler.sim.policies import with_chain_times
-from scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.sim.planning_swarm import with_added_servers
+from llm_swarm.scheduler.sim.policies import with_chain_times
+from llm_swarm.scheduler.sim.scenarios import Scenario
 
 TUNED = ("cg-bp", "chains")  # the policies with a parameter: R and c
 GRID_LIMIT = 1 << 16  # no parameter grid goes past this, whatever the memory allows

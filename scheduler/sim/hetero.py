@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.sim import profiles
-from scheduler.sim.profiles import GIB, GpuProfile, ModelProfile
-from scheduler.sim.scenarios import Link, Scenario, build_scenario
-from scheduler.sim.workload import Request, TraceRecord
+from llm_swarm.scheduler.sim import profiles
+from llm_swarm.scheduler.sim.profiles import GIB, GpuProfile, ModelProfile
+from llm_swarm.scheduler.sim.scenarios import Link, Scenario, build_scenario
+from llm_swarm.scheduler.sim.workload import Request, TraceRecord
 
 PARAMETERS_PER_BLOCK = 856_000_000  # LLaMA-2-70B: attention 151 M (GQA) + MLP 705 M per block
 # NF4 with its scales, read as Sun et al. reads BLOOM's (4.25 bits per parameter, 1% overhead)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from scheduler.sim.workload import Request
-from swarm.length_prediction import OutputLengthPredictor
+from llm_swarm.scheduler.sim.workload import Request
+from llm_swarm.swarm.length_prediction import OutputLengthPredictor
 
 LENGTH_INFO = ("oracle", "constant:N", "max-new-tokens", "predicted")
 # What a client replaying the Azure code trace declares as max_new_tokens: its longest answer is

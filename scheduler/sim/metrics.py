@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.sim.discrete_events import RequestRecord
+from llm_swarm.scheduler.sim.discrete_events import RequestRecord
 
 PERCENTILES = (50, 95, 99)
 # Per-request quantities summarized with mean and percentiles.

@@ -13,11 +13,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from scheduler.sim import contended_run, hetero, scenarios, workload
-from scheduler.sim.discrete_events import SimResult, simulate
-from scheduler.sim.length_info import TRACE_MAX_NEW_TOKENS, check_length_info, length_source
-from scheduler.sim.metrics import Slo, average, summarize
-from scheduler.sim.policies import NONE, PAPER000, POLICIES, build_dispatcher
+from llm_swarm.scheduler.sim import contended_run, hetero, scenarios, workload
+from llm_swarm.scheduler.sim.discrete_events import SimResult, simulate
+from llm_swarm.scheduler.sim.length_info import TRACE_MAX_NEW_TOKENS, check_length_info, length_source
+from llm_swarm.scheduler.sim.metrics import Slo, average, summarize
+from llm_swarm.scheduler.sim.policies import NONE, PAPER000, POLICIES, build_dispatcher
 
 SCENARIOS = ("clustered", "abovenet", "bellcanada", "gtsce", "ripe", "hetero")
 SETUPS = ("paper", "none")  # session set-up delays: Sun et al.'s calibrated ones, or none

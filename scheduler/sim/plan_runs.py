@@ -16,14 +16,14 @@ from fractions import Fraction
 
 import numpy as np
 
-from scheduler.algorithms import petals
-from scheduler.algorithms.cgbp import cg_bp
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.tuning import compose, tune_capacity
-from scheduler.algorithms.wsrr import RoutingState
-from scheduler.sim.discrete_events import RetryAt, SimulationError, StartAt, simulate
-from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
-from scheduler.sim.policies import (
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.cgbp import cg_bp
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.tuning import compose, tune_capacity
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState
+from llm_swarm.scheduler.sim.discrete_events import RetryAt, SimulationError, StartAt, simulate
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
+from llm_swarm.scheduler.sim.policies import (
     NONE,
     JffcRouting,
     SetupDelays,
@@ -32,8 +32,8 @@ from scheduler.sim.policies import (
     proposed_placement,
     with_chain_times,
 )
-from scheduler.sim.scenarios import Scenario
-from scheduler.sim.workload import Request, poisson
+from llm_swarm.scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.sim.workload import Request, poisson
 
 DEFAULT_POLICIES = ("cg-bp", "chains", "petals")
 

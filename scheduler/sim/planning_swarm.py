@@ -23,12 +23,12 @@ import statistics
 
 import numpy as np
 
-from scheduler.algorithms.placing import PlanInputError, PlanProblem, server_where
-from scheduler.algorithms.problem import ServerSpec
-from scheduler.sim.discrete_events import CLIENT
-from scheduler.sim.monte_carlo import CellConfig, make_scenario
-from scheduler.sim.prefill import PrefillModel, affine_prefill
-from scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.algorithms.placing import PlanInputError, PlanProblem, server_where
+from llm_swarm.scheduler.algorithms.problem import ServerSpec
+from llm_swarm.scheduler.sim.discrete_events import CLIENT
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, make_scenario
+from llm_swarm.scheduler.sim.prefill import PrefillModel, affine_prefill
+from llm_swarm.scheduler.sim.scenarios import Scenario
 
 DEFAULT_L_OUT = 128  # swarm-sim's default, for a problem document without `l_out`
 

@@ -26,16 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.algorithms import petals
-from scheduler.algorithms.cgbp import cg_bp, choose_num_requests
-from scheduler.algorithms.chains import ServerChain, chain_hops, gca, request_times
-from scheduler.algorithms.jffc import JffcDispatcher
-from scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
-from scheduler.algorithms.routing_graph import ChainHop, chain_fits
-from scheduler.algorithms.tuning import compose, tune_capacity
-from scheduler.algorithms.windows import lexicographic_min_window
-from scheduler.algorithms.wsrr import RoutingState, overdue_end
-from scheduler.sim.discrete_events import (
+from llm_swarm.scheduler.algorithms import petals
+from llm_swarm.scheduler.algorithms.cgbp import cg_bp, choose_num_requests
+from llm_swarm.scheduler.algorithms.chains import ServerChain, chain_hops, gca, request_times
+from llm_swarm.scheduler.algorithms.jffc import JffcDispatcher
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, cache_slots
+from llm_swarm.scheduler.algorithms.routing_graph import ChainHop, chain_fits
+from llm_swarm.scheduler.algorithms.tuning import compose, tune_capacity
+from llm_swarm.scheduler.algorithms.windows import lexicographic_min_window
+from llm_swarm.scheduler.algorithms.wsrr import RoutingState, overdue_end
+from llm_swarm.scheduler.sim.discrete_events import (
     CLIENT,
     Decision,
     Queued,
@@ -44,11 +44,11 @@ from scheduler.sim.discrete_events import (
     StartAt,
     service_hops,
 )
-from scheduler.sim.length_info import LengthSource
-from scheduler.sim.prefill import PrefillModel
-from scheduler.sim.scenarios import Scenario
-from scheduler.sim.workload import Request
-from swarm.cost import request_time
+from llm_swarm.scheduler.sim.length_info import LengthSource
+from llm_swarm.scheduler.sim.prefill import PrefillModel
+from llm_swarm.scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.sim.workload import Request
+from llm_swarm.swarm.cost import request_time
 
 POLICIES = ("petals", "cg-bp", "opt-num", "opt-order", "opt-rr", "chains", "jffc-only")
 PETALS_FAMILY = ("petals", "opt-num", "opt-order", "opt-rr")

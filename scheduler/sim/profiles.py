@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.cost import cache_bytes_per_block
+from llm_swarm.swarm.cost import cache_bytes_per_block
 
 GIB = 1024**3
 MS = 1e-3

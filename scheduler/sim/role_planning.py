@@ -21,17 +21,24 @@ from fractions import Fraction
 
 import numpy as np
 
-from scheduler.algorithms.problem import Span
-from scheduler.algorithms.role_split import BOTH, RoleInputs, RolePlan, Roles, RoleWorkload, plan_roles
-from scheduler.sim.contended_roles import link_rates
-from scheduler.sim.contended_run import ContendedOptions, simulate_contended
-from scheduler.sim.discrete_events import SimulationError
-from scheduler.sim.goodput_plan import search_goodput
-from scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
-from scheduler.sim.plan_runs import _Guarded, _Hopeless
-from scheduler.sim.policies import build_dispatcher, proposed_placement
-from scheduler.sim.scenarios import Link, Scenario
-from scheduler.sim.workload import Request, poisson
+from llm_swarm.scheduler.algorithms.problem import Span
+from llm_swarm.scheduler.algorithms.role_split import (
+    BOTH,
+    RoleInputs,
+    RolePlan,
+    Roles,
+    RoleWorkload,
+    plan_roles,
+)
+from llm_swarm.scheduler.sim.contended_roles import link_rates
+from llm_swarm.scheduler.sim.contended_run import ContendedOptions, simulate_contended
+from llm_swarm.scheduler.sim.discrete_events import SimulationError
+from llm_swarm.scheduler.sim.goodput_plan import search_goodput
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, per_request, slo_attainment
+from llm_swarm.scheduler.sim.plan_runs import _Guarded, _Hopeless
+from llm_swarm.scheduler.sim.policies import build_dispatcher, proposed_placement
+from llm_swarm.scheduler.sim.scenarios import Link, Scenario
+from llm_swarm.scheduler.sim.workload import Request, poisson
 
 UNKNOWN_LINK_BPS = 1e6  # a link nobody measured: the simulated client's rule must not use it
 
@@ -203,10 +210,10 @@ def split_swarm(l_in: int, l_out: int, link_mbps: float, link_rtt_s: float = 0.0
     0.5 TB/s: prefill fast, decode slow) and four bandwidth-rich, compute-poor ones (25 TFLOPS,
     2 TB/s: the reverse), each able to hold the whole `hetero` model (LLaMA-2-70B-shaped, NF4),
     the client 20 ms from all, every two servers joined at `link_mbps`."""
-    from scheduler.sim import hetero
-    from scheduler.sim.contended_roles import uniform_links
-    from scheduler.sim.profiles import GIB
-    from scheduler.sim.scenarios import build_scenario
+    from llm_swarm.scheduler.sim import hetero
+    from llm_swarm.scheduler.sim.contended_roles import uniform_links
+    from llm_swarm.scheduler.sim.profiles import GIB
+    from llm_swarm.scheduler.sim.scenarios import build_scenario
 
     compute = hetero.footnote11("compute-80GB", 79 * GIB, tflops=300, gb_per_ms=0.5)
     bandwidth = hetero.footnote11("bandwidth-80GB", 79 * GIB, tflops=25, gb_per_ms=2.0)
@@ -220,7 +227,7 @@ def split_swarm(l_in: int, l_out: int, link_mbps: float, link_rtt_s: float = 0.0
 def roles_document(scenario: Scenario, slo: Slo, link_mbps: float, link_rtt_ms: float) -> dict:
     """`swarm-plan goodput --roles auto --link-mbps M`: the role plan on the swarm with every two
     servers joined at M Mbit/s, as JSON (goodputs are the contended model's, cg-bp, 1 seed)."""
-    from scheduler.sim.contended_roles import uniform_links
+    from llm_swarm.scheduler.sim.contended_roles import uniform_links
 
     if not link_mbps > 0 or not link_rtt_ms >= 0:
         raise ValueError("--link-mbps must be positive and --link-rtt-ms >= 0")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from scheduler.sim.goodput import GoodputResult, search_rates
-from scheduler.sim.metrics import Slo, average, summarize
-from scheduler.sim.monte_carlo import CellConfig, run_seed
+from llm_swarm.scheduler.sim.goodput import GoodputResult, search_rates
+from llm_swarm.scheduler.sim.metrics import Slo, average, summarize
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, run_seed
 
 ROLES = "prefill*2,decode*6"  # the two A100s take prompts only; the older cards decode
 

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec
-from scheduler.sim import profiles
-from scheduler.sim.data_dir import DATA_DIR
-from scheduler.sim.prefill import PrefillModel, affine_prefill
-from scheduler.sim.profiles import GpuProfile, ModelProfile
-from scheduler.sim.topology import load_graph, rtt_matrix
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec
+from llm_swarm.scheduler.sim import profiles
+from llm_swarm.scheduler.sim.data_dir import DATA_DIR
+from llm_swarm.scheduler.sim.prefill import PrefillModel, affine_prefill
+from llm_swarm.scheduler.sim.profiles import GpuProfile, ModelProfile
+from llm_swarm.scheduler.sim.topology import load_graph, rtt_matrix
 
 TOPOLOGY_FILES = {"abovenet": "Abvt.graph", "bellcanada": "Bellcanada.graph", "gtsce": "GtsCe.graph"}
 # Table 5 deployments: AboveNet the 9-GPU one (2 A100 + 7 MIG), the larger graphs the 26-GPU one.

@@ -31,8 +31,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.algorithms.problem import ModelSpec, ServerSpec
-from scheduler.sim.prefill import PrefillModel
+from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec
+from llm_swarm.scheduler.sim.prefill import PrefillModel
 
 ACCELERATOR_MODELS = ("serial", "overlap")
 

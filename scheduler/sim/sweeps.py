@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from scheduler.sim.monte_carlo import CellConfig, run_cell
-from scheduler.sim.scenarios import TOPOLOGY_NODES
+from llm_swarm.scheduler.sim.monte_carlo import CellConfig, run_cell
+from llm_swarm.scheduler.sim.scenarios import TOPOLOGY_NODES
 
 SWEEP_POLICIES = ("petals", "opt-num", "opt-order", "opt-rr", "cg-bp")
 SWEEPS = ("servers", "eta", "rate", "l-out")

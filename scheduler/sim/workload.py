@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.sim.data_dir import DATA_DIR
+from llm_swarm.scheduler.sim.data_dir import DATA_DIR
 
 AZURE_TRACE = DATA_DIR / "azure_llm_inference_trace_code_2023.csv"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.dht_keys import default_prefix, validate_prefix
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.dht_keys import default_prefix, validate_prefix
+from llm_swarm.swarm.errors import SwarmUserError
 
 
 def command_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
@@ -47,7 +47,9 @@ def resolve_model_argument(
     """Make `args.<attribute>` (a local directory or a Hub id, with --revision and --token) the
     checkpoint directory it names, fetching a Hub model's config (and tokenizer files, for a client)
     but none of its weights yet; returns it."""
-    from swarm.models.hub import resolve_model  # the model code is heavy for tools that never read one
+    from llm_swarm.swarm.models.hub import (
+        resolve_model,  # the model code is heavy for tools that never read one
+    )
 
     source = getattr(args, attribute)
     directory = str(
@@ -104,6 +106,6 @@ def add_swarm_secret_argument(parser: argparse.ArgumentParser) -> None:
 
 def swarm_secret_from_args(args: argparse.Namespace):
     """The `SwarmSecret` named by --swarm-secret, or None (an open swarm)."""
-    from swarm.closed_swarm import SwarmSecret
+    from llm_swarm.swarm.closed_swarm import SwarmSecret
 
     return SwarmSecret.from_file(args.swarm_secret) if args.swarm_secret else None

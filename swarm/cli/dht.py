@@ -7,16 +7,16 @@ import asyncio
 import logging
 from pathlib import Path
 
-from swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
-from swarm.cli.errors import run_cli
-from swarm.cli.logs import add_log_level_argument, configure_logging
-from swarm.cli.signals import stop_on_signals, terminate_like_interrupt
-from swarm.closed_swarm import SwarmSecret
-from swarm.dht_peer import dht_options
-from swarm.dht_process import SwarmDHT
-from swarm.errors import SwarmUserError
-from swarm.p2p_daemon_flags import daemon_flags, relay_flags
-from swarm.reachability import DialBackService
+from llm_swarm.swarm.cli.args import add_swarm_secret_argument, swarm_secret_from_args
+from llm_swarm.swarm.cli.errors import run_cli
+from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
+from llm_swarm.swarm.cli.signals import stop_on_signals, terminate_like_interrupt
+from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.dht_peer import dht_options
+from llm_swarm.swarm.dht_process import SwarmDHT
+from llm_swarm.swarm.errors import SwarmUserError
+from llm_swarm.swarm.p2p_daemon_flags import daemon_flags, relay_flags
+from llm_swarm.swarm.reachability import DialBackService
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.errors import SwarmUserError
 
 
 def run_cli(prog: str, main: Callable[[], None]) -> None:

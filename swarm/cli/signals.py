@@ -11,7 +11,7 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-from swarm.stop_deadline import STOP_DEADLINE, arm_stop_deadline
+from llm_swarm.swarm.stop_deadline import STOP_DEADLINE, arm_stop_deadline
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

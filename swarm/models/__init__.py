@@ -1,10 +1,10 @@
 """Model families, span loading and the client-side modules."""
 
-from swarm.models.cache import SpanCache
-from swarm.models.checkpoint import CheckpointReader, load_config
-from swarm.models.client_parts import ClientParts, load_client_parts
-from swarm.models.family import ModelFamily, family_for
-from swarm.models.span import TransformerSpan, load_span
+from llm_swarm.swarm.models.cache import SpanCache
+from llm_swarm.swarm.models.checkpoint import CheckpointReader, load_config
+from llm_swarm.swarm.models.client_parts import ClientParts, load_client_parts
+from llm_swarm.swarm.models.family import ModelFamily, family_for
+from llm_swarm.swarm.models.span import TransformerSpan, load_span
 
 __all__ = [
     "CheckpointReader",

@@ -34,10 +34,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm.adapter_names import BASE, AdapterError, check_adapter_name
-from swarm.models.checkpoint import load_config
-from swarm.models.family import ModelFamily, family_for
-from swarm.models.span import prepare_config
+from llm_swarm.swarm.adapter_names import BASE, AdapterError, check_adapter_name
+from llm_swarm.swarm.models.checkpoint import load_config
+from llm_swarm.swarm.models.family import ModelFamily, family_for
+from llm_swarm.swarm.models.span import prepare_config
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

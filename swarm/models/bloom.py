@@ -9,8 +9,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.bloom.modeling_bloom import BloomBlock, build_alibi_tensor
 
-from swarm.models.family import ModelFamily, StepInputs, StepTokens, register_family
-from swarm.models.inplace_attention import use_inplace_bloom_attention
+from llm_swarm.swarm.models.family import ModelFamily, StepInputs, StepTokens, register_family
+from llm_swarm.swarm.models.inplace_attention import use_inplace_bloom_attention
 
 
 class BloomFamily(ModelFamily):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swarm.models.inplace_attention import SessionKeyValues, SessionView
+from llm_swarm.swarm.models.inplace_attention import SessionKeyValues, SessionView
 
 _SERIALS = itertools.count()
 

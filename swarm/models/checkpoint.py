@@ -18,9 +18,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from swarm.errors import CheckpointError
-from swarm.hub_snapshot import hub_snapshot
-from swarm.models.hub import ensure_file, has_pickled_weights
+from llm_swarm.swarm.errors import CheckpointError
+from llm_swarm.swarm.hub_snapshot import hub_snapshot
+from llm_swarm.swarm.models.hub import ensure_file, has_pickled_weights
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm.dtypes import parse_dtype
-from swarm.models.checkpoint import CheckpointReader, load_config
-from swarm.models.family import ModelFamily, family_for
-from swarm.models.span import find_base_prefix, materialize, prepare_config
+from llm_swarm.swarm.dtypes import parse_dtype
+from llm_swarm.swarm.models.checkpoint import CheckpointReader, load_config
+from llm_swarm.swarm.models.family import ModelFamily, family_for
+from llm_swarm.swarm.models.span import find_base_prefix, materialize, prepare_config
 
 
 class ClientParts(nn.Module):

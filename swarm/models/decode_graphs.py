@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.models.cache import SpanCache
-from swarm.models.inplace_attention import StaticSession, StaticSessions
+from llm_swarm.swarm.models.cache import SpanCache
+from llm_swarm.swarm.models.inplace_attention import StaticSession, StaticSessions
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
-from swarm.models.expert_weights import ExpertNames
-from swarm.models.family import CacheLayout, register_family
-from swarm.models.llama_like import Qwen2Family
+from llm_swarm.swarm.models.expert_weights import ExpertNames
+from llm_swarm.swarm.models.family import CacheLayout, register_family
+from llm_swarm.swarm.models.llama_like import Qwen2Family
 
 
 class DeepseekV3Family(Qwen2Family):

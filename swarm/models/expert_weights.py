@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.errors import CheckpointError
+from llm_swarm.swarm.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -34,15 +34,15 @@ from transformers.models.falcon.modeling_falcon import (
     build_alibi_tensor,
 )
 
-from swarm.models.falcon_attention import use_falcon_attention
-from swarm.models.family import (
+from llm_swarm.swarm.models.falcon_attention import use_falcon_attention
+from llm_swarm.swarm.models.family import (
     ModelFamily,
     StepInputs,
     StepTokens,
     register_family,
     token_positions,
 )
-from swarm.transformers_compat import build_rotary_embedding
+from llm_swarm.swarm.transformers_compat import build_rotary_embedding
 
 
 class FalconFamily(ModelFamily):

@@ -24,7 +24,7 @@ import torch
 from torch.nn import functional
 from transformers.models.falcon.modeling_falcon import FalconAttention, apply_rotary_pos_emb
 
-from swarm.models.inplace_attention import SessionKeyValues
+from llm_swarm.swarm.models.inplace_attention import SessionKeyValues
 
 
 def split_fused_qkv(

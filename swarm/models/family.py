@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm.errors import UnsupportedModelError
-from swarm.models.inplace_attention import ATTENTION_NAME
+from llm_swarm.swarm.errors import UnsupportedModelError
+from llm_swarm.swarm.models.inplace_attention import ATTENTION_NAME
 
 StepInputs = dict[str, Any]
 

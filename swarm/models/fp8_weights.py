@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from swarm.errors import CheckpointError
+from llm_swarm.swarm.errors import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"
 

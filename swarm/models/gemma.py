@@ -33,18 +33,18 @@ from transformers.models.gemma3.modeling_gemma3 import (
     Gemma3TextScaledWordEmbedding,
 )
 
-from swarm.errors import UnsupportedModelError
-from swarm.models.embedding_scale import EmbeddingScale
-from swarm.models.family import (
+from llm_swarm.swarm.errors import UnsupportedModelError
+from llm_swarm.swarm.models.embedding_scale import EmbeddingScale
+from llm_swarm.swarm.models.family import (
     StepInputs,
     StepTokens,
     layer_types_window,
     register_family,
     token_positions,
 )
-from swarm.models.inplace_attention import ATTENTION_NAME, register_session_attention
-from swarm.models.llama import LlamaFamily
-from swarm.transformers_compat import (
+from llm_swarm.swarm.models.inplace_attention import ATTENTION_NAME, register_session_attention
+from llm_swarm.swarm.models.llama import LlamaFamily
+from llm_swarm.swarm.transformers_compat import (
     build_rotary_embedding,
     forward_takes,
     gemma3_rotary,

@@ -25,11 +25,11 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
     GptOssRotaryEmbedding,
 )
 
-from swarm.errors import CheckpointError
-from swarm.models.family import layer_types_window, register_family
-from swarm.models.inplace_attention import register_session_attention
-from swarm.models.llama import LlamaFamily
-from swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
+from llm_swarm.swarm.errors import CheckpointError
+from llm_swarm.swarm.models.family import layer_types_window, register_family
+from llm_swarm.swarm.models.inplace_attention import register_session_attention
+from llm_swarm.swarm.models.llama import LlamaFamily
+from llm_swarm.swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
 
 MXFP4_EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

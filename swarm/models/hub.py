@@ -34,8 +34,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
-from swarm.errors import CheckpointError, SwarmUserError
-from swarm.hub_snapshot import hub_snapshot
+from llm_swarm.swarm.errors import CheckpointError, SwarmUserError
+from llm_swarm.swarm.hub_snapshot import hub_snapshot
 
 CONFIG_FILE = "config.json"
 # what every process reads besides the config (absent ones are skipped)

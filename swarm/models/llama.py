@@ -9,8 +9,14 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from swarm.models.family import ModelFamily, StepInputs, StepTokens, register_family, token_positions
-from swarm.transformers_compat import build_rotary_embedding, layer_cache_argument
+from llm_swarm.swarm.models.family import (
+    ModelFamily,
+    StepInputs,
+    StepTokens,
+    register_family,
+    token_positions,
+)
+from llm_swarm.swarm.transformers_compat import build_rotary_embedding, layer_cache_argument
 
 
 class LlamaFamily(ModelFamily):

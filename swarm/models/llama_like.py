@@ -35,11 +35,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeRotaryEmbedding,
 )
 
-from swarm.errors import UnsupportedModelError
-from swarm.models.expert_weights import ExpertNames
-from swarm.models.family import layer_types_window, register_family
-from swarm.models.llama import LlamaFamily
-from swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
+from llm_swarm.swarm.errors import UnsupportedModelError
+from llm_swarm.swarm.models.expert_weights import ExpertNames
+from llm_swarm.swarm.models.family import layer_types_window, register_family
+from llm_swarm.swarm.models.llama import LlamaFamily
+from llm_swarm.swarm.transformers_compat import build_rotary_embedding, with_default_experts_implementation
 
 
 class Qwen2Family(LlamaFamily):

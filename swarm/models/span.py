@@ -16,24 +16,24 @@ from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm.cost import cache_bytes_per_block, dtype_bytes, module_parameter_bytes
-from swarm.dtypes import parse_dtype
-from swarm.errors import CheckpointError, SpanError
-from swarm.hardware import prepare_attention_kernels
-from swarm.models import bloom as _bloom  # noqa: F401  (registers the family)
-from swarm.models import deepseek as _deepseek  # noqa: F401  (registers the families)
-from swarm.models import falcon as _falcon  # noqa: F401  (registers the family)
-from swarm.models import gemma as _gemma  # noqa: F401  (registers the families)
-from swarm.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the family)
-from swarm.models import llama as _llama  # noqa: F401  (registers the family)
-from swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
-from swarm.models.cache import BatchedStepCache, SpanCache, ring_capacity
-from swarm.models.checkpoint import CheckpointReader, load_config
-from swarm.models.decode_graphs import MAX_TOKENS as MAX_GRAPH_TOKENS
-from swarm.models.decode_graphs import DecodeGraphs
-from swarm.models.family import ModelFamily, family_for
-from swarm.models.fp8_weights import dequantize_fp8, fp8_block_size
-from swarm.quantization import check_quant_device, quantize_block
+from llm_swarm.swarm.cost import cache_bytes_per_block, dtype_bytes, module_parameter_bytes
+from llm_swarm.swarm.dtypes import parse_dtype
+from llm_swarm.swarm.errors import CheckpointError, SpanError
+from llm_swarm.swarm.hardware import prepare_attention_kernels
+from llm_swarm.swarm.models import bloom as _bloom  # noqa: F401  (registers the family)
+from llm_swarm.swarm.models import deepseek as _deepseek  # noqa: F401  (registers the families)
+from llm_swarm.swarm.models import falcon as _falcon  # noqa: F401  (registers the family)
+from llm_swarm.swarm.models import gemma as _gemma  # noqa: F401  (registers the families)
+from llm_swarm.swarm.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the family)
+from llm_swarm.swarm.models import llama as _llama  # noqa: F401  (registers the family)
+from llm_swarm.swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
+from llm_swarm.swarm.models.cache import BatchedStepCache, SpanCache, ring_capacity
+from llm_swarm.swarm.models.checkpoint import CheckpointReader, load_config
+from llm_swarm.swarm.models.decode_graphs import MAX_TOKENS as MAX_GRAPH_TOKENS
+from llm_swarm.swarm.models.decode_graphs import DecodeGraphs
+from llm_swarm.swarm.models.family import ModelFamily, family_for
+from llm_swarm.swarm.models.fp8_weights import dequantize_fp8, fp8_block_size
+from llm_swarm.swarm.quantization import check_quant_device, quantize_block
 
 # one session's single-token step, as `TransformerSpan.forward` takes it: (hidden, cache, position, mask)
 BatchedStep = tuple[torch.Tensor, SpanCache, int, torch.Tensor | None]

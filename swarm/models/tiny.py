@@ -37,8 +37,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from swarm.dtypes import parse_dtype
-from swarm.errors import SwarmUserError
+from llm_swarm.swarm.dtypes import parse_dtype
+from llm_swarm.swarm.errors import SwarmUserError
 
 # families whose tiny configs take LLaMA's arguments (Qwen2 adds q/k/v biases, Qwen3 q/k norms: both
 # inside their own layers)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from swarm.scheduler_api import scheduler_pb2 as swarm_dot_scheduler__api_dot_scheduler__pb2
+from llm_swarm.swarm.scheduler_api import scheduler_pb2 as swarm_dot_scheduler__api_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
