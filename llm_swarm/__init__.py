@@ -5,17 +5,15 @@ Everything installs under this one name: `llm_swarm.client` (generate through a 
 `llm_swarm.swarm` (the shared core). The user-facing classes are here too:
 
     from llm_swarm import AutoDistributedModelForCausalLM
+
+They load on first use: the scheduler's and the simulator's commands import this package without
+needing torch or transformers.
 """
 
-from llm_swarm.client import (
-    AutoDistributedModel,
-    AutoDistributedModelForCausalLM,
-    AutoDistributedModelForSequenceClassification,
-    ClientOptions,
-    DistributedModel,
-    DistributedModelForCausalLM,
-    DistributedModelForSequenceClassification,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "AutoDistributedModel",
@@ -26,3 +24,9 @@ __all__ = [
     "DistributedModelForCausalLM",
     "DistributedModelForSequenceClassification",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("llm_swarm.client"), name)
+    raise AttributeError(f"module 'llm_swarm' has no attribute {name!r}")

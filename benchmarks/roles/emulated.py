@@ -17,7 +17,7 @@ disaggregates by its own rule (`ClientOptions.disaggregate = "auto"`) with the l
 probed (`--link-probe-period 5`). Load: Poisson arrivals at each `--rates`, prompts of the Azure code
 trace divided by `--length-scale` and capped at `--max-l-in`, answers capped at `--max-l-out`.
 Measured TTFT and TPOT beside the contended simulator's on the same arrivals and lengths
-(`roles_netem_sim.py`); some outputs are checked against local transformers.
+(`benchmarks/roles/sim.py`); some outputs are checked against local transformers.
 
     sudo .venv/bin/python -m benchmarks.roles.emulated [--rates 0.5,1.0,1.5,2.0] [--link-mbps 20]
 """

@@ -4,7 +4,7 @@ prediction of the same swarm, arrivals and lengths, and the role planner's choic
     .venv/bin/python -m benchmarks.roles.report RAW.json [RAW.json ...] [--slo-ttft 5 --slo-tpot 0.2]
         [--write]
 
-The prediction (`roles_netem_sim.py`) uses the run's own inputs: the client's measured round trip to
+The prediction (`benchmarks/roles/sim.py`) uses the run's own inputs: the client's measured round trip to
 each server (`wait-online`'s info-RPC ping), the session set-up measured on the idle swarm, the tiny
 block's CPU costs measured before the run, the emulated delays, and the hand-off link at the median
 rate the servers' link probes announced (else the configured one).

@@ -1,5 +1,5 @@
-"""Timing helpers shared by the benchmarks (no imports from the project: `bench_trust.py` runs them
-inside an older checkout too)."""
+"""Timing helpers shared by the benchmarks (no imports from the project: `benchmarks.serving.trust`
+runs them inside an older checkout too)."""
 
 from __future__ import annotations
 
