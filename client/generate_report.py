@@ -50,7 +50,7 @@ def session_chain(session: InferenceSession) -> list[ChainHop]:
     closed swarm session forgets its streams); after a failover it holds the replacement servers."""
     blocks = session.blocks
     if isinstance(blocks, RemoteBlockSession):
-        known = blocks.connection.known_servers  # the DHT records routing used: public names
+        known = blocks.connection.roster.known  # the DHT records routing used: public names
         return [
             ChainHop(stream.hop.start, stream.hop.end, stream.hop.peer_id, _name(known, stream.hop.peer_id))
             for stream in blocks.streams

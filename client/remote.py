@@ -185,7 +185,7 @@ class RemoteBlockSession(BlockSession):
         # refusals are bounded like waiting for room: servers that keep saying no end the attempt
         deadline = time.monotonic() + (self.connection.options.wait_for_room if patient else 0.0)
         while True:
-            chain = await self.connection.route(start, end, self.shape, patient=patient)
+            chain = await self.connection.chains.route(start, end, self.shape, patient=patient)
             # a fresh id per stream: a replacement may land on a server already in this chain
             streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
             chosen = self._choose_prefill(chain) if plan_prefill else {}
@@ -214,7 +214,7 @@ class RemoteBlockSession(BlockSession):
                             f"{self.connection.options.wait_for_room:.0f} s; last: {error}"
                         ) from error
                     logger.info("%s; re-routing", error)  # the announced free memory was stale
-                    await self.connection.servers(refresh=True)
+                    await self.connection.roster.servers(refresh=True)
                     await asyncio.sleep(0.2)
                 else:
                     self.connection.blame(error.peer, error)
@@ -524,15 +524,19 @@ class RemoteBlockSession(BlockSession):
         """A server other than the chain's holding the stream's blocks, with an open stream (the
         current replica while it is healthy); None when there is none. A non-empty `exclude` asks
         for an arbiter, which is worth a fresh read of the roster: without one the step fails."""
-        if current is not None and current.healthy and not self.connection.is_banned(current.hop.peer_id):
+        if (
+            current is not None
+            and current.healthy
+            and not self.connection.bans.is_banned(current.hop.peer_id)
+        ):
             return current
         skip = {stream.hop.peer_id, *exclude}
         replica = await self._open_replica(stream, skip)
         # the first read returned as soon as every block had a server: the rest may name a replica
-        if replica is None and await self.connection.finish_first_read():
+        if replica is None and await self.connection.roster.finish_first_read():
             replica = await self._open_replica(stream, skip)
         if replica is None and exclude:  # an arbiter may have joined since the last read
-            await self.connection.servers(refresh=True)
+            await self.connection.roster.servers(refresh=True)
             replica = await self._open_replica(stream, skip)
         if replica is None and not exclude:  # (without an arbiter the caller fails the step instead)
             logger.info(
@@ -547,7 +551,11 @@ class RemoteBlockSession(BlockSession):
         kind = self._kind(stream.hop.peer_id)
         # a replica of the chain server's own kind first: it can check it tightly (`tolerance`)
         candidates = sorted(
-            (c for c in await self.connection.candidates(blocks=(start, end)) if c.peer_id not in skip),
+            (
+                c
+                for c in await self.connection.chains.candidates(blocks=(start, end))
+                if c.peer_id not in skip
+            ),
             key=lambda candidate: (candidate.info.dtype != kind, candidate.rtt),
         )
         for candidate in candidates:
@@ -574,7 +582,7 @@ class RemoteBlockSession(BlockSession):
             self.connection.blame(verifier.hop.peer_id, error)
 
     def _kind(self, peer: str) -> str:
-        server = self.connection.known_servers.get(peer)
+        server = self.connection.roster.known.get(peer)
         return server.dtype if server is not None else ""
 
     def _tolerance(self, *peers: str) -> float | None:
@@ -608,7 +616,7 @@ class RemoteBlockSession(BlockSession):
         loop = asyncio.get_running_loop()
         started = loop.time()
         hop = leaving.hop
-        source = self.connection.known_servers.get(hop.peer_id)  # its record may go once it is OFFLINE
+        source = self.connection.roster.known.get(hop.peer_id)  # its record may go once it is OFFLINE
         self.connection.ban(hop.peer_id)  # it refuses new sessions: route around it, even on stale records
         # only worth it now: where no server has room at once, the session stays a while (patient=False)
         replacement = await self._open_chain(hop.start, hop.end, cache_from=hop.peer_id, patient=False)
@@ -663,7 +671,7 @@ class RemoteBlockSession(BlockSession):
         """None: the target's record is missing: try the hand-off. Without the leaving server's
         record, its cache is assumed as large per token as the target's (same model)."""
         connection = self.connection
-        servers, rtts = connection.known_servers, connection.measured_rtts()
+        servers, rtts = connection.roster.known, connection.probes.measured()
         source_peer, target_peer = leaving.hop.peer_id, target.hop.peer_id
         if target_peer not in servers:
             return None
@@ -684,7 +692,7 @@ class RemoteBlockSession(BlockSession):
         """The scheduler's route, opened once admitted; None: route locally instead. `first`: the
         session's first chain, whose route an SLO miss stops (`ClientOptions.accept_slo_miss`)."""
         link, options = self.connection.scheduler, self.connection.options
-        candidates = await self.connection.candidates()
+        candidates = await self.connection.chains.candidates()
         rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
         request = RouteRequest(self.connection.client_id, rtts, self.shape, options.task_label or "")
         reply = await link.route(request)
@@ -724,10 +732,10 @@ class RemoteBlockSession(BlockSession):
         hops = [RouteHop.from_proto(hop) for hop in reply.chain]
         # the records this client routed with back most chains; a fresh read of the DHT (4.25 round
         # trips on netem, BENCHMARKS.md) only when they do not: a server new to it, or one that moved
-        servers = self.connection.known_servers
+        servers = self.connection.roster.known
         problem = chain_problem(hops, servers, self.connection.num_blocks)
         if problem is not None:
-            servers = await self.connection.servers(refresh=True)
+            servers = await self.connection.roster.servers(refresh=True)
             problem = chain_problem(hops, servers, self.connection.num_blocks)
         if problem is not None:
             await link.end_session(admission.scheduler_session)
@@ -786,7 +794,7 @@ class RemoteBlockSession(BlockSession):
             return {}
         if policy == "always":
             return self._choose_prefill(chain)
-        prefill_servers = self.connection.routable_among(self.connection.known_servers, "prefill")
+        prefill_servers = self.connection.chains.routable_among(self.connection.roster.known, "prefill")
         index_of = {(hop.start, hop.end): index for index, hop in enumerate(chain)}
         chosen: dict[int, str] = {}
         ignored = []
@@ -814,8 +822,8 @@ class RemoteBlockSession(BlockSession):
         policy = connection.options.disaggregate
         if policy == "never" or self.shape.l_in < MIN_PROMPT:
             return {}
-        servers = connection.known_servers
-        prefill_servers = connection.routable_among(servers, "prefill")
+        servers = connection.roster.known
+        prefill_servers = connection.chains.routable_among(servers, "prefill")
         chosen: dict[int, str] = {}
         measured = connection.link_rates
 
@@ -905,7 +913,7 @@ class RemoteBlockSession(BlockSession):
         orders = {}
         for index, stream in plan.items():
             target = decode[index]
-            info = self.connection.known_servers.get(stream.hop.peer_id)
+            info = self.connection.roster.known.get(stream.hop.peer_id)
             if info is None or not info.prefill_chunk:  # it predates streaming: a hand-off after the prompt
                 continue
             try:
@@ -965,7 +973,7 @@ class RemoteBlockSession(BlockSession):
     def _handoff_allowed(self, prefill: ServerStream, target: ServerStream, length: int) -> float:
         """How long a hand-off of `length` positions may take: the decode server's own prefill of them
         (what a replay costs instead), at least 0.5 s; the request timeout if it is unknown."""
-        info = self.connection.known_servers.get(target.hop.peer_id)
+        info = self.connection.roster.known.get(target.hop.peer_id)
         if info is None:
             return self._timeout
         return max(prefill_seconds(info, length) * (target.hop.end - target.hop.start), 0.5)

@@ -65,7 +65,7 @@ async def sequence_forward(
     block, done, failures = start, [], 0
     deadline = time.monotonic() + connection.options.wait_for_room
     while block < end:
-        chain = await connection.route(block, end, shape)
+        chain = await connection.chains.route(block, end, shape)
         for hop in chain:
             try:
                 (output,) = await _call(connection, hop, hidden, None, shared)

@@ -96,14 +96,14 @@ class ZygoteProcess:
 
 class _Zygote:
     def __init__(self, env: Mapping[str, str]):
+        self._env = dict(env)  # what its children get: a launch with another environment needs another zygote
         # the zygote is a module of this checkout, whatever the working directory of its parent
         paths = (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", ""))
-        self._env = {**env, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "harness.zygote", *PRELOADED_MODULES],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=self._env,
+            env={**self._env, "PYTHONPATH": os.pathsep.join(path for path in paths if path)},
         )
         self._children: dict[int, ZygoteProcess] = {}
         self._early_exits: dict[int, int] = {}

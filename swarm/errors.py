@@ -21,3 +21,7 @@ class UnsupportedModelError(SwarmUserError):
 
 class SpanError(SwarmUserError):
     """A block span is empty or outside the model."""
+
+
+class SwarmUnavailable(SwarmUserError):
+    """The swarm cannot serve the request (blocks not served, or no room for too long)."""

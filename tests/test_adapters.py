@@ -107,7 +107,7 @@ def test_generation_with_an_adapter_equals_local_peft(swarm_with_adapters, llama
         with models["one"].inference_session(max_length=16) as session:
             models["one"].generate(PROMPT, max_new_tokens=2, do_sample=False, session=session)
             peers = {stream.hop.peer_id for stream in session.blocks.streams}
-        known = models["one"].backend.connection.known_servers
+        known = models["one"].backend.connection.roster.known
         assert {known[peer].public_name for peer in peers} <= {"a", "b"}
         # the forward of whole sequences (training) applies the adapter as well
         with torch.no_grad():

@@ -91,7 +91,7 @@ def test_holders_generate_and_outsiders_are_refused(closed_swarm, llama_dir):
             output = holder.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
             assert session.blocks.admission is not None  # the scheduler routed it
         assert torch.equal(output, expected)
-        ((server_peer, _info),) = run_sync(holder.backend.connection.servers(refresh=True)).items()
+        ((server_peer, _info),) = run_sync(holder.backend.connection.roster.servers(refresh=True)).items()
     finally:
         holder.shutdown()
 

@@ -230,7 +230,7 @@ def test_failover_mid_generation_continues_exactly(served, reference):
     with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
         first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
         victim = session.blocks.streams[0].hop.peer_id
-        name = model.backend.connection.known_servers[victim].public_name
+        name = model.backend.connection.roster.known[victim].public_name
         swarm.stop(name, signal.SIGKILL)
         rest = model.generate(None, max_new_tokens=8, do_sample=False)
         assert victim not in [stream.hop.peer_id for stream in session.blocks.streams]

@@ -68,7 +68,7 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
             with model.inference_session(max_length=width + 16, batch_size=rows) as session:
                 first = model.generate(**inputs, max_new_tokens=8, do_sample=False, session=session)
                 (stream,) = session.blocks.streams
-                victim = model.backend.connection.known_servers[stream.hop.peer_id].public_name
+                victim = model.backend.connection.roster.known[stream.hop.peer_id].public_name
                 swarm.processes[victim].send_signal(signal.SIGTERM)
                 _wait_for_log(swarm, victim, "draining")
                 rest = model.generate(None, max_new_tokens=8, do_sample=False)
@@ -126,7 +126,7 @@ def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama
                 rest = model.generate(None, max_new_tokens=8, do_sample=False)
                 (moved,) = session.blocks.streams
                 assert moved.hop.peer_id != mover
-                assert model.backend.connection.known_servers[moved.hop.peer_id].public_name == "spare"
+                assert model.backend.connection.roster.known[moved.hop.peer_id].public_name == "spare"
             assert torch.equal(torch.cat([first, rest], dim=1), expected)
         finally:
             model.shutdown()
@@ -205,8 +205,10 @@ def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir):
     )
     connection = model.backend.connection
     try:
-        (peer,) = [p for p, info in connection.known_servers.items() if info.public_name == "b"] or [
-            p for p, info in run_sync(connection.servers(refresh=True)).items() if info.public_name == "b"
+        (peer,) = [p for p, info in connection.roster.known.items() if info.public_name == "b"] or [
+            p
+            for p, info in run_sync(connection.roster.servers(refresh=True)).items()
+            if info.public_name == "b"
         ]
         me = connection.p2p.peer_id.to_base58()
         hop, shape = RouteHop(peer, 0, NUM_BLOCKS), SessionShape(1, 16, l_in=4, l_out=12)

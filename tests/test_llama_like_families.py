@@ -180,7 +180,7 @@ def test_real_servers_batching_and_failover(swarm, family_dir):
         with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
             first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
             victim = session.blocks.streams[0].hop.peer_id
-            name = model.backend.connection.known_servers[victim].public_name
+            name = model.backend.connection.roster.known[victim].public_name
             swarm.stop(name, signal.SIGKILL)
             rest = model.generate(None, max_new_tokens=8, do_sample=False)
             assert victim not in [stream.hop.peer_id for stream in session.blocks.streams]
@@ -220,7 +220,7 @@ def test_real_servers_serve_sessions_past_a_mistral_window(swarm, tmp_path):
         with model.inference_session(max_length=PROMPT.shape[1] + new + 8) as session:
             first = model.generate(PROMPT, max_new_tokens=new, do_sample=False, session=session)
             stream = session.blocks.streams[-1]
-            victim = model.backend.connection.known_servers[stream.hop.peer_id].public_name
+            victim = model.backend.connection.roster.known[stream.hop.peer_id].public_name
             swarm.processes[victim].send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 30
             while "draining" not in swarm.log(victim):

@@ -86,7 +86,7 @@ def _generate_exactly_within_bound(
     client = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
     try:
         output = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-        pinged = client.backend.connection.measured_rtts()
+        pinged = client.backend.connection.probes.measured()
         if check is not None:
             check(client.backend.connection)
     finally:

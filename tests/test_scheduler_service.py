@@ -153,7 +153,7 @@ def generate_concurrently(swarm, llama_dir, reference, plan):
             thread.start()
         for thread in threads:
             thread.join(timeout=240)
-        refusals = client.backend.connection.no_cache_room_refusals
+        refusals = client.backend.connection.bans.no_cache_room_refusals
     finally:
         client.shutdown()
     assert not errors, errors

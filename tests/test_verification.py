@@ -70,15 +70,15 @@ def test_verifying_every_step_gives_exact_outputs_and_bans_the_liars(lying_swarm
     )
     try:
         connection = client.backend.connection
-        run_sync(connection.finish_first_read())  # routes may pick the liars from the first prompt on
+        run_sync(connection.roster.finish_first_read())  # routes may pick the liars from the first prompt on
         for prompt in (PROMPT, torch.tensor([[7, 8, 9]]), torch.tensor([[300, 2, 41, 41, 5]])):
             expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
             assert torch.equal(client.generate(prompt, max_new_tokens=12, do_sample=False), expected)
         # the noisy liar outvoted by two replicas; the NaN server blamed for its own output (never the
         # next server, which would have refused the NaN); both banned for long, the honest ones not
-        assert set(connection.caught) == {peers["liar"], peers["nan"]}
-        assert connection.is_banned(peers["liar"]) and connection.is_banned(peers["nan"])
-        assert not any(connection.is_banned(peers[name]) for name in ("h1", "h2", "b1", "b2"))
+        assert set(connection.bans.caught) == {peers["liar"], peers["nan"]}
+        assert connection.bans.is_banned(peers["liar"]) and connection.bans.is_banned(peers["nan"])
+        assert not any(connection.bans.is_banned(peers[name]) for name in ("h1", "h2", "b1", "b2"))
         assert connection.verified_steps > 0
     finally:
         client.shutdown()
@@ -103,7 +103,7 @@ def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir)
         )
         # the session's one route must be able to pick the liar: not only the servers the client's
         # first read had found when every block had one (`fetch_servers_covering`)
-        run_sync(client.backend.connection.finish_first_read())
+        run_sync(client.backend.connection.roster.finish_first_read())
         try:
             with client.inference_session(max_length=PROMPT.shape[1] + 80) as session:
                 prompt = PROMPT
@@ -113,7 +113,7 @@ def test_verifying_a_tenth_of_the_steps_catches_the_liar(lying_swarm, llama_dir)
                     if session.blocks.caught_at_step is not None:
                         break
                 caught_at.append(session.blocks.caught_at_step)
-            assert peers["liar"] in client.backend.connection.caught
+            assert peers["liar"] in client.backend.connection.bans.caught
         finally:
             client.shutdown()
     print(f"liar caught at steps {caught_at} with verify_fraction 0.1 (expected 10 on average)")
@@ -137,7 +137,7 @@ def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tm
             for prompt in (PROMPT, torch.tensor([[7, 8, 9]])):
                 client.generate(prompt, max_new_tokens=24, do_sample=False)
             connection = client.backend.connection
-            assert connection.caught == {} and connection.verified_steps >= 2 * 24
+            assert connection.bans.caught == {} and connection.verified_steps >= 2 * 24
         finally:
             client.shutdown()
 
@@ -159,10 +159,10 @@ def test_honest_float32_and_bfloat16_replicas_never_trip_the_check(llama_dir, tm
             swarm.start_server("late", llama_dir, f"0:{NUM_BLOCKS}")
             swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["f32", "liar", "late"])
             names = servers_named(swarm, llama_dir)
-            assert names["late"] not in client.backend.connection.known_servers  # not seen yet
+            assert names["late"] not in client.backend.connection.roster.known  # not seen yet
             expected = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)
             assert torch.equal(client.generate(PROMPT, max_new_tokens=8, do_sample=False), expected)
-            assert set(client.backend.connection.caught) == {names["liar"]}
+            assert set(client.backend.connection.bans.caught) == {names["liar"]}
         finally:
             client.shutdown()
     finally:

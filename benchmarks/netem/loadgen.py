@@ -82,7 +82,7 @@ def run(spec: dict) -> dict:
     )
     vocab = model.config.vocab_size
     connection = model.backend.connection
-    run_sync(connection.candidates())  # measure the RTTs before the clock starts
+    run_sync(connection.chains.candidates())  # measure the RTTs before the clock starts
     # set-up probe: what opening a session costs on an idle swarm (route, admission, one stream
     # open per hop), the simulator's per-session set-up constant (as Sun et al. calibrates its own)
     probes = []
@@ -160,7 +160,7 @@ def run(spec: dict) -> dict:
     summary = {
         "policy": policy,
         "requests": results,
-        "refusals_no_cache_room": connection.no_cache_room_refusals,
+        "refusals_no_cache_room": connection.bans.no_cache_room_refusals,
         "wall_s": time.monotonic() - start,
         "cpu_s": time.process_time(),
         "setup_probe_s": sorted(probes)[1],

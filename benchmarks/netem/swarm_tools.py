@@ -59,8 +59,8 @@ def wait_online(args: argparse.Namespace) -> int:
             peer, info = online[name]
             rtts = []
             for _ in range(args.pings if info.routable else 0):  # nobody can dial an unreachable one
-                connection._rtts.pop(peer, None)  # measure afresh each time (the cache is for routing)
-                rtts.append(run_sync(connection.rtt(peer)))
+                connection.probes.forget(peer)  # measure afresh each time (the cache is for routing)
+                rtts.append(run_sync(connection.probes.rtt(peer)))
             result[name] = {
                 "peer_id": peer,
                 "start": info.start,
@@ -99,7 +99,7 @@ def generate(args: argparse.Namespace) -> int:
         started = time.monotonic()
         output = model.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False)
         elapsed = time.monotonic() - started
-        rtts = model.backend.connection.measured_rtts()
+        rtts = model.backend.connection.probes.measured()
     finally:
         model.shutdown()
     report = {

@@ -54,7 +54,7 @@ def _wait_links(connection, seconds: float) -> dict:
 
     deadline = time.monotonic() + seconds
     while True:
-        servers = run_sync(connection.servers(refresh=True))
+        servers = run_sync(connection.roster.servers(refresh=True))
         prefill = {p: i for p, i in servers.items() if str(i.role) in ("prefill", "ServerRole.PREFILL")}
         decode = [p for p, i in servers.items() if p not in prefill]
         known = {p[-6:]: {d[-6:]: i.links.get(d) for d in decode} for p, i in prefill.items()}
@@ -69,7 +69,7 @@ def _announced_roles(connection) -> dict[str, str]:
     """Peer id -> the role each server announces now."""
     from llm_swarm.client.connection import run_sync
 
-    servers = run_sync(connection.servers(refresh=True))
+    servers = run_sync(connection.roster.servers(refresh=True))
     return {peer: getattr(info.role, "value", str(info.role)) for peer, info in servers.items()}
 
 
@@ -80,7 +80,7 @@ def _settle_roles(connection, seconds: float) -> dict[str, str]:
 
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
-        servers = run_sync(connection.servers(refresh=True))
+        servers = run_sync(connection.roster.servers(refresh=True))
         if len(servers) > 1 and all(len(info.links) >= len(servers) - 1 for info in servers.values()):
             break
         time.sleep(1.0)

@@ -129,7 +129,7 @@ def measure(model_dir: Path, log_dir: Path, args: argparse.Namespace) -> tuple[d
         swarm.wait_online(prefix, args.layers, list(args.modes))
         options = ClientOptions(use_scheduler=False)
         connection = SwarmConnection(swarm.initial_peers, prefix, args.layers, options)
-        servers = run_sync(connection.servers(refresh=True))
+        servers = run_sync(connection.roster.servers(refresh=True))
         peers = {info.public_name: peer for peer, info in servers.items()}
         warm = argparse.Namespace(**{**vars(args), "tokens": 4, "sessions_per_slot": 1})
         for name in args.modes:  # connections, allocator, the engine's cost fits

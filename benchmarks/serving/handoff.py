@@ -56,7 +56,9 @@ def _wait_until_leaving(connection, peer: str, timeout: float = 60.0) -> None:
     from llm_swarm.swarm.server_info import ServerState
 
     deadline = time.monotonic() + timeout
-    while (info := run_sync(connection.servers(refresh=True)).get(peer)) and info.state == ServerState.ONLINE:
+    while (
+        info := run_sync(connection.roster.servers(refresh=True)).get(peer)
+    ) and info.state == ServerState.ONLINE:
         if time.monotonic() > deadline:
             raise SystemExit(f"server {peer} still ONLINE {timeout:.0f} s after SIGTERM")
         time.sleep(0.2)

@@ -67,7 +67,7 @@ def measure(args: argparse.Namespace) -> None:
                     sequence = model.generate(sequence, max_new_tokens=1, do_sample=False)
                     normal = time.perf_counter() - started
                     victim = session.blocks.streams[0].hop.peer_id
-                    name = connection.known_servers[victim].public_name
+                    name = connection.roster.known[victim].public_name
                     connection.options.replay_mode = mode
                     os.killpg(pids[name], signal.SIGKILL)  # the server and its p2p daemon, at once
                     started = time.perf_counter()

@@ -191,9 +191,9 @@ def measure_clients(
                 connection = model.backend.connection
                 for _ in range(5):
                     began = time.perf_counter()
-                    run_sync(connection.route(0, LAYERS, shape))
+                    run_sync(connection.chains.route(0, LAYERS, shape))
                     decisions.append(time.perf_counter() - began)
-                pinged.append(len(connection.measured_rtts()))
+                pinged.append(len(connection.probes.measured()))
             finally:
                 model.shutdown()
     return {

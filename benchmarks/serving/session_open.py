@@ -58,7 +58,7 @@ def measure(args: argparse.Namespace) -> None:
     reference = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
     connection = model.backend.connection
     shape = SessionShape(batch_size=1, max_length=64, l_in=PROMPT_TOKENS, l_out=NEW_TOKENS)
-    chain = run_sync(connection.route(0, LAYERS, shape))
+    chain = run_sync(connection.chains.route(0, LAYERS, shape))
 
     async def one_after_another(streams: list[ServerStream]) -> None:
         for stream in streams:
@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> None:
         refreshes = []  # a fresh read of the servers' records from the DHT
         for _ in range(args.repeats):
             started = time.perf_counter()
-            run_sync(connection.servers(refresh=True))
+            run_sync(connection.roster.servers(refresh=True))
             refreshes.append(time.perf_counter() - started)
         scheduled = []  # sessions the scheduler routes: route, admission, opening
         for repeat in range(args.repeats + 1):

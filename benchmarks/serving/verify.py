@@ -67,7 +67,7 @@ def main() -> None:
                         try:
                             steps[level] += latency(model, args.tokens)
                             rates[level].append(throughput(model, args.sessions, args.tokens // 2))
-                            if model.backend.connection.caught:
+                            if model.backend.connection.bans.caught:
                                 raise RuntimeError(f"an honest server was outvoted at verify {level}")
                         finally:
                             model.shutdown()

@@ -73,7 +73,7 @@ class SwarmApi:
         return web.Response(text=html.replace("{{MODEL}}", self.config.model_name), content_type="text/html")
 
     async def health(self, _request: web.Request) -> web.Response:
-        servers = len(self.model.backend.connection.known_servers)
+        servers = len(self.model.backend.connection.roster.known)
         return web.json_response({"status": "ok", "model": self.config.model_name, "known_servers": servers})
 
     async def scrape(self, _request: web.Request) -> web.Response:

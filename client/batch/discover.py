@@ -86,7 +86,7 @@ def staying_spans(servers: Iterable[pb.ServerStatus]) -> dict[str, tuple[int, in
 async def round_trip(connection: SwarmConnection, peer: str) -> float:
     """The round trip to `peer` with its connection already open: routing's cached ping often timed
     the first contact (dialing the peer), several times a step's round trip on a busy machine."""
-    first = await connection.rtt(peer)
+    first = await connection.probes.rtt(peer)
     if first == math.inf:
         return first
     request = encode(InfoRequest(swarm_proof=connection.swarm_proof(peer)))
@@ -100,7 +100,7 @@ async def round_trip(connection: SwarmConnection, peer: str) -> float:
 
 async def find_chains(connection: SwarmConnection) -> list[BatchChain]:
     """The disjoint chains the swarm offers now, fastest first (see `chains.disjoint_chains`)."""
-    routable = connection.routable_among(await connection.servers(refresh=True))
+    routable = connection.chains.routable_among(await connection.roster.servers(refresh=True))
     servers = {peer: info for peer, info in routable.items() if info.has_blocks and info.tau is not None}
     spans = await scheduler_spans(connection)
     if spans is not None:

@@ -50,17 +50,17 @@ class PinnedConnection:
         logger.info(
             "blocks %d:%d: the chain's servers cannot take the session now; routing anywhere", start, end
         )
-        return await self._connection.route(start, end, shape, phase, patient)
+        return await self._connection.chains.route(start, end, shape, phase, patient)
 
     async def _pinned_route(
         self, start: int, end: int, shape: SessionShape, phase: str
     ) -> list[RouteHop] | None:
         connection = self._connection
-        routable = connection.routable_among(await connection.servers(), phase)
+        routable = connection.chains.routable_among(await connection.roster.servers(), phase)
         peers = [peer for peer in self._peers if peer in routable]
         if not peers:
             return None
-        rtts = await asyncio.gather(*(connection.rtt(peer) for peer in peers))
+        rtts = await asyncio.gather(*(connection.probes.rtt(peer) for peer in peers))
         candidates = [Candidate(peer, routable[peer], rtt) for peer, rtt in zip(peers, rtts, strict=True)]
         # the announced free cache is not checked: our own sessions use it, and a server that really
         # has no room says so, which the session waits out (and bans a server that keeps refusing)
