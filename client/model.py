@@ -17,23 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llm_swarm.client.backend import BlockBackend
-from llm_swarm.client.connection import ClientOptions
 from llm_swarm.client.continuation import continuation, mask_after
-from llm_swarm.client.prompt_tuning import PromptTuning
 from llm_swarm.client.sequence_forward import last_block_output, with_prompt_positions
-from llm_swarm.client.sequential import RemoteSequential
 from llm_swarm.client.session import InferenceSession
 from llm_swarm.client.session_cache import SessionCache
 from llm_swarm.client.speculation import DraftLength, DraftLengthOptions
 from llm_swarm.client.speculation.batched import BatchedSpeculation, check_batched_config
 from llm_swarm.client.speculation.candidates import AdaptiveCandidates
-from llm_swarm.client.swarm_model import swarm_backend
-from llm_swarm.swarm.models.client_parts import ClientParts, load_client_parts
-from llm_swarm.swarm.models.hub import resolve_model
+from llm_swarm.client.swarm_model import SwarmModelBase
+from llm_swarm.swarm.models.client_parts import ClientParts
 from llm_swarm.swarm.transformers_compat import (
     GENERATE_CACHE_ARGUMENT,
     library_default,
@@ -41,11 +37,9 @@ from llm_swarm.swarm.transformers_compat import (
 )
 
 
-class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
-    _supports_sdpa = True  # attention runs in the backend; this only keeps transformers from objecting
+class DistributedModelForCausalLM(SwarmModelBase, GenerationMixin):
     # the attention caches live in the backend's session; generate() sees it as its `past_key_values`
     # (`SessionCache`), which assisted generation crops after rejected drafts (the session rewinds)
-    main_input_name = "input_ids"
 
     def __init__(
         self,
@@ -54,76 +48,26 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
     ):
-        super().__init__(client_parts.config)
-        self.client_parts = client_parts
-        self.backend = backend
+        super().__init__(client_parts, backend, tuning_mode, pre_seq_len)
         self._local = threading.local()  # each thread may drive its own session through one model
-        # PETALS' block-level API (its `model.transformer.h`): the swarm's blocks as a sliceable module
-        connection = getattr(backend, "connection", None)
-        self.blocks = RemoteSequential(connection) if connection is not None else None
-        self.prompts = PromptTuning.create(client_parts, tuning_mode, pre_seq_len)
         # how speculative decoding (assistant_model=, prompt_lookup_num_tokens=) chooses its draft length
         self.speculation = DraftLengthOptions()
 
     @classmethod
-    def from_local_parts(
+    def _from_parts(
         cls,
         model_dir: str | Path,
+        parts: ClientParts,
         backend: BlockBackend,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
-        tuning_mode: str | None = None,
-        pre_seq_len: int = 0,
+        tuning_mode: str | None,
+        pre_seq_len: int,
+        **kwargs,
     ) -> DistributedModelForCausalLM:
-        """`device` holds the embeddings, final norm and LM head (pass `input_ids` there too).
-        `tuning_mode` "ptune" / "deep_ptune" adds `pre_seq_len` trainable prompt positions."""
-        parts = load_client_parts(model_dir, dtype=dtype, device=device)
-        model = cls(parts, backend, tuning_mode, pre_seq_len)
+        """The model over loaded client parts, with the checkpoint's generation config."""
+        model = super()._from_parts(model_dir, parts, backend, tuning_mode, pre_seq_len, **kwargs)
         with contextlib.suppress(OSError):  # a checkpoint without generation_config.json is fine
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
-        return model.eval()
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_dir: str | Path,
-        initial_peers: list[str],
-        dht_prefix: str | None = None,
-        dtype: str | torch.dtype = "float32",
-        options: ClientOptions | None = None,
-        device: str | torch.device = "cpu",
-        tuning_mode: str | None = None,
-        pre_seq_len: int = 0,
-        active_adapter: str | None = None,
-        revision: str | None = None,
-        token: str | None = None,
-    ) -> DistributedModelForCausalLM:
-        """Load the client-side modules of `model_dir` and run its blocks on the swarm at `initial_peers`.
-        `tuning_mode` ("ptune", "deep_ptune") and `pre_seq_len`: trainable prompts (PETALS' options).
-        `active_adapter`: a LoRA adapter servers announce (`swarm-server --adapters`), used by every
-        session and forward of this model (`ClientOptions.active_adapter`). `model_dir` may be a Hub id
-        (`revision`, `token`: which commit, and the token of a gated or private model)."""
-        # a Hub id: its config and generation config now, the shards of the client's modules as read
-        model_dir = resolve_model(model_dir, revision, token)
-        backend = swarm_backend(model_dir, initial_peers, dht_prefix, options, active_adapter)
-        try:
-            return cls.from_local_parts(
-                model_dir,
-                backend,
-                dtype=dtype,
-                device=device,
-                tuning_mode=tuning_mode,
-                pre_seq_len=pre_seq_len,
-            )
-        except BaseException:
-            backend.connection.shutdown()
-            raise
-
-    def shutdown(self) -> None:
-        """Leave the swarm (closes the client's DHT peer); local backends have nothing to close."""
-        connection = getattr(self.backend, "connection", None)
-        if connection is not None:
-            connection.shutdown()
+        return model
 
     # --- sessions -------------------------------------------------------------------------------
     def open_session(
@@ -341,10 +285,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' beam search hook: the session (and, with its next step, the servers) reorder."""
         self._active_session.reorder(beam_idx)
         return past_key_values
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        """The token embedding table (what `inputs_embeds` are looked up in, as in transformers)."""
-        return self.client_parts.token_embedding
 
     def forward(
         self,

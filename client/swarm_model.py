@@ -8,7 +8,6 @@ run whole sequences only (the servers' forward and backward RPCs); inference ses
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,40 +16,18 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from llm_swarm.client.backend import BlockBackend
-from llm_swarm.client.connection import ClientOptions, SwarmConnection
+from llm_swarm.client.connection import ClientOptions
+from llm_swarm.client.model_source import ModelSource, leave_swarm
 from llm_swarm.client.prompt_tuning import PromptTuning
-from llm_swarm.client.remote import RemoteBlocks
 from llm_swarm.client.sequence_forward import last_block_output
 from llm_swarm.client.sequential import RemoteSequential
-from llm_swarm.swarm.dht_keys import default_prefix, validate_prefix
-from llm_swarm.swarm.model_limits import ModelLimits
-from llm_swarm.swarm.models.checkpoint import load_config
 from llm_swarm.swarm.models.client_parts import ClientParts, load_client_parts
-from llm_swarm.swarm.models.hub import resolve_model
 
 ModelT = TypeVar("ModelT", bound="SwarmModelBase")
 
 # transformers' forward arguments that change nothing here: there is no cache to use, outputs index like
 # tuples anyway, and transformers' classification loss ignores the Trainer's `num_items_in_batch` too
 IGNORED_ARGUMENTS = frozenset({"use_cache", "return_dict", "num_items_in_batch"})
-
-
-def swarm_backend(
-    model_dir: str | Path,
-    initial_peers: list[str],
-    dht_prefix: str | None = None,
-    options: ClientOptions | None = None,
-    active_adapter: str | None = None,
-) -> RemoteBlocks:
-    """The blocks of `model_dir`'s model as served by the swarm at `initial_peers`, found under
-    `dht_prefix` (default: the model directory's name, as servers announce it); `active_adapter`: a
-    LoRA adapter the servers announce, for every forward (`ClientOptions.active_adapter`)."""
-    if active_adapter is not None:
-        options = dataclasses.replace(options or ClientOptions(), active_adapter=active_adapter)
-    config = load_config(model_dir)
-    prefix = validate_prefix(dht_prefix) if dht_prefix else default_prefix(str(model_dir))
-    connection = SwarmConnection(list(initial_peers), prefix, ModelLimits.from_config(config), options)
-    return RemoteBlocks(connection)
 
 
 def check_unsupported_arguments(kwargs: dict[str, Any]) -> None:
@@ -141,28 +118,12 @@ class SwarmModelBase(PreTrainedModel):
         `pre_seq_len`: trainable prompts; `active_adapter`: a served LoRA adapter (PETALS' options).
         `model_dir` may be a Hub id (`revision`, `token`: which commit, and the token of a gated or
         private model)."""
-        # a Hub id: its config and generation config now, the shards of the client's modules as read
-        model_dir = resolve_model(model_dir, revision, token)
-        backend = swarm_backend(model_dir, initial_peers, dht_prefix, options, active_adapter)
-        try:
-            return cls.from_local_parts(
-                model_dir,
-                backend,
-                dtype=dtype,
-                device=device,
-                tuning_mode=tuning_mode,
-                pre_seq_len=pre_seq_len,
-                **kwargs,
-            )
-        except BaseException:
-            backend.connection.shutdown()
-            raise
+        source = ModelSource(model_dir, initial_peers, dht_prefix, options, active_adapter, revision, token)
+        parts = {"dtype": dtype, "device": device, "tuning_mode": tuning_mode, "pre_seq_len": pre_seq_len}
+        return source.load(cls.from_local_parts, **parts, **kwargs)
 
     def shutdown(self) -> None:
-        """Leave the swarm (closes the client's DHT peer); local backends have nothing to close."""
-        connection = getattr(self.backend, "connection", None)
-        if connection is not None:
-            connection.shutdown()
+        leave_swarm(self.backend)
 
     def get_input_embeddings(self) -> nn.Module:
         """The token embedding table (what `inputs_embeds` are looked up in, as in transformers)."""
