@@ -374,20 +374,23 @@ def _client_session(reply, accept: bool):
     from llm_swarm.client.options import ClientOptions
     from llm_swarm.client.remote import RemoteBlockSession
 
-    class Connection:
-        scheduler = _Link(reply)
-        options = ClientOptions(accept_slo_miss=accept)
-        client_id = "client"
-
+    class Chains:
         async def candidates(self):
             return []
 
+    class Roster:
         @property
-        def known_servers(self):  # the first thing the client reads once its route is admitted
+        def known(self):  # the first thing the client reads once its route is admitted
             raise _Reached
 
         async def servers(self, refresh=False):
             raise _Reached
+
+    class Connection:
+        scheduler = _Link(reply)
+        options = ClientOptions(accept_slo_miss=accept)
+        client_id = "client"
+        chains, roster = Chains(), Roster()
 
     session = RemoteBlockSession.__new__(RemoteBlockSession)
     session.connection, session.shape, session.session_id = Connection(), SessionShape(1, 10, 4, 6), "s" * 8
