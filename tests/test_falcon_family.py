@@ -10,7 +10,6 @@ runs last."""
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -21,11 +20,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
-from llm_swarm.client.backend import LocalSpans
-from llm_swarm.client.model import DistributedModelForCausalLM
 from llm_swarm.swarm.dht_keys import default_prefix
 from llm_swarm.swarm.models import load_span
 from llm_swarm.swarm.models.tiny import FALCON_VARIANTS, TinyModelSpec, build_tiny_model
+from tests.family_checks import (
+    assert_a_span_loads_only_its_own_shards,
+    assert_spans_generate_like_transformers,
+)
 
 LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
@@ -55,19 +56,7 @@ def variant_dir(request, tmp_path_factory) -> Path:
 
 
 def test_in_process_spans_generate_what_transformers_generates(variant_dir):
-    reference = AutoModelForCausalLM.from_pretrained(variant_dir).eval()
-    spans = [load_span(variant_dir, 0, 1)[0], load_span(variant_dir, 1, LAYERS)[0]]
-    model = DistributedModelForCausalLM.from_local_parts(variant_dir, LocalSpans(spans))
-    for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
-        expected = reference.generate(PROMPT, max_new_tokens=12, **options)
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=12, **options), expected), options
-    tokenizer = AutoTokenizer.from_pretrained(variant_dir)
-    batch = tokenizer(
-        ["A cat sat on a mat", "one two"], return_tensors="pt", padding=True, padding_side="left"
-    )
-    assert not batch["attention_mask"].all()  # left padding: ALiBi counts key positions without it
-    expected = reference.generate(**batch, max_new_tokens=8, do_sample=False)
-    assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
+    assert_spans_generate_like_transformers(variant_dir, LAYERS, new_tokens=12, padded_new_tokens=8)
 
 
 def test_alibi_biases_of_a_padded_batch_are_transformers_own(tmp_path):
@@ -133,11 +122,7 @@ def test_batched_decode_steps_equal_steps_alone(variant_dir):
 
 
 def test_a_span_loads_only_its_own_shards(variant_dir):
-    weight_map = json.loads((variant_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    expected = {file for name, file in weight_map.items() if name.startswith("transformer.h.1.")}
-    span, files = load_span(variant_dir, 1, 2)
-    assert set(files) == expected and len(expected) < len(set(weight_map.values()))
-    assert span.num_blocks == 1
+    span = assert_a_span_loads_only_its_own_shards(variant_dir, "transformer.h.")
     # one cached key and value per KV head, not one per query head as transformers caches them
     config = span.config
     kv_heads = config.num_attention_heads

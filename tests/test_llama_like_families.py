@@ -34,6 +34,10 @@ from llm_swarm.swarm.models.cache import REWIND_RESERVE
 from llm_swarm.swarm.models.tiny import FAMILIES as TINY_FAMILIES
 from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 from llm_swarm.swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
+from tests.family_checks import (
+    assert_a_span_loads_only_its_own_shards,
+    assert_spans_generate_like_transformers,
+)
 
 LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
@@ -51,26 +55,11 @@ def family_dir(request, tmp_path_factory):
 
 
 def test_in_process_spans_generate_what_transformers_generates(family_dir):
-    reference = AutoModelForCausalLM.from_pretrained(family_dir).eval()
-    spans = [load_span(family_dir, 0, 1)[0], load_span(family_dir, 1, LAYERS)[0]]
-    model = DistributedModelForCausalLM.from_local_parts(family_dir, LocalSpans(spans))
-    for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
-        expected = reference.generate(PROMPT, max_new_tokens=10, **options)
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=10, **options), expected), options
-    tokenizer = AutoTokenizer.from_pretrained(family_dir)
-    batch = tokenizer(
-        ["A cat sat on a mat", "one two"], return_tensors="pt", padding=True, padding_side="left"
-    )
-    expected = reference.generate(**batch, max_new_tokens=8, do_sample=False)
-    assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
+    assert_spans_generate_like_transformers(family_dir, LAYERS, new_tokens=10, padded_new_tokens=8)
 
 
 def test_a_span_loads_only_its_own_shards(family_dir):
-    weight_map = json.loads((family_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    expected = {file for name, file in weight_map.items() if name.startswith("model.layers.1.")}
-    span, files = load_span(family_dir, 1, 2)
-    assert set(files) == expected and len(expected) < len(set(weight_map.values()))
-    assert span.num_blocks == 1
+    assert_a_span_loads_only_its_own_shards(family_dir, "model.layers.")
 
 
 def test_sliding_windows_are_exact_past_the_window_or_refused(family_dir, tmp_path):
