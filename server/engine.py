@@ -11,7 +11,7 @@ runs, at each iteration, either
 - one *prefill* (any step of several tokens, or a single-token step whose own padding masks the new
   token, which must run alone to be exact), run as today.
 
-Which of the two goes next is `server.step_scheduler.decide` (Pang et al.'s prefill-vs-decode rule
+Which of the two goes next is `swarm.step_scheduler.decide` (Pang et al.'s prefill-vs-decode rule
 with starvation caps), fed with cost fits of this thread's own measured run times.
 
 Errors stay with their session: a step that fails validation against its cache (e.g. it would
@@ -38,8 +38,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from llm_swarm.server import step_scheduler
 from llm_swarm.server.emulated_delay import emulated_seconds_per_block
+from llm_swarm.swarm import step_scheduler
 from llm_swarm.swarm.models.adapters import adapter_rows
 from llm_swarm.swarm.models.cache import SpanCache
 from llm_swarm.swarm.models.span import TransformerSpan

@@ -1,6 +1,6 @@
 """How long this server's sessions keep decoding: the engine's decode-work term from learned lengths.
 
-The engine's rule between a waiting prefill and the decode steps (Pang et al., `server.step_scheduler`)
+The engine's rule between a waiting prefill and the decode steps (Pang et al., `swarm.step_scheduler`)
 weighs the decode work still ahead of the waiting sessions (`C_d`). Without more, a session's work
 ahead is its cache room: the `max_length` its client reserved, usually `max_new_tokens` more than the
 prompt, which real answers mostly stay far below (the Azure code trace: median 13 generated tokens).

@@ -16,7 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm_swarm.server.engine import BatchingEngine, EngineStats
-from llm_swarm.server.step_scheduler import (
+from llm_swarm.swarm.models import load_client_parts, load_span
+from llm_swarm.swarm.models.cache import BatchedStepCache
+from llm_swarm.swarm.step_scheduler import (
     Action,
     CostModel,
     LinearCost,
@@ -25,8 +27,6 @@ from llm_swarm.server.step_scheduler import (
     SchedulerPolicy,
     decide,
 )
-from llm_swarm.swarm.models import load_client_parts, load_span
-from llm_swarm.swarm.models.cache import BatchedStepCache
 from tests.conftest import NUM_BLOCKS
 
 NEW_TOKENS = 12

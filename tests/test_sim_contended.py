@@ -11,7 +11,6 @@ import pytest
 from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
 from llm_swarm.scheduler.algorithms.routing_graph import ChainHop
 from llm_swarm.scheduler.algorithms.wsrr import RoutingState
-from llm_swarm.scheduler.sim import iteration_rule
 from llm_swarm.scheduler.sim.contended import ContendedConfig, ContendedService
 from llm_swarm.scheduler.sim.contended_roles import Disaggregation, parse_roles
 from llm_swarm.scheduler.sim.discrete_events import CLIENT, service_hops, simulate
@@ -21,7 +20,7 @@ from llm_swarm.scheduler.sim.policies import WsRrRouting
 from llm_swarm.scheduler.sim.scenarios import Link
 from llm_swarm.scheduler.sim.server_costs import IterationCost, ServerCost, from_scenario, relative_host_cost
 from llm_swarm.scheduler.sim.workload import Request
-from llm_swarm.server import step_scheduler
+from llm_swarm.swarm import step_scheduler
 from llm_swarm.swarm.cost import request_time
 from llm_swarm.swarm.prefill_cost import (
     choose_prefill_server,
@@ -49,7 +48,7 @@ def _run(servers, costs, requests, accelerator="serial", batch_wait=0.0, roles=N
     engine_servers = engine_servers or servers
     spans = [Span(0, 2)] * len(engine_servers)
     dispatcher = WsRrRouting(RoutingState(engine_servers, MODEL, spans), spans, setup_s=0.0)
-    config = ContendedConfig(accelerator, iteration_rule.RulePolicy(batch_wait=batch_wait))
+    config = ContendedConfig(accelerator, step_scheduler.SchedulerPolicy(batch_wait=batch_wait))
     service = ContendedService(servers, costs, config, roles=roles)
     result = simulate(engine_servers, MODEL, dispatcher, requests, service=service)
     return {r.id: (r.start, r.first_token, r.finish) for r in result.records}, result
@@ -171,44 +170,6 @@ def test_a_slow_link_keeps_the_prompt_on_its_decode_server():
     timeline, _ = _run(servers, costs, [Request(0, 0.0, 10, 2)], roles=plan, engine_servers=servers[:1])
     # the first token at 0.5; the second after the hand-off (0.2 + 0.05 + 4 s) and D's step (0.4)
     assert timeline[0] == pytest.approx((0.0, 0.5, 0.5 + 0.2 + 0.05 + 4.0 + 0.4))
-
-
-def test_the_rule_is_the_live_servers_rule():
-    """`iteration_rule.decide` answers as `server.step_scheduler.decide` on random queue views."""
-    rng = np.random.default_rng(0)
-    policy = step_scheduler.SchedulerPolicy()
-    mirror = iteration_rule.RulePolicy()
-    for _ in range(3000):
-        now = 10.0
-        rows = int(rng.integers(0, 5))
-        prefill = bool(rng.integers(2))
-        fields = dict(
-            now=now,
-            decode_rows=rows,
-            decode_oldest=now - float(rng.choice([0.0, 0.001, 0.003, 0.1, 0.3])) if rows else None,
-            decode_sessions=rows,
-            decode_expected=int(rng.integers(0, 6)),
-            decode_ahead_max=int(rng.integers(0, 50)),
-            decode_ahead_rows=int(rng.integers(0, 200)),
-            prefill_tokens=int(rng.integers(1, 3000)) if prefill else 0,
-            prefill_oldest=now - float(rng.choice([0.0, 0.2, 0.6])) if prefill else None,
-            prefill_skips=int(rng.integers(0, 10)) if prefill else 0,
-            prefill_started=bool(rng.integers(2)) if prefill else False,
-        )
-        fixed, per_row, per_token = (float(x) for x in rng.uniform(0, 0.01, size=3))
-        live = step_scheduler.decide(
-            step_scheduler.QueueView(**fields),
-            step_scheduler.CostModel(
-                step_scheduler.LinearCost(fixed, per_row), step_scheduler.LinearCost(0.0, per_token)
-            ),
-            policy,
-        )
-        action, wait = iteration_rule.decide(
-            iteration_rule.View(**fields),
-            iteration_rule.RuleCosts(fixed, per_row, lambda tokens, c=per_token: c * tokens),
-            mirror,
-        )
-        assert action == live.action.value and wait == pytest.approx(live.wait)
 
 
 def test_same_seed_same_result_and_the_default_is_paper_000s_model():

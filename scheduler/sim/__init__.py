@@ -9,7 +9,7 @@ Modules, one job each:
 - `prefill`: per-request prefill terms of eq. 1, so replayed requests pay for their own `l_in`.
 - `policies`: placement + routing policies composed from `scheduler.algorithms` (no second copy).
 - `engine`: the event loop: admission, cache slots per eq. 2, waiting, completion.
-- `contended` (with `server_costs`, `iteration_rule`, `host_cpu`, `roles`, `hetero`,
+- `contended` (with `server_costs`, `host_cpu`, `roles`, `hetero`,
   `contended_run`, `roles_goodput`): `--contended`, the servers' own iteration loops, prefill/decode
   roles and cache hand-offs (docs/simulator.md, "Contended servers").
 - `metrics`: the per-run summary of docs/reference.md 6, SLO attainment and goodput on probed rates.

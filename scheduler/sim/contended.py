@@ -9,9 +9,9 @@ runs the live server's iteration loop (`server/engine.py`):
   session is already there; an iteration of `rows` rows over `q` blocks costs
   `q * (fixed + per_row*rows + per_context*context)` (`scheduler.sim.server_costs`);
 - a prompt is a *prefill* step, run alone, chunk by chunk when longer than `--prefill-chunk`; which
-  of a waiting prefill and waiting decode steps runs next is the live rule
-  (`scheduler.sim.iteration_rule`, Pang et al.'s with its caps), so a prefill delays the decode
-  iterations behind it;
+  of a waiting prefill and waiting decode steps runs next is the live server's own rule
+  (`swarm.step_scheduler`: Pang et al.'s with its caps), so a prefill delays the decode iterations
+  behind it;
 - the accelerator is `serial` (one iteration at a time, the default emulated delay and a real GPU)
   or `overlap` (each session's step takes its own device time whatever else runs, as
   `--compute-delay-overlap` and Sun et al.); a server's `host` part (the emulation's CPU forward)
@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 
 from llm_swarm.scheduler.algorithms.problem import ServerSpec
 from llm_swarm.scheduler.algorithms.routing_graph import ChainHop
-from llm_swarm.scheduler.sim import iteration_rule as rule
 from llm_swarm.scheduler.sim.host_cpu import HostCpuModel, SharedCpu
 from llm_swarm.scheduler.sim.prefill import PrefillModel
 from llm_swarm.scheduler.sim.server_costs import ACCELERATOR_MODELS, ServerCost
 from llm_swarm.scheduler.sim.workload import Request
+from llm_swarm.swarm import step_scheduler as rule
+from llm_swarm.swarm.linear_fit import LinearCost
 
 CLIENT = "client"
 EPSILON = 1e-12  # a batching window this short is over (float noise of `oldest + window - now`)
@@ -59,7 +60,7 @@ class ContendedConfig:
     """The servers' loop settings (defaults: the live server's, `server/config.py`)."""
 
     accelerator: str = "serial"  # or "overlap"
-    rule: rule.RulePolicy = field(default_factory=rule.RulePolicy)
+    rule: rule.SchedulerPolicy = field(default_factory=rule.SchedulerPolicy)
     prefill_chunk: int = 256  # a prompt longer than this runs in chunks of this many tokens; 0: whole
     active_horizon: float = 0.25  # a session is expected in a decode batch this long after its last step
 
@@ -281,7 +282,7 @@ class ContendedService:
             return
         batch, expected = self._batch(server, now) if server.decodes else ([], 0)
         head = server.prefills[0]
-        view = rule.View(
+        view = rule.QueueView(
             now=now,
             decode_rows=len(batch),
             decode_oldest=batch[0].arrived if batch else None,
@@ -295,10 +296,11 @@ class ContendedService:
             prefill_started=head.started,
         )
         blocks = batch[0].blocks if batch else head.blocks
-        action, wait = rule.decide(view, self._rule_costs(server, blocks), self.config.rule)
-        if action == rule.WAIT and wait > EPSILON:
+        decision = rule.decide(view, self._rule_costs(server, blocks), self.config.rule)
+        action, wait = decision.action, decision.wait
+        if action is rule.Action.WAIT and wait > EPSILON:
             self._wait(server, now + wait)
-        elif action == rule.PREFILL:
+        elif action is rule.Action.PREFILL:
             self._run_prefill(server, now)
         elif batch:  # DECODE, or a window already over
             self._run_decode(server, batch, now)
@@ -336,7 +338,7 @@ class ContendedService:
             del seen[key]
         return batch, len(seen)
 
-    def _rule_costs(self, server: _Server, blocks: int) -> rule.RuleCosts:
+    def _rule_costs(self, server: _Server, blocks: int) -> rule.CostModel:
         """What the live engine's fits of its compute thread's run times would say: the host part,
         plus the device's where the device runs on the thread (`serial`)."""
         host, device = server.cost.host, server.cost.device
@@ -350,7 +352,7 @@ class ContendedService:
             seconds = host.prefill(tokens) + (device.prefill(tokens) if self.serial else 0.0)
             return prefill_blocks * seconds
 
-        return rule.RuleCosts(blocks * fixed, blocks * per_row, prefill)
+        return rule.CostModel(LinearCost(blocks * fixed, blocks * per_row), prefill)
 
     def _next_tokens(self, step: _Step) -> int:
         chunk = self.config.prefill_chunk

@@ -17,11 +17,11 @@ from llm_swarm.scheduler.sim.contended_roles import (
     uniform_links,
 )
 from llm_swarm.scheduler.sim.discrete_events import Dispatcher, SimResult, simulate
-from llm_swarm.scheduler.sim.iteration_rule import RulePolicy
 from llm_swarm.scheduler.sim.scenarios import Scenario
 from llm_swarm.scheduler.sim.server_costs import ACCELERATOR_MODELS, from_scenario
 from llm_swarm.scheduler.sim.workload import Request
 from llm_swarm.swarm.prefill_cost import DISAGGREGATE_POLICIES
+from llm_swarm.swarm.step_scheduler import SchedulerPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class ContendedOptions:
             raise ValueError(f"--disaggregate must be one of {(*DISAGGREGATE_POLICIES, SCHEDULER_POLICY)}")
 
     def config(self) -> ContendedConfig:
-        rule = RulePolicy(batch_wait=self.batch_wait_ms / 1e3)
+        rule = SchedulerPolicy(batch_wait=self.batch_wait_ms / 1e3)
         return ContendedConfig(self.contended, rule, self.prefill_chunk)
 
 

@@ -1,4 +1,6 @@
-"""What the compute thread runs next: a batch of decode steps, a waiting prefill, or nothing yet.
+"""What a server's compute thread runs next: a batch of decode steps, a waiting prefill, or nothing yet.
+The live engine (`server/engine.py`) and the contended simulator (`scheduler/sim/contended.py`) both
+decide by this one rule.
 
 Pure decision logic (no I/O, no torch, no clocks of its own), so that the rule can be tested on
 hand-computed cases and reasoned about apart from threads and tensors.
@@ -39,6 +41,7 @@ unit is a decode row or a prefill token), updated after every run by the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -67,6 +70,12 @@ class SchedulerPolicy:
     max_prefill_wait: float = 0.5  # seconds a prefill may wait behind decoding
     max_decode_wait: float = 0.2  # seconds decode steps may wait behind prefills
 
+    def __post_init__(self) -> None:
+        if not self.batch_wait >= 0 or self.max_batch_rows < 1 or self.max_prefill_skips < 0:
+            raise ValueError("batch_wait must be >= 0, max_batch_rows >= 1 and max_prefill_skips >= 0")
+        if not (self.max_prefill_wait >= 0 and self.max_decode_wait >= 0):
+            raise ValueError("the rule's wait caps must be >= 0")
+
 
 @dataclass(frozen=True)
 class QueueView:
@@ -88,7 +97,8 @@ class QueueView:
 @dataclass(frozen=True)
 class CostModel:
     decode: LinearCost  # units: rows in the decode batch
-    prefill: LinearCost  # units: tokens in the prefill
+    # seconds for a prefill of so many tokens: the engine's fit, or a simulated server's own cost
+    prefill: Callable[[int], float]
 
 
 def decide(view: QueueView, costs: CostModel, policy: SchedulerPolicy) -> Decision:
