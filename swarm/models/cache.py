@@ -69,6 +69,9 @@ class SpanCache:
         self.windows = windows
         self.capacities = [ring_capacity(window, max_length) for window in windows]
         self._capacity_by_window = dict(zip(windows, self.capacities, strict=True))
+        # (window, capacity) of the blocks that keep less than the session: the only ones a step can wrap
+        pairs = zip(windows, self.capacities, strict=True)
+        self._rings = sorted({(window, capacity) for window, capacity in pairs if capacity < max_length})
         self.keys = [
             torch.zeros((batch_size, num_kv_heads, capacity, head_dim), dtype=dtype, device=device)
             for capacity in self.capacities
@@ -132,8 +135,8 @@ class SpanCache:
         """Why a step at `position` cannot follow a cache written up to `written` (default: this one)
         in a sliding-window block: it would need keys the block no longer keeps. None if it can."""
         written = self._written if written is None else written
-        for window, capacity in zip(self.windows, self.capacities, strict=True):
-            if window is not None and max(0, written - capacity) > max(0, position - window + 1):
+        for window, capacity in self._rings:
+            if max(0, written - capacity) > max(0, position - window + 1):
                 return (
                     f"step position {position} rewinds {written - position} positions: past its sliding "
                     f"window a block keeps only the last {capacity} positions, so a step may rewind at most "
@@ -144,7 +147,7 @@ class SpanCache:
     def wraps(self, position: int, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` at `position` passes some block's capacity (then attention
         reads that block's slots out of position order, with `key_positions` in its mask)."""
-        return any(position + num_tokens > capacity for capacity in self.capacities)
+        return any(position + num_tokens > capacity for _, capacity in self._rings)
 
     def begin_step(self, position: int, num_tokens: int) -> None:
         """Prepare to write `num_tokens` new positions starting at absolute `position`."""
