@@ -8,6 +8,7 @@ import asyncio
 import math
 import re
 import time
+from collections.abc import Sequence
 
 from llm_swarm.client.options import ClientOptions
 from llm_swarm.client.routing import Candidate, choose_chain, probe_shortlist, uncovered_blocks
@@ -33,9 +34,12 @@ class ChainSearch:
         bans: ServerBans,
         options: ClientOptions,
         num_blocks: int,
+        block_windows: Sequence[int | None] = (),
     ):
         self.roster, self.probes, self.bans, self.options = roster, probes, bans, options
         self.num_blocks = num_blocks
+        # each block's sliding window (None: full attention): a sliding block's cache room is its ring
+        self.block_windows = block_windows
 
     def routable_among(self, servers: dict[str, ServerInfo], phase: str = "decode") -> dict[str, ServerInfo]:
         """The servers of `servers` a session may use now for `phase` (which servers' roles fit,
@@ -118,7 +122,9 @@ class ChainSearch:
                 for peer, ping in pings.items()
                 if ping.done() and not ping.cancelled() and ping.result() < math.inf  # rtt() never raises
             ]
-            chain = choose_chain(answered, start, end, shape, prefill_servers=prefill)
+            chain = choose_chain(
+                answered, start, end, shape, prefill_servers=prefill, block_windows=self.block_windows
+            )
             out = [ping for ping in pings.values() if not ping.done()]
             now = loop.time()
             if chain is not None:

@@ -68,7 +68,9 @@ class SwarmConnection:
         self.roster = ServerRoster(self.dht, prefix, self.limits, options, read_id=self.client_id)
         self.probes = ServerProbes(self._ping, options)
         self.bans = ServerBans(options)
-        self.chains = ChainSearch(self.roster, self.probes, self.bans, options, self.num_blocks)
+        self.chains = ChainSearch(
+            self.roster, self.probes, self.bans, options, self.num_blocks, self.limits.block_windows
+        )
         self._warming: asyncio.Future | None = None
         # (server A, server B) -> bytes/s measured by a cache hand-off from A to B (client/remote.py)
         self.link_rates: dict[tuple[str, str], float] = {}

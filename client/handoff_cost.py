@@ -8,7 +8,10 @@ states), so a hand-off pays only over a fast link between the servers, while a r
 client's uplink and the replacement's prefill compute:
 
     replay   = rtt(client, B) + tokens x batch x hidden x 4 / client uplink + prefill(B, tokens) x blocks
-    hand-off = 2 x rtt(client, A) + tokens x batch x cache_token_bytes x blocks / link(A, B)
+    hand-off = 2 x rtt(client, A) + kept x batch x cache_token_bytes / link(A, B)
+
+where `kept` is the positions the blocks hold together: `tokens x blocks`, less where a block of
+sliding attention keeps only its ring (`swarm.cost.cached_positions`).
 
 The A-to-B link is what only the servers can measure: a known rate (an earlier hand-off between the
 same two servers) decides at once; an unknown one is tried, with the replay's estimate as the push's
@@ -43,6 +46,7 @@ def move_costs(
     batch_size: int,
     hidden_size: int,
     blocks: int,
+    kept_positions: int,
     source: ServerInfo,
     target: ServerInfo,
     rtt_source: float,
@@ -50,12 +54,13 @@ def move_costs(
     uplink_bytes_per_s: float,
     link_bytes_per_s: float | None,
 ) -> MoveCosts:
-    """Estimated seconds to rebuild `tokens` positions of a session on `target` by replay, and to
-    push them from `source` (None when their link's rate is unknown)."""
+    """Estimated seconds to rebuild `tokens` positions of a session on `target` by replay (the prefill
+    of every one of `blocks` blocks), and to push the `kept_positions` the blocks hold together from
+    `source` (None when their link's rate is unknown)."""
     upload = tokens * batch_size * hidden_size * WIRE_BYTES_PER_VALUE / uplink_bytes_per_s
     replay = rtt_target + upload + prefill_seconds(target, tokens) * blocks
     handoff = None
     if link_bytes_per_s is not None and link_bytes_per_s > 0:
-        cache_bytes = tokens * batch_size * source.cache_token_bytes * blocks
+        cache_bytes = kept_positions * batch_size * source.cache_token_bytes
         handoff = 2 * rtt_source + cache_bytes / link_bytes_per_s
     return MoveCosts(replay, handoff)

@@ -680,6 +680,9 @@ class RemoteBlockSession(BlockSession):
             batch_size=self.shape.batch_size,
             hidden_size=leaving.history[0].hidden.shape[-1],
             blocks=leaving.hop.end - leaving.hop.start,
+            kept_positions=connection.limits.cached_positions(
+                leaving.hop.start, leaving.hop.end, leaving.length
+            ),
             source=source if source is not None else servers[target_peer],
             target=servers[target_peer],
             rtt_source=rtts.get(source_peer, 0.0),
@@ -832,7 +835,14 @@ class RemoteBlockSession(BlockSession):
 
         for index, hop in enumerate(chain):
             blocks = hop.end - hop.start
-            costs = hop_prefill_costs(hop, prefill_servers, self.shape.l_in, self.shape.batch_size, link_rate)
+            costs = hop_prefill_costs(
+                hop,
+                prefill_servers,
+                self.shape.l_in,
+                self.shape.batch_size,
+                link_rate,
+                connection.limits.block_windows,
+            )
             if not costs or hop.peer_id not in servers:
                 continue
             colocated = prefill_seconds(servers[hop.peer_id], self.shape.l_in) * blocks

@@ -10,7 +10,7 @@ which our servers allow because a session may ask any server for any blocks insi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from llm_swarm.scheduler.algorithms.problem import Span
 from llm_swarm.scheduler.algorithms.routing_graph import RoutingGraph
 from llm_swarm.scheduler.algorithms.wsrr import link_request_time
+from llm_swarm.swarm.cost import cached_positions
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
 from llm_swarm.swarm.server_info import ServerInfo
 
@@ -83,11 +84,13 @@ def choose_chain(
     shape: SessionShape,
     need_cache_room: bool = True,
     prefill_servers: Mapping[str, ServerInfo] | None = None,
+    block_windows: Sequence[int | None] = (),
 ) -> list[RouteHop] | None:
     """Fastest chain covering blocks `[start, end)`, or None if none exists (with cache room, if asked).
     `prefill_servers`: `--role prefill` servers the session's prompts may run on; a server whose
     blocks one of them holds is priced with the faster of the two prefills, since the prompt goes
-    there (as the scheduler's WS-RR prices it: `SwarmView.routing_specs`)."""
+    there (as the scheduler's WS-RR prices it: `SwarmView.routing_specs`). `block_windows`: each
+    block's sliding window (None: full attention), so a sliding block's room is counted for its ring."""
     usable = [c for c in candidates if _usable(c, start, end) and c.info.max_length >= shape.max_length]
     if not usable:
         return None
@@ -101,10 +104,14 @@ def choose_chain(
     tau_prefill = np.array([prefill[j] for j in servers], dtype=float)
     cost = link_request_time(rtt, tau_prefill, rtt, tau, blocks.astype(float), shape.l_out)
     if need_cache_room:
+        positions = [
+            cached_positions(block_windows, start + first, start + first + count, shape.max_length)
+            for first, count in zip(graph.link_from.tolist(), blocks.tolist(), strict=True)
+        ]
         needed = (
             np.array([usable[j].info.cache_token_bytes for j in servers])
-            * blocks
-            * (shape.max_length * shape.batch_size)
+            * np.array(positions)
+            * shape.batch_size
         )
         room = np.array([usable[j].info.cache_bytes_left for j in servers])
         cost = np.where(needed <= room, cost, math.inf)

@@ -13,8 +13,8 @@ from hivemind.proto import runtime_pb2
 
 from llm_swarm.client.connection import SwarmConnection
 from llm_swarm.swarm.block_rpc import BlockRpc
+from llm_swarm.swarm.cost import REWIND_RESERVE
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
-from llm_swarm.swarm.models.cache import REWIND_RESERVE
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
 from llm_swarm.swarm.wire import (
     Error,

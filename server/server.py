@@ -85,8 +85,13 @@ class SwarmServer:
 
     @property
     def slot_bytes(self) -> int:
-        """Cache bytes of one slot: a session of `slot_tokens` on one block (at least 1)."""
-        return max(self.cache_token_bytes * self.config.slot_tokens, 1)
+        """Cache bytes of one slot: a session of `slot_tokens` on one block (at least 1), on average
+        over the served blocks, since a block of sliding attention keeps only its ring."""
+        served, tokens = self.served, self.config.slot_tokens
+        if served is None:
+            return max(self.cache_token_bytes * tokens, 1)
+        total = served.span.session_cache_bytes(1, tokens, served.start, served.end)
+        return max(-(-total // (served.end - served.start)), 1)
 
     def info(self) -> ServerInfo:
         config, timings, served, budget = self.config, self.timings, self.served, self._budget

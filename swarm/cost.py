@@ -7,7 +7,7 @@ scheduler, the simulator and the servers all share one definition of every formu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,27 @@ def cache_bytes_per_block(d_kv: int, num_tokens: int, bytes_per_element: int) ->
             f"invalid cache size arguments: d_kv={d_kv} tokens={num_tokens} bytes={bytes_per_element}"
         )
     return 2 * d_kv * num_tokens * bytes_per_element
+
+
+# positions a sliding-window block keeps beyond the `window - 1` a new query can still see, so that a
+# step may overwrite its last positions (a speculative round, a retried step)
+REWIND_RESERVE = 64
+
+
+def ring_capacity(window: int | None, max_length: int) -> int:
+    """Positions a block of attention `window` (None: the whole prefix) keeps for a session of
+    `max_length` positions."""
+    return max_length if window is None else min(max_length, window - 1 + REWIND_RESERVE)
+
+
+def cached_positions(block_windows: Sequence[int | None], first: int, last: int, num_tokens: int) -> int:
+    """Positions blocks `[first, last)` keep together for a session of `num_tokens` positions: a block
+    of sliding attention its ring, the others every position. `block_windows`: each block's window
+    (None: full attention); blocks past its end attend fully (what a reader without the config knows)."""
+    return sum(
+        ring_capacity(block_windows[index] if index < len(block_windows) else None, num_tokens)
+        for index in range(first, last)
+    )
 
 
 def module_parameter_bytes(module: torch.nn.Module) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from llm_swarm.swarm.cost import cached_positions
 from llm_swarm.swarm.models.family import family_for
 from llm_swarm.swarm.models.span import prepare_config
 from llm_swarm.swarm.server_info import ServerInfo
@@ -27,17 +28,26 @@ class ModelLimits:
     num_blocks: int
     block_params: int | None = None  # parameters of one block; None: sizes are not checked
     kv_dim: int | None = None  # key/value width of one block
+    # each block's sliding attention window (None: full attention); empty: every block attends fully
+    block_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelLimits:
         family = family_for(config)
         with torch.device("meta"):  # shapes only: no memory, no weights
             block = family.build_block(prepare_config(config), family.representative_block(config))
+        num_blocks = family.num_blocks(config)
         return cls(
-            num_blocks=family.num_blocks(config),
+            num_blocks=num_blocks,
             block_params=sum(parameter.numel() for parameter in block.parameters()),
             kv_dim=family.kv_dim(config),
+            block_windows=tuple(family.layer_window(config, index) for index in range(num_blocks)),
         )
+
+    def cached_positions(self, first: int, last: int, num_tokens: int) -> int:
+        """Positions blocks `[first, last)` keep together for a session of `num_tokens` positions (a
+        sliding-window block only its ring): what the announced per-token cache size multiplies."""
+        return cached_positions(self.block_windows, first, last, num_tokens)
 
     def problem(self, info: ServerInfo) -> str | None:
         """Why `info` cannot be a true record of a server of this model (None: it can)."""

@@ -14,9 +14,10 @@ cache while the prompt runs, against D's own prefill.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TypeVar
 
+from llm_swarm.swarm.cost import cached_positions
 from llm_swarm.swarm.route_request import RouteHop
 from llm_swarm.swarm.server_info import ServerInfo
 
@@ -86,17 +87,21 @@ def hop_prefill_costs(
     l_in: int,
     batch_size: int,
     link_rate: Callable[[str, ServerInfo, str], float | None] | None = None,
+    block_windows: Sequence[int | None] = (),
 ) -> dict[str, float]:
     """`disaggregated_seconds` of a prompt of `l_in` tokens (`batch_size` sequences) for `hop` on each
     of `prefill_servers` that holds the hop's blocks and has cache room. `link_rate(peer, info,
-    decode_peer)`: bytes/s from a prefill server to the hop's server (default: what it announces)."""
+    decode_peer)`: bytes/s from a prefill server to the hop's server (default: what it announces).
+    `block_windows`: each block's sliding window (None: full attention), whose ring is what moves."""
     blocks = hop.end - hop.start
     costs = {}
     for peer, info in prefill_servers.items():
         if not (info.start <= hop.start and hop.end <= info.end and info.cache_bytes_left > 0):
             continue
         rate = link_rate(peer, info, hop.peer_id) if link_rate else announced_rate(info, hop.peer_id)
-        cache_bytes = l_in * batch_size * info.cache_token_bytes * blocks
+        cache_bytes = (
+            cached_positions(block_windows, hop.start, hop.end, l_in) * batch_size * info.cache_token_bytes
+        )
         costs[peer] = disaggregated_seconds(
             prefill_seconds(info, l_in), blocks, cache_bytes, rate, prompt_chunks(l_in, info.prefill_chunk)
         )

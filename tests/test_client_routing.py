@@ -35,3 +35,22 @@ def test_each_session_a_server_announces_open_adds_its_measured_slowdown():
     assert choose_chain([idle, busy], 0, 6, short) == [RouteHop("idle", 0, 6)]  # 0.011 > 0.0105
     unmeasured = Candidate("busy", info(tau=0.0100, active_sessions=3), 0.03)
     assert choose_chain([idle, unmeasured], 0, 6, short) == [RouteHop("busy", 0, 6)]
+
+
+def test_a_sliding_window_block_needs_cache_room_for_its_ring_only():
+    # every other block slides over 100 positions: a session of 1100 keeps 1100 positions in a full
+    # block and 99 + 64 (its ring) in a sliding one
+    windows = (100, None) * 3
+    kept = 3 * 1100 + 3 * (99 + 64)
+    exact = Candidate("a", info(tau=0.01, cache_bytes_left=256 * kept), 0.03)
+    short = Candidate("a", info(tau=0.01, cache_bytes_left=256 * kept - 1), 0.03)
+    assert choose_chain([exact], 0, 6, LONG) is None  # as if every block kept every position
+    assert choose_chain([exact], 0, 6, LONG, block_windows=windows) == [RouteHop("a", 0, 6)]
+    assert choose_chain([short], 0, 6, LONG, block_windows=windows) is None
+    # a hop over blocks 1:4 keeps two full blocks and one ring
+    tail = Candidate("t", info(start=1, tau=0.01, cache_bytes_left=256 * (2 * 1100 + 163)), 0.03)
+    head = Candidate("h", info(end=1, tau=0.01), 0.03)
+    assert choose_chain([head, tail], 0, 4, LONG, block_windows=windows) == [
+        RouteHop("h", 0, 1),
+        RouteHop("t", 1, 4),
+    ]

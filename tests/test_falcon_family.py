@@ -3,10 +3,10 @@ architecture with grouped KV heads from two LayerNorms (Falcon-40B/180B) or one 
 multi-query with parallel attention (Falcon-7B), and ALiBi with sequential attention and biases
 (Falcon-RW). In-process spans give local transformers' tokens (greedy, beam search, a left-padded
 batch) and batched decode steps equal steps alone, for every variant; a sharded checkpoint loads only
-its span's shards. Through real servers (the default variant, new decoder): greedy and beam search,
-concurrent sessions batched on a server equal each alone, and a session survives its server being
-killed mid-generation. One swarm serves the real-server tests: the failover, which kills a server,
-runs last."""
+its span's shards. Through real servers (the default variant, new decoder): greedy, beam search, a
+left-padded batch and speculative decoding, concurrent sessions batched on a server equal each
+alone, and a session survives its server being killed mid-generation. One swarm serves the
+real-server tests: the failover, which kills a server, runs last."""
 
 from __future__ import annotations
 
@@ -168,11 +168,24 @@ def served(tmp_path_factory, default_dir):
 
 @pytest.mark.swarm
 @pytest.mark.compat
-def test_real_servers_generate_what_transformers_generates(served, reference):
+def test_real_servers_generate_what_transformers_generates(served, reference, default_dir):
     _swarm, model = served
     for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
         expected = reference.generate(PROMPT, max_new_tokens=12, **options)
         assert torch.equal(model.generate(PROMPT, max_new_tokens=12, **options), expected), options
+    # a left-padded batch
+    tokenizer = AutoTokenizer.from_pretrained(default_dir)
+    batch = tokenizer(
+        ["one two", "A cat sat on a mat"], return_tensors="pt", padding=True, padding_side="left"
+    )
+    expected = reference.generate(**batch, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
+    # speculation: prompt lookup and an assistant make the servers rewind past rejected drafts
+    repeating = torch.cat([PROMPT, PROMPT[:, :3]], dim=1)
+    expected = reference.generate(repeating, max_new_tokens=12, do_sample=False)
+    for options in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": reference}):
+        output = model.generate(repeating, max_new_tokens=12, do_sample=False, **options)
+        assert torch.equal(output, expected), options
 
 
 @pytest.mark.swarm

@@ -4,10 +4,11 @@ full layers alternating, soft-capped logits, scaled embeddings; Gemma 3 a local 
 GPT-OSS (alternating layers, attention sinks, biased experts) and DeepSeek-V2 and V3 (latent
 attention caching its compressed latent, dense first blocks, routed and shared experts).
 
-In-process spans and real servers give local transformers' tokens (greedy, beam search, a padded
-batch); concurrent sessions batched on a server equal each alone; a session survives its server
-being killed; a sharded checkpoint loads only its span's shards; sliding windows are exact past
-their end and past the ring their blocks keep, in process and through real servers, across a hand-off."""
+In-process spans and real servers give local transformers' tokens (greedy, beam search, a left-padded
+batch, speculative decoding); concurrent sessions batched on a server equal each alone; a session
+survives its server being killed; a sharded checkpoint loads only its span's shards; sliding windows
+are exact past their end and past the ring their blocks keep, in process and through real servers,
+across a hand-off."""
 
 from __future__ import annotations
 
@@ -26,11 +27,10 @@ from transformers.integrations.mxfp4 import FP4_VALUES
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 from llm_swarm.client.backend import LocalSpans
 from llm_swarm.client.model import DistributedModelForCausalLM
-from llm_swarm.swarm.cost import module_parameter_bytes
+from llm_swarm.swarm.cost import REWIND_RESERVE, module_parameter_bytes
 from llm_swarm.swarm.dht_keys import default_prefix
 from llm_swarm.swarm.errors import CheckpointError, UnsupportedModelError
 from llm_swarm.swarm.models import load_span
-from llm_swarm.swarm.models.cache import REWIND_RESERVE
 from llm_swarm.swarm.models.tiny import FAMILIES as TINY_FAMILIES
 from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 from llm_swarm.swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
@@ -41,6 +41,7 @@ from tests.family_checks import (
 
 LAYERS = 4
 PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
+REPEATING_PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7, 5, 17, 99]])  # prompt lookup finds drafts
 
 
 FAMILIES = [family for family in TINY_FAMILIES if family not in ("llama", "bloom", "falcon")]
@@ -160,6 +161,18 @@ def test_real_servers_batching_and_failover(swarm, family_dir):
         for kwargs in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
             expected = reference.generate(PROMPT, max_new_tokens=10, **kwargs)
             assert torch.equal(model.generate(PROMPT, max_new_tokens=10, **kwargs), expected), kwargs
+        # a left-padded batch
+        tokenizer = AutoTokenizer.from_pretrained(family_dir)
+        batch = tokenizer(
+            ["one two", "A cat sat on a mat"], return_tensors="pt", padding=True, padding_side="left"
+        )
+        expected = reference.generate(**batch, max_new_tokens=8, do_sample=False)
+        assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
+        # speculation: prompt lookup and an assistant make the servers rewind past rejected drafts
+        expected = reference.generate(REPEATING_PROMPT, max_new_tokens=12, do_sample=False)
+        for kwargs in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": reference}):
+            output = model.generate(REPEATING_PROMPT, max_new_tokens=12, do_sample=False, **kwargs)
+            assert torch.equal(output, expected), kwargs
         # concurrent sessions: their decode steps batch on the servers, each equals its own run
         assert_concurrent_sessions_equal_each_alone(
             model, reference, [PROMPT[:, : 3 + k] for k in range(4)], 12
@@ -251,7 +264,7 @@ def test_speculative_decoding_through_real_servers_equals_greedy(swarm, tmp_path
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     options = ClientOptions(request_timeout=20.0)
     model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers, options=options)
-    prompt = torch.tensor([[5, 17, 99, 200, 33, 41, 7, 5, 17, 99]])
+    prompt = REPEATING_PROMPT
     new = 3 + REWIND_RESERVE  # past the ring of a window of 4
     try:
         expected = reference.generate(prompt, max_new_tokens=new, do_sample=False)
@@ -270,7 +283,7 @@ def test_speculative_decoding_over_windows_sinks_and_latents_equals_greedy(famil
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     spans = [load_span(model_dir, 0, 1)[0], load_span(model_dir, 1, 2)[0]]
     model = DistributedModelForCausalLM.from_local_parts(model_dir, LocalSpans(spans))
-    prompt = torch.tensor([[5, 17, 99, 200, 33, 41, 7, 5, 17, 99]])
+    prompt = REPEATING_PROMPT
     expected = reference.generate(prompt, max_new_tokens=20, do_sample=False)
     lookup = model.generate(prompt, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)
     assisted = model.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=reference)

@@ -2,7 +2,8 @@
 `window - 1 + REWIND_RESERVE` positions equals what it computes with the whole cache kept and masked,
 through decode steps, chunks longer than the reserve, rewinds, beam reorders and padded batches; a
 rewind deeper than the reserve is refused by name; hand-offs read and write positions wherever their
-slots are; the memory a session reserves is what its cache allocates."""
+slots are; the memory a session reserves is what its cache allocates, and what readers of the
+records count for a session (routing, hand-off pricing, the scheduler's `s_c`) is its rings."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ import json
 import pytest
 import torch
 
+from llm_swarm.client.handoff_cost import move_costs
+from llm_swarm.scheduler.service.view import ModelShape
+from llm_swarm.swarm.cost import REWIND_RESERVE
+from llm_swarm.swarm.model_limits import ModelLimits
 from llm_swarm.swarm.models import load_span
-from llm_swarm.swarm.models.cache import REWIND_RESERVE, SpanCache
+from llm_swarm.swarm.models.cache import SpanCache
 from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
+from llm_swarm.swarm.server_info import ServerInfo
+from tests.test_record_validation import server_record
 
 WINDOW = 5
 RING = WINDOW - 1 + REWIND_RESERVE
@@ -125,3 +132,53 @@ def test_a_session_reserves_what_its_ring_allocates(span):
             cache = span.new_cache(2, max_length)
         assert span.session_cache_bytes(2, max_length, 0, 2) == cache.nbytes
     assert span.session_cache_bytes(1, 100_000, 0, 2) == span.cache_bytes(RING) * 2
+
+
+def test_readers_count_a_sliding_blocks_cache_as_its_ring(span):
+    """What clients, the scheduler and a server's announced slots count for a session follows the
+    rings its blocks keep, from the reader's own config: routing, hand-off pricing and `s_c`."""
+    limits, shape = ModelLimits.from_config(span.config), ModelShape.from_config(span.config)
+    assert limits.block_windows == shape.block_windows == (WINDOW, WINDOW)
+    for tokens in (3, RING, MAX_LENGTH):
+        kept = span.session_cache_bytes(1, tokens, 0, 2) // span.cache_bytes(1)
+        assert limits.cached_positions(0, 2, tokens) == kept == 2 * min(tokens, RING)
+        assert shape.cache_tokens_per_block(tokens) == min(tokens, RING)
+    # a hand-off of a session past the ring moves the rings, not every position it saw
+    server = ServerInfo.from_wire(server_record())
+    costs = move_costs(
+        tokens=MAX_LENGTH,
+        batch_size=1,
+        hidden_size=64,
+        blocks=2,
+        kept_positions=limits.cached_positions(0, 2, MAX_LENGTH),
+        source=server,
+        target=server,
+        rtt_source=0.0,
+        rtt_target=0.0,
+        uplink_bytes_per_s=1e6,
+        link_bytes_per_s=1e6,
+    )
+    assert costs.handoff_seconds == pytest.approx(2 * RING * server.cache_token_bytes / 1e6)
+
+
+def test_batched_decode_steps_past_the_ring_equal_steps_alone(span):
+    """One batched forward over sessions inside the ring, past it with a padded batch, and past it
+    just after a rewind (slots holding newer keys than the step sees): each equals its step alone."""
+    generator = torch.Generator().manual_seed(2)
+    padding = torch.ones(2, RING + 31, dtype=torch.long)
+    padding[0, :7] = 0
+    sessions = [(1, 10, None, 0), (2, RING + 30, padding, 0), (1, RING + 40, None, 3)]
+    alone, together = [], []
+    for batch_size, length, mask, rewind in sessions:
+        prefix = torch.randn(batch_size, length, span.hidden_size, generator=generator)
+        token = torch.randn(batch_size, 1, span.hidden_size, generator=generator)
+        prefix_mask = mask[:, :length] if mask is not None else None
+        step_mask = mask[:, : length - rewind + 1] if mask is not None else None
+        for destination in (alone, together):
+            cache = span.new_cache(batch_size, MAX_LENGTH)
+            span(prefix, cache, 0, prefix_mask)
+            destination.append((token, cache, length - rewind, step_mask))
+    expected = [span(*step) for step in alone]
+    for output, expected_output in zip(span.forward_batch(together), expected, strict=True):
+        torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+    assert all(cache.length == length + 1 for (_, cache, length, _) in together)

@@ -26,8 +26,9 @@ from transformers import (
 )
 
 from benchmarks.common import parse_bench_args, publish_table
+from llm_swarm.swarm.cost import REWIND_RESERVE
 from llm_swarm.swarm.models import span as _span  # noqa: F401  (registers the families)
-from llm_swarm.swarm.models.cache import REWIND_RESERVE, SpanCache
+from llm_swarm.swarm.models.cache import SpanCache
 from llm_swarm.swarm.models.family import StepTokens, family_for
 from llm_swarm.swarm.transformers_compat import layer_cache_argument
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from llm_swarm.scheduler.algorithms.problem import Span
 from llm_swarm.scheduler.algorithms.routing_graph import RoutingGraph
-from llm_swarm.swarm.cost import HopCost, request_time
+from llm_swarm.swarm.cost import HopCost, cached_positions, request_time
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,13 @@ class BatchChain:
         """The longest session every server of the chain accepts."""
         return min(hop.server.max_length for hop in self.hops)
 
-    def session_room(self, session_tokens: int) -> int:
-        """How many sessions of `session_tokens` positions the servers' announced free cache holds."""
+    def session_room(self, session_tokens: int, block_windows: Sequence[int | None] = ()) -> int:
+        """How many sessions of `session_tokens` positions the servers' announced free cache holds.
+        `block_windows`: each block's sliding window (None: full attention), which keeps its ring."""
         room = []
         for hop in self.hops:
-            per_session = hop.server.cache_token_bytes * hop.num_blocks * session_tokens
+            kept = cached_positions(block_windows, hop.start, hop.end, session_tokens)
+            per_session = hop.server.cache_token_bytes * kept
             room.append(hop.server.cache_bytes_left // per_session if per_session > 0 else 1 << 20)
         return int(min(room))
 

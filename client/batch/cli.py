@@ -231,7 +231,10 @@ def measure_chains(model: DistributedModelForCausalLM, jobs: list[Job], args, pa
         PinnedConnection(connection, [hop.server.peer_id for hop in chain.hops]) for chain in chains
     ]
     longest = max(job.prompt_tokens + job.new_tokens for job in jobs)
-    slots = [max(1, min(args.sessions_per_chain, chain.session_room(longest))) for chain in chains]
+    slots = [
+        max(1, min(args.sessions_per_chain, chain.session_room(longest, connection.limits.block_windows)))
+        for chain in chains
+    ]
     speeds = [chain.speed for chain in chains]
     started = time.monotonic()
     if args.probe_tokens:

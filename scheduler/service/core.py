@@ -116,7 +116,7 @@ class SchedulerCore:
         self._first_roster = True
         self.roles = role_assigner(settings.plan, (settings.slo_ttft, settings.slo_tpot))
         self._placed_roles: dict[str, str] = {}  # the roles the assignment was placed for
-        self.prefill = PrefillPlanner()  # where routed sessions' prompts run
+        self.prefill = PrefillPlanner(shape.block_windows)  # where routed sessions' prompts run
 
     # --- the roster (from the DHT) -------------------------------------------------------------
     def update_roster(self, records: Mapping[str, ServerInfo], now: float) -> None:

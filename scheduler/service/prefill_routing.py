@@ -27,8 +27,10 @@ MIN_PROMPT = 2  # a one-token prompt is a decode step: nothing to disaggregate (
 class PrefillPlanner:
     """Where each routed session's prompt runs, per hop; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_windows: Sequence[int | None] = ()) -> None:
         self.busy_until: dict[str, float] = {}  # peer -> when the prompts routed to it are done
+        # each block's sliding window (None: full attention): a sliding block hands off only its ring
+        self.block_windows = block_windows
 
     def plan(
         self,
@@ -57,7 +59,9 @@ class PrefillPlanner:
             blocks = hop.num_blocks
             costs = {
                 peer: self._queue(peer, start_at) + seconds
-                for peer, seconds in hop_prefill_costs(hop, prefill_servers, l_in, batch_size).items()
+                for peer, seconds in hop_prefill_costs(
+                    hop, prefill_servers, l_in, batch_size, block_windows=self.block_windows
+                ).items()
             }
             colocated = self._queue(hop.peer_id, start_at) + prefill_seconds(decode, l_in) * blocks
             chosen = choose_prefill_server(costs, colocated)

@@ -7,7 +7,9 @@ queries. This module maps both to `ModelSpec`/`ServerSpec` (docs/reference.md se
 
 Choices made here (the cost model does not fix them):
 - `s_m` is the largest `block_bytes` servers announce (all serve the same model; the largest
-  is the safe one when dtypes differ), `s_c = cache_token_bytes * (l_in + l_out)`.
+  is the safe one when dtypes differ), `s_c = cache_token_bytes * (l_in + l_out)` per block of
+  full attention; a block of sliding attention keeps only its ring (`swarm.cost.ring_capacity`), so
+  `s_c` is the mean over the model's blocks (the cost model takes one `s_c` for every block).
 - A client that has not measured some server (it may not have existed when the client asked) is
   assumed to see it at the median of its other round trips; with no client known at all, a
   virtual client `"any"` with zero round trips stands in, so eq. 14 and eq. 17 reduce to compute.
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 from llm_swarm.scheduler.algorithms.placing import PlanProblem
 from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span
+from llm_swarm.swarm.cost import cached_positions
 from llm_swarm.swarm.models.family import family_for
 from llm_swarm.swarm.server_info import ServerInfo, ServerRole, ServerState
 
@@ -39,16 +42,26 @@ class ModelShape:
     num_blocks: int
     hidden_size: int
     kv_dim: int
+    # each block's sliding attention window (None: full attention); empty: every block attends fully
+    block_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
         """From a transformers config (`swarm.models.checkpoint.load_config`)."""
         family = family_for(config)
+        num_blocks = family.num_blocks(config)
         return cls(
-            num_blocks=family.num_blocks(config),
+            num_blocks=num_blocks,
             hidden_size=family.hidden_size(config),
             kv_dim=family.kv_dim(config),
+            block_windows=tuple(family.layer_window(config, index) for index in range(num_blocks)),
         )
+
+    def cache_tokens_per_block(self, num_tokens: int) -> int:
+        """Positions one block keeps, on average over the model's blocks, for a session of
+        `num_tokens` positions (rounded up)."""
+        kept = cached_positions(self.block_windows, 0, self.num_blocks, num_tokens)
+        return -(-kept // self.num_blocks)
 
 
 @dataclass
@@ -120,7 +133,7 @@ class SwarmView:
         return ModelSpec(
             num_blocks=self.shape.num_blocks,
             block_bytes=block_bytes,
-            cache_bytes=token_bytes * (self.l_in + self.l_out),
+            cache_bytes=token_bytes * self.shape.cache_tokens_per_block(self.l_in + self.l_out),
             hidden_size=self.shape.hidden_size,
             kv_dim=self.shape.kv_dim,
             dtype_bytes=max(token_bytes // (2 * self.shape.kv_dim), 1),

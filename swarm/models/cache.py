@@ -26,19 +26,10 @@ from collections.abc import Sequence
 
 import torch
 
+from llm_swarm.swarm.cost import ring_capacity
 from llm_swarm.swarm.models.inplace_attention import SessionKeyValues, SessionView
 
 _SERIALS = itertools.count()
-
-# positions a sliding-window block keeps beyond what a new query sees: how far a step may rewind
-# (a speculative round's rejected drafts, a retried chunk) once a session has passed its window
-REWIND_RESERVE = 64
-
-
-def ring_capacity(window: int | None, max_length: int) -> int:
-    """Positions a block of attention `window` (None: the whole prefix) keeps for a session of
-    `max_length` positions."""
-    return max_length if window is None else min(max_length, window - 1 + REWIND_RESERVE)
 
 
 class SpanCache:
@@ -279,6 +270,7 @@ class BatchedStepCache:
         total: int,
         masked: list[bool] | None = None,
         gathered: bool = False,
+        ring_masks: dict[tuple[int, int], torch.Tensor] | None = None,
     ):
         if not caches or len(caches) != len(positions):
             raise ValueError("a batched step needs one position per cache, and at least one cache")
@@ -292,6 +284,11 @@ class BatchedStepCache:
         # gathered: `update` returns every session's keys and values copied into one batch, each
         # right-aligned to `total` with zeros before (the batch's mask hides them)
         self.gathered = gathered
+        # (member index, window) -> that member's mask over the slots of its blocks of that window,
+        # for the members past a ring (`SpanCache.key_positions` of the step: slot order)
+        self.ring_masks = ring_masks or {}
+        if self.ring_masks and gathered:
+            raise ValueError("a gathered batch cannot hold a session past a sliding-window ring")
         self.block_offset, self.num_blocks = first.block_offset, first.num_blocks
         bounds, row = [], 0
         for cache in caches:
@@ -306,10 +303,17 @@ class BatchedStepCache:
     ) -> tuple[SessionKeyValues, SessionKeyValues]:
         layer = layer_idx - self.block_offset
         sessions = []
-        for cache, position, (first, last), masked in zip(
-            self.caches, self.positions, self.row_bounds, self.masked, strict=True
+        for index, (cache, position, (first, last), masked) in enumerate(
+            zip(self.caches, self.positions, self.row_bounds, self.masked, strict=True)
         ):
             keys, values = cache.keys[layer], cache.values[layer]
+            ring_mask = self.ring_masks.get((index, cache.windows[layer]))
+            if ring_mask is not None:  # past the ring: its slot, and every slot read under its own mask
+                slot = position % cache.capacities[layer]
+                keys[:, :, slot : slot + 1] = key_states[first:last]
+                values[:, :, slot : slot + 1] = value_states[first:last]
+                sessions.append(SessionView(slice(first, last), keys, values, 0, True, ring_mask))
+                continue
             keys[:, :, position : position + 1] = key_states[first:last]
             values[:, :, position : position + 1] = value_states[first:last]
             sessions.append(

@@ -101,7 +101,7 @@ class ModelFamily(ABC):
         """How many positions back the attention of the model's block `index` sees (a query at cache
         position q sees keys at q - window < k <= q, as transformers masks it), or None for attention
         over the whole prefix. A span's cache keeps only what such a block can still see
-        (`swarm.models.cache.ring_capacity`) and masks the rest, so windows are exact at any length."""
+        (`swarm.cost.ring_capacity`) and masks the rest, so windows are exact at any length."""
         return None
 
     # --- blocks ---------------------------------------------------------------------------------

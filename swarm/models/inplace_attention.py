@@ -41,6 +41,9 @@ class SessionView:
     values: torch.Tensor
     first_column: int  # where its keys start in the batch's right-aligned mask / ALiBi columns
     masked: bool  # the session has padding: its slice of the batch's attention mask applies
+    # the session's own mask over `keys` (`[rows, 1, 1, keys]`, additive), instead of its slice of the
+    # batch's: a sliding-window block's ring past its end holds its keys out of position order
+    own_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,8 @@ def session_attention(kernel: Callable) -> Callable:
             return kernel(module, query, key, value, attention_mask, **kwargs)
         outputs = []
         for session in key.sessions:
-            mask = None
-            if session.masked and attention_mask is not None:
+            mask = session.own_mask
+            if mask is None and session.masked and attention_mask is not None:
                 mask = attention_mask[session.rows, :, :, session.first_column :]
             output, _ = kernel(module, query[session.rows], session.keys, session.values, mask, **kwargs)
             outputs.append(output)

@@ -16,7 +16,7 @@ from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 from transformers import PretrainedConfig
 
-from llm_swarm.swarm.cost import cache_bytes_per_block, dtype_bytes, module_parameter_bytes
+from llm_swarm.swarm.cost import cache_bytes_per_block, dtype_bytes, module_parameter_bytes, ring_capacity
 from llm_swarm.swarm.dtypes import parse_dtype
 from llm_swarm.swarm.errors import CheckpointError, SpanError
 from llm_swarm.swarm.hardware import prepare_attention_kernels
@@ -27,11 +27,11 @@ from llm_swarm.swarm.models import gemma as _gemma  # noqa: F401  (registers the
 from llm_swarm.swarm.models import gpt_oss as _gpt_oss  # noqa: F401  (registers the family)
 from llm_swarm.swarm.models import llama as _llama  # noqa: F401  (registers the family)
 from llm_swarm.swarm.models import llama_like as _llama_like  # noqa: F401  (registers the families)
-from llm_swarm.swarm.models.cache import BatchedStepCache, SpanCache, ring_capacity
+from llm_swarm.swarm.models.cache import BatchedStepCache, SpanCache
 from llm_swarm.swarm.models.checkpoint import CheckpointReader, load_config
 from llm_swarm.swarm.models.decode_graphs import MAX_TOKENS as MAX_GRAPH_TOKENS
 from llm_swarm.swarm.models.decode_graphs import DecodeGraphs
-from llm_swarm.swarm.models.family import ModelFamily, family_for
+from llm_swarm.swarm.models.family import ModelFamily, attention_bias, family_for
 from llm_swarm.swarm.models.fp8_weights import dequantize_fp8, fp8_block_size
 from llm_swarm.swarm.quantization import check_quant_device, quantize_block
 
@@ -282,8 +282,10 @@ class TransformerSpan(nn.Module):
         family's usual padding-mask path (queried at the common last position) gives each session its
         own positions, rotary angles and ALiBi offsets, and each session's attention takes its last
         `position + 1` columns. A session past the ring of a sliding-window block (its keys out of
-        position order) runs its step alone. Returns one output per step, equal to what `forward`
-        returns for it (up to float summation order in the batched matrix products).
+        position order) reads every slot of that block's ring under a mask of its own, built from the
+        positions the slots hold (`SpanCache.key_positions`), as its step alone would. Returns one
+        output per step, equal to what `forward` returns for it (up to float summation order in the
+        batched matrix products).
         """
         if not steps:
             return []
@@ -295,14 +297,17 @@ class TransformerSpan(nn.Module):
             raise ValueError("a session can take part in a batched step only once")
         for cache, position in zip(caches, positions, strict=True):
             cache.begin_step(position, 1)  # validates each position against its own cache
-        alone = [index for index, (_, cache, position, _) in enumerate(steps) if cache.wraps(position, 1)]
+        gathered = not self.family.reads_cache_in_place
+        wrapped = [index for index, (_, cache, position, _) in enumerate(steps) if cache.wraps(position, 1)]
+        alone = wrapped if gathered else []  # a gathered batch lines keys up by position
         if alone:
             together = [index for index in range(len(steps)) if index not in alone]
             batched = self.forward_batch([steps[index] for index in together])
             outputs = dict(zip(together, batched, strict=True))
             outputs.update({index: self.forward(*steps[index]) for index in alone})
             return [outputs[index] for index in range(len(steps))]
-        if self.decode_graphs is not None and all(_graphable(hidden, mask) for hidden, _, _, mask in steps):
+        graphable = not wrapped and all(_graphable(hidden, mask) for hidden, _, _, mask in steps)
+        if self.decode_graphs is not None and graphable:
             outputs = self.decode_graphs.run(steps)
             if outputs is not None:
                 return outputs
@@ -312,10 +317,9 @@ class TransformerSpan(nn.Module):
         window = min((self.windows[local] for local in blocks if self.windows[local]), default=None)
         past_window = [window is not None and position + 1 > window for position in positions]
         masked = [mask is not None or past for (*_, mask), past in zip(steps, past_window, strict=True)]
-        gathered = not self.family.reads_cache_in_place
         if gathered:  # every session's keys are its columns of one padded batch: all masked
             masked = [True] * len(steps)
-        view = BatchedStepCache(caches, positions, total, masked, gathered)
+        view = BatchedStepCache(caches, positions, total, masked, gathered, self._ring_masks(steps, wrapped))
         # keys of row r are the last `position + 1` columns (1 = a real key, 0 = padding)
         first_key = [
             total - 1 - position
@@ -335,6 +339,25 @@ class TransformerSpan(nn.Module):
         for cache in caches:
             cache.end_step()
         return list(hidden.split([cache.batch_size for cache in caches]))
+
+    def _ring_masks(
+        self, steps: Sequence[BatchedStep], wrapped: Sequence[int]
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """For each step of `wrapped` and each window whose ring it is past: the step's own mask over
+        that ring's slots (what `forward` gives the step alone)."""
+        masks = {}
+        for index in wrapped:
+            hidden, cache, position, padding_mask = steps[index]
+            if padding_mask is not None:
+                padding_mask = padding_mask.to(self.device)
+            for window in {window for window in cache.windows if window is not None}:
+                key_positions = cache.key_positions(window)
+                if key_positions is not None:
+                    query = hidden.to(device=self.device, dtype=self.dtype)
+                    masks[index, window] = attention_bias(
+                        query, position, padding_mask, window, key_positions
+                    )
+        return masks
 
 
 def _graphable(hidden: torch.Tensor, padding_mask: torch.Tensor | None) -> bool:
