@@ -36,32 +36,79 @@ def bench_parser(doc: str, **defaults: int | str) -> argparse.ArgumentParser:
     return parser
 
 
-def measuring_parser(doc: str, *required: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def measuring_parser(
+    doc: str, *required: str, shared: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.ArgumentParser:
     """The parser of a benchmark that runs its measuring client as a subprocess (e.g. inside an
-    emulated site), and the parser of that client's `measure` subcommand, which takes
-    `--initial-peers` and the `required` options."""
+    emulated site), with a `measure` subcommand for that client (see `run_measuring`), which takes
+    `--initial-peers` and the `required` options. `shared(parser)` adds to both the options the
+    benchmark passes on to its client."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command")
     inner = commands.add_parser("measure", help="(internal) the measuring client")
     for name in required:
         inner.add_argument(name, required=True)
     inner.add_argument("--initial-peers", nargs="+", required=True)
-    return parser, inner
+    if shared is not None:
+        shared(parser)
+        shared(inner)
+    return parser
+
+
+def run_measuring(
+    parser: argparse.ArgumentParser,
+    measure: Callable[[argparse.Namespace], None],
+    benchmark: Callable[[argparse.Namespace], None],
+) -> None:
+    """Parses the command line of `measuring_parser`'s `parser`: its `measure` subcommand runs
+    `measure(args)` (the measuring client, which the benchmark starts), anything else
+    `benchmark(args)`."""
+    args = parser.parse_args()
+    (measure if args.command == "measure" else benchmark)(args)
+
+
+def add_report_options(parser: argparse.ArgumentParser, keep_logs: bool = False) -> None:
+    """`--write` (see `publish_table`) and, with `keep_logs`, `--keep-logs` (see `run_emulated`)."""
+    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
+    if keep_logs:
+        parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
+
+
+def add_mig_slice_delays(parser: argparse.ArgumentParser) -> None:
+    """`--compute-delay` and `--compute-delay-per-token` of servers that emulate a GPU (a forward
+    costs the larger of the two per block), by default each tiny block standing for 4 blocks of
+    LLaMA-2-7B on Sun, He and Hou's MIG 3g.40gb slice (the simulator's profile: 1 ms launch overhead,
+    3.4 us per prompt token per block)."""
+    parser.add_argument("--compute-delay", type=float, default=0.004, help="s per block per forward")
+    parser.add_argument(
+        "--compute-delay-per-token", type=float, default=13.6e-6, help="s per block per token"
+    )
+
+
+def parse_positive(parser: argparse.ArgumentParser, *names: str) -> argparse.Namespace:
+    """`parser`'s arguments, where each of the integer options `names` must be >= 1."""
+    args = parser.parse_args()
+    if any(getattr(args, name) < 1 for name in names):
+        parser.error(" and ".join(f"--{name.replace('_', '-')}" for name in names) + " must be >= 1")
+    return args
 
 
 def parse_bench_args(doc: str, **defaults: int | str) -> argparse.Namespace:
     """The command line of a benchmark that reports one table: the options of `bench_parser(doc,
     **defaults)`, then `--write` (see `publish_table`)."""
     parser = bench_parser(doc, **defaults)
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
+    add_report_options(parser)
     return parser.parse_args()
 
 
 def rerun_command(script: str, args: argparse.Namespace) -> str:
     """The command, as BENCHMARKS.md quotes it, that reruns `script` (a module's path) with the options
-    `args` of `parse_bench_args` and writes its section again."""
+    `args` of `parse_bench_args` (or `measuring_parser`: the subcommand is left out) and writes its
+    section again."""
     options = " ".join(
-        f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items() if name != "write"
+        f"--{name.replace('_', '-')} {value}"
+        for name, value in vars(args).items()
+        if name not in ("write", "command")
     )
     return f".venv/bin/python -m {module_name(script)} {options} --write"
 
@@ -80,6 +127,15 @@ def publish_table(script: str, args: argparse.Namespace, lines: list[str], heade
     print(table)
     if args.write:
         write_section(header, f"{header}\n\nCommand: `{rerun_command(script, args)}`\n\n{text}\n\n{table}\n")
+
+
+def write_timed_section(header: str, command: str, wall: float, parts: list[str], notes: Path) -> None:
+    """Makes `parts` (paragraphs and tables, in order) the BENCHMARKS.md section `header`, after the
+    `command` that reruns it and the `wall` seconds it took, and before the text of `notes` where that
+    file exists (what the runs showed, written by hand)."""
+    findings = notes.read_text() if notes.exists() else ""
+    lead = f"{header}\n\nCommand (wall time {wall:.0f} s on this 2-core machine): `{command}`"
+    write_section(header, "\n\n".join([lead, *parts, findings]))
 
 
 _T = TypeVar("_T")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_swarm.client.session_request import SessionRequest
+
 
 @dataclass(frozen=True)
 class SessionStep:
@@ -61,9 +63,8 @@ class BlockSession(abc.ABC):
 class BlockBackend(abc.ABC):
     """Runs every block: in sessions (`open_session`) or on whole sequences (`forward_sequence`).
 
-    Implementations define `open_session` and `run_sequence`."""
+    Implementations define `start_session` and `forward_sequence`."""
 
-    @abc.abstractmethod
     def open_session(
         self,
         batch_size: int,
@@ -74,21 +75,17 @@ class BlockBackend(abc.ABC):
         """A session for `batch_size` sequences of up to `max_length` positions; `prompt_tokens` and
         `expected_new_tokens`, when known, are how many of them the first step brings and how many
         will be generated (routing weighs prefill against decoding with them)."""
-
-    def forward_sequence(
-        self,
-        hidden: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        prompts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Every block on whole sequences, no cache, differentiable in `hidden` and `prompts`."""
-        return self.run_sequence(hidden, padding_mask, prompts)
+        return self.start_session(SessionRequest(batch_size, max_length, prompt_tokens, expected_new_tokens))
 
     @abc.abstractmethod
-    def run_sequence(
+    def start_session(self, request: SessionRequest) -> BlockSession:
+        """What `open_session` returns for these arguments."""
+
+    @abc.abstractmethod
+    def forward_sequence(
         self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None
     ) -> torch.Tensor:
-        """What `forward_sequence` returns for these arguments."""
+        """Every block on whole sequences, no cache, differentiable in `hidden` and `prompts`."""
 
 
 def _span_prompts(prompts: torch.Tensor | None, span) -> torch.Tensor | None:
@@ -105,16 +102,11 @@ class LocalSpans(BlockBackend):
             raise ValueError("local spans must be consecutive and start at block 0")
         self.spans = spans
 
-    def open_session(
-        self,
-        batch_size: int,
-        max_length: int,
-        prompt_tokens: int | None = None,
-        expected_new_tokens: int | None = None,
-    ) -> _LocalSession:
-        return _LocalSession([span.new_cache(batch_size, max_length) for span in self.spans], self.spans)
+    def start_session(self, request: SessionRequest) -> _LocalSession:
+        caches = [span.new_cache(request.batch_size, request.max_length) for span in self.spans]
+        return _LocalSession(caches, self.spans)
 
-    def run_sequence(
+    def forward_sequence(
         self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None
     ) -> torch.Tensor:
         for span in self.spans:

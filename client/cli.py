@@ -31,15 +31,9 @@ from llm_swarm.swarm.cli.args import (
     swarm_secret_from_args,
 )
 from llm_swarm.swarm.cli.dataclass_args import dataclass_from_args
+from llm_swarm.swarm.cli.device_args import add_device_arguments, device_and_dtype_from_args
 from llm_swarm.swarm.cli.errors import run_cli
 from llm_swarm.swarm.errors import SwarmUserError
-from llm_swarm.swarm.hardware import (
-    DTYPE_CHOICES,
-    checkpoint_dtype_name,
-    probe_device,
-    resolve_device,
-    resolve_dtype,
-)
 from llm_swarm.swarm.models import load_span
 from llm_swarm.swarm.models.checkpoint import load_config
 
@@ -72,14 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=span_list_argument,
         help="run these consecutive spans in this process instead of a swarm, e.g. 0:3,3:6",
     )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="of the client-side modules; auto: float32 on CPU, bfloat16/float16 on a GPU",
-    )
-    parser.add_argument(
-        "--device", default="cpu", help="where embeddings and the LM head run: cpu, cuda, cuda:N or auto"
+    add_device_arguments(
+        parser,
+        "cpu",
+        device_help="where embeddings and the LM head run: cpu, cuda, cuda:N or auto",
+        dtype_help="of the client-side modules; auto: float32 on CPU, bfloat16/float16 on a GPU",
     )
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -122,9 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def generate(args: argparse.Namespace) -> None:
     check_arguments(args)
-    facts = probe_device()
-    device = resolve_device(args.device, facts)
-    dtype = resolve_dtype(args.dtype, device, facts, checkpoint_dtype_name(load_config(args.model_dir)))
+    device, dtype = device_and_dtype_from_args(args, load_config(args.model_dir))
     if args.local_spans is not None:
         backend = local_backend(args.model_dir, args.local_spans, dtype, device)
         model = DistributedModelForCausalLM.from_local_parts(

@@ -20,7 +20,6 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from llm_swarm.client.backend import BlockBackend
 from llm_swarm.client.continuation import continuation, mask_after
 from llm_swarm.client.sequence_forward import last_block_output, with_prompt_positions
 from llm_swarm.client.session import InferenceSession
@@ -29,7 +28,6 @@ from llm_swarm.client.speculation import DraftLength, DraftLengthOptions
 from llm_swarm.client.speculation.batched import BatchedSpeculation, check_batched_config
 from llm_swarm.client.speculation.candidates import AdaptiveCandidates
 from llm_swarm.client.swarm_model import SwarmModelBase
-from llm_swarm.swarm.models.client_parts import ClientParts
 from llm_swarm.swarm.transformers_compat import (
     GENERATE_CACHE_ARGUMENT,
     library_default,
@@ -41,33 +39,15 @@ class DistributedModelForCausalLM(SwarmModelBase, GenerationMixin):
     # the attention caches live in the backend's session; generate() sees it as its `past_key_values`
     # (`SessionCache`), which assisted generation crops after rejected drafts (the session rewinds)
 
-    def __init__(
-        self,
-        client_parts: ClientParts,
-        backend: BlockBackend,
-        tuning_mode: str | None = None,
-        pre_seq_len: int = 0,
-    ):
-        super().__init__(client_parts, backend, tuning_mode, pre_seq_len)
+    def _add_own_parts(self) -> None:
         self._local = threading.local()  # each thread may drive its own session through one model
         # how speculative decoding (assistant_model=, prompt_lookup_num_tokens=) chooses its draft length
         self.speculation = DraftLengthOptions()
 
-    @classmethod
-    def _from_parts(
-        cls,
-        model_dir: str | Path,
-        parts: ClientParts,
-        backend: BlockBackend,
-        tuning_mode: str | None,
-        pre_seq_len: int,
-        **kwargs,
-    ) -> DistributedModelForCausalLM:
-        """The model over loaded client parts, with the checkpoint's generation config."""
-        model = super()._from_parts(model_dir, parts, backend, tuning_mode, pre_seq_len, **kwargs)
+    def _read_checkpoint(self, model_dir: str | Path) -> None:
+        """The checkpoint's generation config, when it has one."""
         with contextlib.suppress(OSError):  # a checkpoint without generation_config.json is fine
-            model.generation_config = GenerationConfig.from_pretrained(model_dir)
-        return model
+            self.generation_config = GenerationConfig.from_pretrained(model_dir)
 
     # --- sessions -------------------------------------------------------------------------------
     def open_session(

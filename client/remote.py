@@ -42,6 +42,7 @@ from llm_swarm.client.handoff_cost import MoveCosts, move_costs
 from llm_swarm.client.replay import can_prefill, replay_groups, replay_tensors
 from llm_swarm.client.routing import chain_problem
 from llm_swarm.client.sequence_rpc import SequenceFunction
+from llm_swarm.client.session_request import SessionRequest
 from llm_swarm.client.stream import FATAL_CODES, ServerStream, StepInput, catch_up_input
 from llm_swarm.client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
 from llm_swarm.swarm.handoff_wire import HandOff
@@ -1031,22 +1032,16 @@ class RemoteBlocks(BlockBackend):
     def __init__(self, connection: SwarmConnection):
         self.connection = connection
 
-    def open_session(
-        self,
-        batch_size: int,
-        max_length: int,
-        prompt_tokens: int | None = None,
-        expected_new_tokens: int | None = None,
-    ) -> RemoteBlockSession:
+    def start_session(self, request: SessionRequest) -> RemoteBlockSession:
         return RemoteBlockSession(
             self.connection,
-            batch_size,
-            max_length,
-            prompt_tokens=prompt_tokens,
-            expected_new_tokens=expected_new_tokens,
+            request.batch_size,
+            request.max_length,
+            prompt_tokens=request.prompt_tokens,
+            expected_new_tokens=request.expected_new_tokens,
         )
 
-    def run_sequence(
+    def forward_sequence(
         self, hidden: torch.Tensor, padding_mask: torch.Tensor | None, prompts: torch.Tensor | None
     ) -> torch.Tensor:
         """Every block on whole sequences, differentiable (training through the swarm)."""

@@ -99,18 +99,14 @@ def last_token_indices(
 
 
 class DistributedModelForSequenceClassification(SwarmModelBase):
-    def __init__(
-        self,
-        client_parts: ClientParts,
-        backend: BlockBackend,
-        tuning_mode: str | None = None,
-        pre_seq_len: int = 0,
-        score: nn.Linear | None = None,
-    ):
-        super().__init__(client_parts, backend, tuning_mode, pre_seq_len)
-        self.num_labels = client_parts.config.num_labels
-        self.score = score if score is not None else new_score_head(client_parts)
-        self.score.requires_grad_(True)  # the client's to train (the client parts stay frozen)
+    def _add_own_parts(self) -> None:
+        self.num_labels = self.client_parts.config.num_labels
+        self.use_score_head(new_score_head(self.client_parts))
+
+    def use_score_head(self, score: nn.Linear) -> None:
+        """Classify with `score` (`[num_labels, hidden]`), the client's to train (the client parts
+        stay frozen)."""
+        self.score = score.requires_grad_(True)
 
     @classmethod
     def _from_parts(
@@ -126,8 +122,9 @@ class DistributedModelForSequenceClassification(SwarmModelBase):
         """`config_overrides`: e.g. `num_labels=3`, `pad_token_id=0`, `problem_type=...` (transformers'
         `from_pretrained` kwargs); the head is the checkpoint's `score.weight` when it has one."""
         override_config(parts, config_overrides)
-        score = load_score_head(model_dir, parts, ignore_mismatched_sizes)
-        return cls(parts, backend, tuning_mode, pre_seq_len, score=score)
+        model = cls(parts, backend, tuning_mode, pre_seq_len)
+        model.use_score_head(load_score_head(model_dir, parts, ignore_mismatched_sizes))
+        return model
 
     def forward(
         self,

@@ -26,7 +26,6 @@ from llm_swarm.swarm.wire import (
     Replayed,
     Step,
     StepDone,
-    decode_metadata,
     decode_tensors,
     encode,
     parse,
@@ -285,8 +284,7 @@ class ServerStream:
         if failure is not None:  # the p2p layer's own error: the server's handler broke off
             self.healthy = False
             raise StreamFailure(self.hop.peer_id, f"the server's handler failed: {failure.message}")
-        kind = decode_metadata(response.metadata).get("type")
-        message = parse(response.metadata, Error if kind == "error" else expected)
+        message = parse(response.metadata, expected, Error)
         if isinstance(message, Error):
             self.healthy = False
             raise RemoteError(message.code, message.message, self.hop.peer_id)

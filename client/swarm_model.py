@@ -65,6 +65,11 @@ class SwarmModelBase(PreTrainedModel):
         connection = getattr(backend, "connection", None)
         self.blocks = RemoteSequential(connection) if connection is not None else None
         self.prompts = PromptTuning.create(client_parts, tuning_mode, pre_seq_len)
+        self._add_own_parts()
+
+    def _add_own_parts(self) -> None:
+        """What a subclass keeps beside the shared client parts (a head, per-thread state); nothing
+        here. Called once, at the end of construction."""
 
     @classmethod
     def from_local_parts(
@@ -81,7 +86,9 @@ class SwarmModelBase(PreTrainedModel):
         "deep_ptune" adds `pre_seq_len` trainable prompt positions. `kwargs`: the class's own options
         (e.g. config attributes to override, as transformers' `from_pretrained` takes them)."""
         parts = load_client_parts(model_dir, dtype=dtype, device=device)
-        return cls._from_parts(model_dir, parts, backend, tuning_mode, pre_seq_len, **kwargs).eval()
+        model = cls._from_parts(model_dir, parts, backend, tuning_mode, pre_seq_len, **kwargs)
+        model._read_checkpoint(model_dir)
+        return model.eval()
 
     @classmethod
     def _from_parts(
@@ -93,9 +100,13 @@ class SwarmModelBase(PreTrainedModel):
         pre_seq_len: int,
         **kwargs: Any,
     ) -> ModelT:
-        """The model over loaded client parts; subclasses read what else they keep from `model_dir`."""
+        """The model over loaded client parts; a subclass whose constructor takes more (read from
+        `model_dir`, or options of its own in `kwargs`) builds it here."""
         override_config(parts, kwargs)
         return cls(parts, backend, tuning_mode, pre_seq_len)
+
+    def _read_checkpoint(self, model_dir: str | Path) -> None:
+        """What else the built model keeps from its checkpoint (subclasses' settings; nothing here)."""
 
     @classmethod
     def from_pretrained(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# `llm_swarm.client` exports the same names: it takes them from here, where importing costs nothing
 __all__ = [
     "AutoDistributedModel",
     "AutoDistributedModelForCausalLM",

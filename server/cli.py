@@ -24,19 +24,13 @@ from llm_swarm.swarm.cli.args import (
     swarm_secret_from_args,
 )
 from llm_swarm.swarm.cli.dataclass_args import add_field_options, dataclass_from_args
+from llm_swarm.swarm.cli.device_args import add_device_arguments, device_and_dtype_from_args
 from llm_swarm.swarm.cli.errors import run_cli
 from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
 from llm_swarm.swarm.cli.signals import terminate_like_interrupt
 from llm_swarm.swarm.dtypes import dtype_name
 from llm_swarm.swarm.errors import SwarmUserError
-from llm_swarm.swarm.hardware import (
-    DTYPE_CHOICES,
-    checkpoint_dtype_name,
-    probe_device,
-    resolve_device,
-    resolve_dtype,
-    server_memory_budget,
-)
+from llm_swarm.swarm.hardware import server_memory_budget
 from llm_swarm.swarm.identity import read_public_key
 from llm_swarm.swarm.models.adapters import AdapterSource, check_adapters
 from llm_swarm.swarm.models.checkpoint import load_config
@@ -77,14 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory budget M_j for blocks + caches, e.g. 8GB; auto: what the device has free, "
         "less headroom for the allocator and activations",
     )
-    parser.add_argument(
-        "--device", default="auto", help="cpu, cuda, cuda:N or auto (the first GPU if any, else the CPU)"
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="compute dtype; auto: float32 on CPU, on a GPU the checkpoint's 16-bit dtype or bfloat16",
+    add_device_arguments(
+        parser,
+        "auto",
+        device_help="cpu, cuda, cuda:N or auto (the first GPU if any, else the CPU)",
+        dtype_help="compute dtype; auto: float32 on CPU, on a GPU the checkpoint's 16-bit dtype or bfloat16",
     )
     parser.add_argument(
         "--quant",
@@ -220,9 +211,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if args.port == 0:
             raise SwarmUserError("--announce-host needs a fixed --port (clients dial that port)")
         dht_options["announce_maddrs"] = [f"/ip4/{args.announce_host}/tcp/{args.port}"]
-    facts = probe_device()
-    device = resolve_device(args.device, facts)
-    dtype = resolve_dtype(args.dtype, device, facts, checkpoint_dtype_name(model_config))
+    device, dtype = device_and_dtype_from_args(args, model_config)
     check_quant_device(args.quant, device)
     adapters = tuple(AdapterSource.parse(text) for text in args.adapters)
     check_adapters(args.model_dir, adapters)  # a bad adapter is refused before the server joins

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -19,36 +20,29 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.sessions = Gauge("swarm_server_sessions", "Open inference sessions", registry=r)
-        self.sessions_opened = Counter("swarm_server_sessions_opened", "Sessions opened", registry=r)
-        self.handoffs = Counter(
-            "swarm_server_handoffs", "Session caches pushed to another server (hand-offs)", registry=r
+        # every metric of this server goes into its own registry
+        gauge, counter = partial(Gauge, registry=r), partial(Counter, registry=r)
+        self.sessions = gauge("swarm_server_sessions", "Open inference sessions")
+        self.sessions_opened = counter("swarm_server_sessions_opened", "Sessions opened")
+        self.handoffs = counter(
+            "swarm_server_handoffs", "Session caches pushed to another server (hand-offs)"
         )
-        self.slots_free = Gauge(
-            "swarm_server_cache_slots_free",
-            "Cache slots (sessions of slot_tokens on one block) free",
-            registry=r,
+        self.slots_free = gauge(
+            "swarm_server_cache_slots_free", "Cache slots (sessions of slot_tokens on one block) free"
         )
-        self.slots_total = Gauge(
-            "swarm_server_cache_slots_total", "Cache slots in the whole budget", registry=r
-        )
-        self.bytes_free = Gauge(
-            "swarm_server_cache_bytes_free", "Cache bytes new sessions may reserve", registry=r
-        )
+        self.slots_total = gauge("swarm_server_cache_slots_total", "Cache slots in the whole budget")
+        self.bytes_free = gauge("swarm_server_cache_bytes_free", "Cache bytes new sessions may reserve")
         self.steps = Histogram(
             "swarm_server_step_seconds", "Compute time of one step over the session's blocks", ["kind"],
             buckets=STEP_BUCKETS, registry=r,
         )  # fmt: skip
-        self.errors = Counter(
-            "swarm_server_errors", "Requests answered with an error, by code", ["code"], registry=r
-        )
-        self.received = Counter("swarm_server_bytes_received", "Request bytes received", registry=r)
-        self.sent = Counter("swarm_server_bytes_sent", "Response bytes sent", registry=r)
-        self.wrong_output_reports = Counter(
+        self.errors = counter("swarm_server_errors", "Requests answered with an error, by code", ["code"])
+        self.received = counter("swarm_server_bytes_received", "Request bytes received")
+        self.sent = counter("swarm_server_bytes_sent", "Response bytes sent")
+        self.wrong_output_reports = counter(
             "swarm_server_wrong_output_reports",
             "Clients' reports that this server's output was wrong (outvoted by replicas, or malformed)",
             ["reason"],
-            registry=r,
         )
         self.decode_batch = Histogram(
             "swarm_server_decode_batch_steps",
@@ -56,14 +50,11 @@ class ServerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
-        self.tau_per_session = Gauge(
+        self.tau_per_session = gauge(
             "swarm_server_tau_per_session_seconds",
             "What each session decoding here at once adds to a token's time per block (0: not measured)",
-            registry=r,
         )
-        self.span_changes = Counter(
-            "swarm_server_span_changes", "Times the server moved to a new span", registry=r
-        )
+        self.span_changes = counter("swarm_server_span_changes", "Times the server moved to a new span")
 
     def watch_cache(
         self, free_slots: Callable[[], int], total_slots: Callable[[], int], free_bytes: Callable[[], int]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from llm_swarm.swarm.wire import Message
+from llm_swarm.swarm.wire import Message, RequestId, SessionId
 
 TOKEN_PATTERN = r"^[0-9a-f]{32,64}$"  # a secret the client draws (hex): B accepts a cache only with it
 PEER_ID_MAX = 128
@@ -31,9 +31,9 @@ class HandOff(Message):
     Anything but a step next, or a step that does not compute all `length` positions, cancels it."""
 
     type: str = "hand_off"
-    handoff_id: str = Field(min_length=1, max_length=64)
+    handoff_id: RequestId
     target_peer: str = Field(min_length=1, max_length=PEER_ID_MAX)
-    target_session: str = Field(min_length=8, max_length=64)
+    target_session: SessionId
     token: str = Field(pattern=TOKEN_PATTERN)
     length: int = Field(ge=1)
     max_seconds: float = Field(gt=0, le=3600, allow_inf_nan=False)
@@ -54,7 +54,7 @@ class PushCache(Message):
     """A -> B, the first message of a push stream: which session, its token, how much comes."""
 
     type: str = "push_cache"
-    session_id: str = Field(min_length=8, max_length=64)
+    session_id: SessionId
     token: str = Field(pattern=TOKEN_PATTERN)
     length: int = Field(ge=1)
 

@@ -17,7 +17,7 @@ overwrites the cache: the same step id at the same position is answered from the
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -28,6 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 PROTOCOL_VERSION = 1
 OPTIONAL_ADAPTER_NAME = r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"  # "" or an adapter's name
 MAX_METADATA_BYTES = 16 * 1024
+
+# fields several messages carry, checked alike wherever they come
+SessionId = Annotated[str, Field(min_length=8, max_length=64)]
+RequestId = Annotated[str, Field(min_length=1, max_length=64)]  # a step's, a replay's, a hand-off's
+SwarmProof = Annotated[str, Field(max_length=128)]  # closed swarms only (swarm.closed_swarm); "" none
 
 
 class ErrorCode(StrEnum):
@@ -52,12 +57,12 @@ class Message(BaseModel):
 class Open(Message):
     type: str = "open"
     protocol: int = PROTOCOL_VERSION
-    session_id: str = Field(min_length=8, max_length=64)
+    session_id: SessionId
     max_length: int = Field(gt=0)
     batch_size: int = Field(gt=0)
     start: int = Field(ge=0)  # blocks to process for this session: [start, end) inside the server's span
     end: int = Field(gt=0)
-    swarm_proof: str = Field(default="", max_length=128)  # closed swarms only (swarm.closed_swarm)
+    swarm_proof: SwarmProof = ""
     # the LoRA adapter (by the name servers announce) every step of the session uses; "" none
     adapter: str = Field(default="", max_length=64, pattern=OPTIONAL_ADAPTER_NAME)
     # a session that will receive its cache from another server (a hand-off, swarm.handoff_wire): the
@@ -76,7 +81,7 @@ class Opened(Message):
 
 class Step(Message):
     type: str = "step"
-    step_id: str = Field(min_length=1, max_length=64)
+    step_id: RequestId
     position: int = Field(ge=0)
     # beam search: before this step, sequence i of the session continues sequence hypo_ids[i]
     hypo_ids: list[int] | None = Field(default=None, max_length=4096)
@@ -107,7 +112,7 @@ class Replay(Message):
     as `int64 [steps that reorder, batch]`."""
 
     type: str = "replay"
-    replay_id: str = Field(min_length=1, max_length=64)
+    replay_id: RequestId
     masked: bool = False
     reordered: bool = False
 
@@ -127,7 +132,7 @@ class _WholeSequenceCall(Message):
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     prompts: bool = False
-    swarm_proof: str = Field(default="", max_length=128)
+    swarm_proof: SwarmProof = ""
     adapter: str = Field(
         default="", max_length=64, pattern=OPTIONAL_ADAPTER_NAME
     )  # the LoRA adapter to apply ("" none)
@@ -167,7 +172,7 @@ class Report(Message):
     reason: Literal["outvoted", "malformed"]
     # from the majority's output (outvoted); 0 when malformed
     relative_difference: float = Field(default=0.0, ge=0.0, le=1e30, allow_inf_nan=False)
-    swarm_proof: str = Field(default="", max_length=128)
+    swarm_proof: SwarmProof = ""
 
 
 class Ack(Message):
@@ -176,7 +181,7 @@ class Ack(Message):
 
 class InfoRequest(Message):
     type: str = "info"
-    swarm_proof: str = Field(default="", max_length=128)
+    swarm_proof: SwarmProof = ""
 
 
 class Error(Message):

@@ -157,25 +157,15 @@ def test_sampling_matches_under_the_same_seed(models):
     assert torch.equal(got, expected)
 
 
+def run_generate_command(llama_dir, prompt: str, *extra: str) -> subprocess.CompletedProcess:
+    """`swarm-generate` on the tiny LLaMA's two local spans."""
+    argv = [sys.executable, "-m", "llm_swarm.client.cli", str(llama_dir), "--local-spans", "0:3,3:6"]
+    return subprocess.run([*argv, "--prompt", prompt, *extra], capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.swarm
 def test_generate_command_runs_locally(llama_dir):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_swarm.client.cli",
-            str(llama_dir),
-            "--local-spans",
-            "0:3,3:6",
-            "--prompt",
-            "Once upon",
-            "--max-new-tokens",
-            "5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_generate_command(llama_dir, "Once upon", "--max-new-tokens", "5")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Once upon")
 
@@ -190,50 +180,28 @@ def test_beam_search_equals_transformers(models):
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize(
-    "flags", [["--assistant", "{model}"], ["--prompt-lookup", "4"]], ids=["assistant", "lookup"]
-)
-def test_generate_command_speculates_and_prints_the_same_text(llama_dir, flags):
-    """`swarm-generate --assistant DIR` / `--prompt-lookup N` print the text plain decoding prints, then a
-    one-line summary of the drafts on stderr."""
+def test_generate_command_speculates_and_prints_the_same_text(llama_dir, tmp_path):
+    """`swarm-generate --assistant DIR` and `--prompt-lookup N` print the text plain decoding prints,
+    then a one-line summary of the drafts on stderr; a draft model of another vocabulary is refused."""
 
     def run(*extra: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "llm_swarm.client.cli", str(llama_dir), "--local-spans", "0:3,3:6"]
-        argv += ["--prompt", "a b c a b c a b", "--max-new-tokens", "16", *extra]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        return run_generate_command(llama_dir, "a b c a b c a b", "--max-new-tokens", "16", *extra)
 
     def text(result: subprocess.CompletedProcess) -> str:
         """The streamed text, without the report after it (chain, speed: the timings differ)."""
         return result.stdout.rsplit("\nchain: ", 1)[0]
 
     plain = run()
-    speculative = run(*(flag.format(model=llama_dir) for flag in flags))
-    assert plain.returncode == speculative.returncode == 0, speculative.stderr
-    assert text(speculative) == text(plain) != plain.stdout
-    assert "speculation:" in speculative.stderr
-
-
-@pytest.mark.swarm
-def test_a_draft_model_with_another_vocabulary_is_refused(llama_dir, tmp_path):
+    assert plain.returncode == 0, plain.stderr
+    for flags in (["--assistant", str(llama_dir)], ["--prompt-lookup", "4"]):
+        speculative = run(*flags)
+        assert speculative.returncode == 0, speculative.stderr
+        assert text(speculative) == text(plain) != plain.stdout, flags
+        assert "speculation:" in speculative.stderr, flags
     other = build_tiny_model(tmp_path / "other", TinyModelSpec(family="llama", num_layers=1, vocab_size=300))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_swarm.client.cli",
-            str(llama_dir),
-            "--local-spans",
-            "0:3,3:6",
-            "--prompt",
-            "hi",
-        ]
-        + ["--assistant", str(other)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert "a draft model must use the same tokenizer" in result.stderr
+    refused = run_generate_command(llama_dir, "hi", "--assistant", str(other))
+    assert refused.returncode != 0
+    assert "a draft model must use the same tokenizer" in refused.stderr
 
 
 def test_the_session_as_generates_cache_crops_by_rewinding(models):

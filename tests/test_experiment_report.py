@@ -56,18 +56,12 @@ def test_the_table_compares_every_policy_with_petals():
     assert "| 0.5, 64 | chains | 75% faster | 75% faster | -20% |" in table
 
 
+# what a run's recorded configuration holds apart from the fields each test sets
+RUN_CONFIG = {"l_out": "64", "requests": "100", "client_cluster": 0, "seed": 0, "gpu_model": "overlap"}
+
+
 def test_commands_name_the_policies_and_the_merge():
-    config = {
-        "policies": "chains",
-        "rates": "0.1",
-        "l_out": "64",
-        "requests": "100",
-        "time_scale": 0.5,
-        "client_cluster": 0,
-        "seed": 0,
-        "gpu_model": "overlap",
-        "merge": True,
-    }
+    config = {**RUN_CONFIG, "policies": "chains", "rates": "0.1", "time_scale": 0.5, "merge": True}
     command = command_of(config)
     assert "--policies chains" in command and command.endswith("--merge --write-benchmarks")
     default = {**config, "policies": "petals,cg-bp", "merge": False}
@@ -163,14 +157,10 @@ def test_the_report_puts_measured_attainment_beside_the_prediction():
 
 def test_commands_carry_the_slos_and_the_results_folder():
     config = {
+        **RUN_CONFIG,
         "policies": "chains,cg-bp R=128",
         "rates": "0.5",
-        "l_out": "64",
-        "requests": "100",
         "time_scale": 1.0,
-        "client_cluster": 0,
-        "seed": 0,
-        "gpu_model": "overlap",
         "slo_ttft": 2.19,
         "slo_tpot": 0.65,
         "out": str(Path(__file__).resolve().parents[1] / "results" / "netem" / "goodput"),

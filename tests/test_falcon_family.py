@@ -10,8 +10,6 @@ real-server tests: the failover, which kills a server, runs last."""
 
 from __future__ import annotations
 
-import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -23,13 +21,10 @@ from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 from llm_swarm.swarm.dht_keys import default_prefix
 from llm_swarm.swarm.models import load_span
 from llm_swarm.swarm.models.tiny import FALCON_VARIANTS, TinyModelSpec, build_tiny_model
-from tests.family_checks import (
-    assert_a_span_loads_only_its_own_shards,
-    assert_spans_generate_like_transformers,
-)
+from tests import family_checks
+from tests.family_checks import PROMPT
 
 LAYERS = 4
-PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
 SHARD = "60KB"
 
 
@@ -56,7 +51,9 @@ def variant_dir(request, tmp_path_factory) -> Path:
 
 
 def test_in_process_spans_generate_what_transformers_generates(variant_dir):
-    assert_spans_generate_like_transformers(variant_dir, LAYERS, new_tokens=12, padded_new_tokens=8)
+    family_checks.assert_spans_generate_like_transformers(
+        variant_dir, LAYERS, new_tokens=12, padded_new_tokens=8
+    )
 
 
 def test_alibi_biases_of_a_padded_batch_are_transformers_own(tmp_path):
@@ -122,7 +119,7 @@ def test_batched_decode_steps_equal_steps_alone(variant_dir):
 
 
 def test_a_span_loads_only_its_own_shards(variant_dir):
-    span = assert_a_span_loads_only_its_own_shards(variant_dir, "transformer.h.")
+    span = family_checks.assert_a_span_loads_only_its_own_shards(variant_dir, "transformer.h.")
     # one cached key and value per KV head, not one per query head as transformers caches them
     config = span.config
     kv_heads = config.num_attention_heads
@@ -170,22 +167,7 @@ def served(tmp_path_factory, default_dir):
 @pytest.mark.compat
 def test_real_servers_generate_what_transformers_generates(served, reference, default_dir):
     _swarm, model = served
-    for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
-        expected = reference.generate(PROMPT, max_new_tokens=12, **options)
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=12, **options), expected), options
-    # a left-padded batch
-    tokenizer = AutoTokenizer.from_pretrained(default_dir)
-    batch = tokenizer(
-        ["one two", "A cat sat on a mat"], return_tensors="pt", padding=True, padding_side="left"
-    )
-    expected = reference.generate(**batch, max_new_tokens=8, do_sample=False)
-    assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
-    # speculation: prompt lookup and an assistant make the servers rewind past rejected drafts
-    repeating = torch.cat([PROMPT, PROMPT[:, :3]], dim=1)
-    expected = reference.generate(repeating, max_new_tokens=12, do_sample=False)
-    for options in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": reference}):
-        output = model.generate(repeating, max_new_tokens=12, do_sample=False, **options)
-        assert torch.equal(output, expected), options
+    family_checks.assert_generates_like_transformers(model, reference, default_dir, 12, 8, speculative=True)
 
 
 @pytest.mark.swarm
@@ -194,21 +176,9 @@ def test_concurrent_sessions_batched_on_a_server_equal_each_alone(served, refere
 
     swarm, model = served
     before = swarm.metrics("b")
-    prompts = [PROMPT[:, : 3 + k] for k in range(4)]
-    results: dict[int, torch.Tensor] = {}
-    barrier = threading.Barrier(len(prompts))
-
-    def run(k: int) -> None:
-        barrier.wait(timeout=30)
-        results[k] = model.generate(prompts[k], max_new_tokens=12, do_sample=False)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    for k, prompt in enumerate(prompts):
-        assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=12, do_sample=False)), k
+    family_checks.assert_concurrent_sessions_equal_each_alone(
+        model, reference, [PROMPT[:, : 3 + k] for k in range(4)], 12
+    )
     # b serves every chain: some of its decode iterations ran several sessions' steps at once
     after = swarm.metrics("b")
     name = "swarm_server_decode_batch_steps"
@@ -224,12 +194,4 @@ def test_concurrent_sessions_batched_on_a_server_equal_each_alone(served, refere
 def test_failover_mid_generation_continues_exactly(served, reference):
     """Runs last: it kills the first server of the session's chain between two generate() calls."""
     swarm, model = served
-    expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
-    with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
-        first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
-        victim = session.blocks.streams[0].hop.peer_id
-        name = model.backend.connection.roster.known[victim].public_name
-        swarm.stop(name, signal.SIGKILL)
-        rest = model.generate(None, max_new_tokens=8, do_sample=False)
-        assert victim not in [stream.hop.peer_id for stream in session.blocks.streams]
-    assert torch.equal(torch.cat([first, rest], dim=1), expected)
+    family_checks.assert_failover_mid_generation_is_exact(swarm, model, reference)

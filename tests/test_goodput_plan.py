@@ -9,9 +9,7 @@ what the client does with it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import io
 import json
 import subprocess
 import sys
@@ -22,7 +20,6 @@ import pytest
 
 from llm_swarm.scheduler.algorithms.cgbp import cg_bp
 from llm_swarm.scheduler.algorithms.placing import PlanInputError
-from llm_swarm.scheduler.plan import cli as plan_cli
 from llm_swarm.scheduler.plan.problem_io import parse_problem
 from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
 from llm_swarm.scheduler.service.grpc_api import SchedulerApi
@@ -48,24 +45,24 @@ from llm_swarm.scheduler.sim.policies import NONE, build_dispatcher
 from llm_swarm.swarm.errors import SwarmUserError
 from llm_swarm.swarm.route_request import RouteRequest, SessionShape
 from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
+from tests.test_plan_cli import run, server
 from tests.test_scheduler_core import BLOCK, SERVERS, SHAPE, SLOT, L, core_with, info, serving
 
 _SCRIPT = Path(sys.executable).with_name("swarm-plan")
 COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "llm_swarm.scheduler.plan.cli"]
 
 
-def server(name: str, memory: float, tau: float, rtt: float) -> dict:
-    return {"name": name, "memory_bytes": memory, "tau": tau, "tau_prefill": 4 * tau, "rtt": {"c1": rtt}}
-
-
 # Eight blocks on one fast server, one medium and two small ones; short answers keep runs cheap.
 TINY = {
     "model": {"num_blocks": 8, "block_bytes": 1e9, "cache_bytes": 5e7, "hidden_size": 64},
     "servers": [
-        server("big", 12e9, 0.01, 0.05),
-        server("mid", 8e9, 0.02, 0.03),
-        server("small1", 5e9, 0.03, 0.02),
-        server("small2", 5e9, 0.03, 0.02),
+        server(name, memory, tau, rtt, prefill_ratio=4)
+        for name, memory, tau, rtt in (
+            ("big", 12e9, 0.01, 0.05),
+            ("mid", 8e9, 0.02, 0.03),
+            ("small1", 5e9, 0.03, 0.02),
+            ("small2", 5e9, 0.03, 0.02),
+        )
     ],
     "l_out": 16,
     "arrival_rate": 0.5,
@@ -229,18 +226,8 @@ def test_the_swarm_from_a_problem_document_and_its_copies(tiny):
 
 def run_plan(args: list[str], document: object | None = None) -> tuple[int, str, str]:
     """`swarm-plan ARGS < document` in this process: status, stdout, stderr."""
-    stdin = io.TextIOWrapper(io.BytesIO(json.dumps(document or {}).encode()), encoding="utf-8")
-    stdout, stderr = io.StringIO(), io.StringIO()
-    saved, sys.stdin = sys.stdin, stdin
-    try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                code = plan_cli.main(args)
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        sys.stdin = saved
-    return code, stdout.getvalue(), stderr.getvalue()
+    done = run(args, document or {})
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.mark.swarm

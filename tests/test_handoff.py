@@ -4,7 +4,6 @@ cannot finish falls back to replay; hostile pushes are refused and leave nothing
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import signal
@@ -87,27 +86,20 @@ def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama
     a session is open on it hands the session's cache to a server holding the session's blocks (the
     only one: `spare`, made slower so that the session starts on the mover), and generation stays
     equal to local transformers; the mover then serves its new span."""
-    from llm_swarm.swarm.dht_records import fetch_roster_async
     from tests.test_server_managed import (
         ScriptedScheduler,
-        publish_scripted,
-        serve_scripted,
+        scripted_scheduler,
         start_managed,
+        wait_announced,
         wait_spans,
     )
 
     prefix = default_prefix(str(llama_dir))
     scheduler = ScriptedScheduler()
-    grpc_server, port = serve_scripted(scheduler)
-    try:
-        publish_scripted(swarm, prefix, port)
+    with scripted_scheduler(swarm, prefix, scheduler):
         options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
         start_managed(swarm, "mover", llama_dir, 10**9, *options)
-        deadline = time.monotonic() + 120
-        while not (peers := asyncio.run(fetch_roster_async(swarm.observer, prefix, NUM_BLOCKS))):
-            assert time.monotonic() < deadline, "the managed server did not announce itself"
-            time.sleep(0.3)
-        (mover,) = peers
+        mover = wait_announced(swarm, prefix, {"mover"})[1]["mover"]
         scheduler.epoch, scheduler.spans = 1, {mover: (0, NUM_BLOCKS)}
         swarm.start_server("spare", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--compute-delay", "0.02")
         wait_spans(swarm, prefix, {"mover": (0, NUM_BLOCKS), "spare": (0, NUM_BLOCKS)})
@@ -133,8 +125,6 @@ def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama
         _wait_for_log(swarm, "mover", "handed")
         _wait_for_log(swarm, "spare", "received a cache")
         wait_spans(swarm, prefix, {"mover": (1, NUM_BLOCKS)})
-    finally:
-        grpc_server.stop(grace=None)
 
 
 @pytest.mark.swarm

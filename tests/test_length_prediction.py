@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from llm_swarm.client.options import ClientOptions
 from llm_swarm.scheduler.service.core import CoreSettings, SchedulerCore
 from llm_swarm.scheduler.service.planner import PlanSettings
-from llm_swarm.scheduler.service.view import ModelShape
 from llm_swarm.scheduler.sim import length_info
 from llm_swarm.scheduler.sim.cli import main as sim_main
 from llm_swarm.scheduler.sim.discrete_events import simulate
@@ -34,6 +33,7 @@ from llm_swarm.swarm.length_prediction import (
 )
 from llm_swarm.swarm.route_request import RouteRequest, SessionShape
 from llm_swarm.swarm.server_info import ServerInfo, ServerState
+from tests.test_scheduler_core import BLOCK, SHAPE, TOKEN, L, info
 
 lengths_strategy = st.lists(st.integers(1, 5000), min_size=1, max_size=300)
 
@@ -170,30 +170,13 @@ def test_one_client_holds_at_most_its_share_of_recent_observations():
     assert learner.predictor.predict(10).length < 2048 * 0.25
 
 
-L, BLOCK, TOKEN = 8, 1000, 10
 SLOT = TOKEN * (4 + 60)  # s_c for the core's l_in=4, l_out=60
-SHAPE = ModelShape(num_blocks=L, hidden_size=16, kv_dim=16)
 
 
 def _server(sessions: int, span: tuple[int, int] | None = None) -> ServerInfo:
     """One server of every block with cache room for `sessions` sessions of one slot per block."""
-    memory = L * BLOCK + sessions * SLOT * L
-    return ServerInfo(
-        state=ServerState.ONLINE if span else ServerState.JOINING,
-        start=span[0] if span else None,
-        end=span[1] if span else None,
-        managed=True,
-        memory_bytes=memory,
-        block_bytes=BLOCK,
-        cache_token_bytes=TOKEN,
-        cache_bytes_left=memory - (L * BLOCK if span else 0),
-        cache_slots_left=0,
-        slot_tokens=64,
-        max_length=64,
-        tau=0.001,
-        tau_prefill=0.004,
-        prefill_tokens=4,
-    )
+    state = ServerState.ONLINE if span else ServerState.JOINING
+    return info(L * BLOCK + sessions * SLOT * L, 0.001, span, state=state, slot_tokens=64)
 
 
 def _core(prediction: bool, sessions: int = 4) -> SchedulerCore:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import threading
 import time
 
 import pytest
@@ -35,13 +34,16 @@ from llm_swarm.swarm.models.tiny import FAMILIES as TINY_FAMILIES
 from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 from llm_swarm.swarm.transformers_compat import GENERATE_CACHE_ARGUMENT
 from tests.family_checks import (
+    PROMPT,
+    REPEATING_PROMPT,
     assert_a_span_loads_only_its_own_shards,
+    assert_concurrent_sessions_equal_each_alone,
+    assert_failover_mid_generation_is_exact,
+    assert_generates_like_transformers,
     assert_spans_generate_like_transformers,
 )
 
 LAYERS = 4
-PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7]])
-REPEATING_PROMPT = torch.tensor([[5, 17, 99, 200, 33, 41, 7, 5, 17, 99]])  # prompt lookup finds drafts
 
 
 FAMILIES = [family for family in TINY_FAMILIES if family not in ("llama", "bloom", "falcon")]
@@ -127,25 +129,6 @@ def assert_batched_step_equals_steps_alone(span, lengths: tuple[int, ...] = (3, 
         torch.testing.assert_close(output, expected_step, rtol=1e-5, atol=1e-5)
 
 
-def assert_concurrent_sessions_equal_each_alone(
-    model, reference, prompts: list[torch.Tensor], new: int
-) -> None:
-    """Greedy generations started at once from threads (their decode steps batch on the servers) each
-    equal local transformers' run of that prompt alone."""
-    results: dict[int, torch.Tensor] = {}
-
-    def run(k: int) -> None:
-        results[k] = model.generate(prompts[k], max_new_tokens=new, do_sample=False)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for k, prompt in enumerate(prompts):
-        assert torch.equal(results[k], reference.generate(prompt, max_new_tokens=new, do_sample=False))
-
-
 @pytest.mark.swarm
 @pytest.mark.compat
 def test_real_servers_batching_and_failover(swarm, family_dir):
@@ -158,35 +141,12 @@ def test_real_servers_batching_and_failover(swarm, family_dir):
     options = ClientOptions(request_timeout=20.0, ban_base=60.0, wait_for_servers=30.0)
     model = AutoDistributedModelForCausalLM.from_pretrained(family_dir, swarm.initial_peers, options=options)
     try:
-        for kwargs in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
-            expected = reference.generate(PROMPT, max_new_tokens=10, **kwargs)
-            assert torch.equal(model.generate(PROMPT, max_new_tokens=10, **kwargs), expected), kwargs
-        # a left-padded batch
-        tokenizer = AutoTokenizer.from_pretrained(family_dir)
-        batch = tokenizer(
-            ["one two", "A cat sat on a mat"], return_tensors="pt", padding=True, padding_side="left"
-        )
-        expected = reference.generate(**batch, max_new_tokens=8, do_sample=False)
-        assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), expected)
-        # speculation: prompt lookup and an assistant make the servers rewind past rejected drafts
-        expected = reference.generate(REPEATING_PROMPT, max_new_tokens=12, do_sample=False)
-        for kwargs in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": reference}):
-            output = model.generate(REPEATING_PROMPT, max_new_tokens=12, do_sample=False, **kwargs)
-            assert torch.equal(output, expected), kwargs
+        assert_generates_like_transformers(model, reference, family_dir, 10, 8, speculative=True)
         # concurrent sessions: their decode steps batch on the servers, each equals its own run
         assert_concurrent_sessions_equal_each_alone(
             model, reference, [PROMPT[:, : 3 + k] for k in range(4)], 12
         )
-        # a failover mid-generation: the first server of the chain is killed between two calls
-        expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
-        with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
-            first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
-            victim = session.blocks.streams[0].hop.peer_id
-            name = model.backend.connection.roster.known[victim].public_name
-            swarm.stop(name, signal.SIGKILL)
-            rest = model.generate(None, max_new_tokens=8, do_sample=False)
-            assert victim not in [stream.hop.peer_id for stream in session.blocks.streams]
-        assert torch.equal(torch.cat([first, rest], dim=1), expected)
+        assert_failover_mid_generation_is_exact(swarm, model, reference)
     finally:
         model.shutdown()
 

@@ -49,12 +49,13 @@ def ok(args: list[str], document: object) -> dict:
     return json.loads(result.stdout)
 
 
-def server(name: str, memory: float, tau: float, rtt_c1: float) -> dict:
+def server(name: str, memory: float, tau: float, rtt_c1: float, prefill_ratio: float = 3.0) -> dict:
+    """A problem document's server seen by one client `c1`; its prefill round trip 5 ms longer."""
     return {
         "name": name,
         "memory_bytes": memory,
         "tau": tau,
-        "tau_prefill": 3 * tau,
+        "tau_prefill": prefill_ratio * tau,
         "rtt": {"c1": rtt_c1},
         "rtt_prefill": {"c1": rtt_c1 + 0.005},
     }

@@ -145,19 +145,10 @@ def test_readers_count_a_sliding_blocks_cache_as_its_ring(span):
         assert shape.cache_tokens_per_block(tokens) == min(tokens, RING)
     # a hand-off of a session past the ring moves the rings, not every position it saw
     server = ServerInfo.from_wire(server_record())
-    costs = move_costs(
-        tokens=MAX_LENGTH,
-        batch_size=1,
-        hidden_size=64,
-        blocks=2,
-        kept_positions=limits.cached_positions(0, 2, MAX_LENGTH),
-        source=server,
-        target=server,
-        rtt_source=0.0,
-        rtt_target=0.0,
-        uplink_bytes_per_s=1e6,
-        link_bytes_per_s=1e6,
-    )
+    kept = limits.cached_positions(0, 2, MAX_LENGTH)
+    links = {"rtt_source": 0.0, "rtt_target": 0.0, "uplink_bytes_per_s": 1e6, "link_bytes_per_s": 1e6}
+    session = {"tokens": MAX_LENGTH, "batch_size": 1, "hidden_size": 64, "blocks": 2, "kept_positions": kept}
+    costs = move_costs(**session, source=server, target=server, **links)
     assert costs.handoff_seconds == pytest.approx(2 * RING * server.cache_token_bytes / 1e6)
 
 

@@ -293,18 +293,16 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
     """A scheduler speaking the proto (scripted) assigns `prefill` to both managed servers: the one
     started without --role announces prefill; the one started with --role decode keeps decode and
     says so; a later empty role (both) is followed back; an unknown one is ignored with a warning."""
-    import asyncio
-    import time
 
     from harness.local_swarm import LocalSwarm
     from llm_swarm.swarm.dht_keys import default_prefix
-    from llm_swarm.swarm.dht_records import fetch_roster_async
     from tests.conftest import NUM_BLOCKS
+    from tests.swarm_processes import dht_started
     from tests.test_server_managed import (
         ScriptedScheduler,
-        publish_scripted,
-        serve_scripted,
+        scripted_scheduler,
         start_managed,
+        wait_announced,
         wait_log,
         wait_spans,
     )
@@ -319,40 +317,31 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
 
     prefix = default_prefix(str(llama_dir))
     scheduler = RoleScheduler()
-    grpc_server, port = serve_scripted(scheduler)
-    swarm = LocalSwarm(tmp_path)
-    try:
-        swarm.start_dht()
-        publish_scripted(swarm, prefix, port)
+    with dht_started(LocalSwarm(tmp_path)) as swarm, scripted_scheduler(swarm, prefix, scheduler):
         options = ["--scheduler-timeout", "30", "--assignment-poll", "0.3"]
         start_managed(swarm, "free", llama_dir, 10**9, *options)
         start_managed(swarm, "fixed", llama_dir, 10**9, *options, "--role", "decode")
-        deadline = time.monotonic() + 120
-        while True:
-            roster = asyncio.run(fetch_roster_async(swarm.observer, prefix, NUM_BLOCKS))
-            peers = {info.public_name: peer for peer, info in roster.items()}
-            if {"free", "fixed"} <= set(peers):
-                break
-            assert time.monotonic() < deadline, "managed servers did not announce themselves"
-            time.sleep(0.3)
+        _roster, peers = wait_announced(swarm, prefix, {"free", "fixed"})
         scheduler.epoch = 1
         scheduler.spans = {peers["free"]: (0, NUM_BLOCKS), peers["fixed"]: (0, NUM_BLOCKS)}
         online = wait_spans(swarm, prefix, {"free": (0, NUM_BLOCKS), "fixed": (0, NUM_BLOCKS)})
         assert (online["free"].role, online["fixed"].role) == (ServerRole.PREFILL, ServerRole.DECODE)
         wait_log(
-            swarm, "fixed", "started with --role decode: keeping it, ignoring the scheduler's role prefill"
+            swarm,
+            "fixed",
+            "started with --role decode: keeping it, ignoring the scheduler's role prefill",
         )
         scheduler.role = "fastest"
         wait_log(swarm, "free", "the scheduler assigned an unknown role 'fastest': ignored")
         scheduler.role = ""  # empty: both (what an older scheduler, or --roles off, sends)
         wait_log(swarm, "free", "scheduler assigned role both (was prefill)")
         swarm.wait_for(
-            prefix, NUM_BLOCKS, lambda online: online["free"].role == ServerRole.BOTH, 30, what="role both"
+            prefix,
+            NUM_BLOCKS,
+            lambda online: online["free"].role == ServerRole.BOTH,
+            30,
+            what="role both",
         )
-    finally:
-        grpc_server.stop(0)
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
 
 
 @pytest.mark.swarm

@@ -33,7 +33,7 @@ def _request(
     return RouteRequest(client_id, rtts, SessionShape(batch_size, max_length, l_in, l_out))
 
 
-def info(memory, tau, span=None, state=ServerState.JOINING, managed=True, used_slots=0):
+def info(memory, tau, span=None, state=ServerState.JOINING, managed=True, used_slots=0, slot_tokens=10):
     start, end = span if span else (None, None)
     blocks = (end - start) if span else 0
     left = memory - BLOCK * blocks - used_slots * SLOT
@@ -47,7 +47,7 @@ def info(memory, tau, span=None, state=ServerState.JOINING, managed=True, used_s
         cache_token_bytes=TOKEN,
         cache_bytes_left=max(left, 0),
         cache_slots_left=0,
-        slot_tokens=10,
+        slot_tokens=slot_tokens,
         max_length=64,
         tau=tau,
         tau_prefill=tau * 4,

@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -42,6 +44,8 @@ from llm_swarm.swarm.models.span import rebuild_span
 from llm_swarm.swarm.scheduler_api import scheduler_pb2, scheduler_pb2_grpc
 from llm_swarm.swarm.server_info import ServerInfo, ServerState
 from tests.conftest import NUM_BLOCKS
+from tests.swarm_processes import dht_started
+from tests.test_record_validation import server_record
 
 # --- (a) rebuild_span reuses blocks and computes what a fresh load computes -----------------------
 
@@ -161,19 +165,7 @@ def test_gqa_models_reserve_a_longer_cache():
 
 
 def _info(state: ServerState, start: int | None, end: int | None, throughput: float | None) -> ServerInfo:
-    return ServerInfo(
-        state=state,
-        start=start,
-        end=end,
-        memory_bytes=1,
-        block_bytes=1,
-        cache_token_bytes=1,
-        cache_bytes_left=0,
-        cache_slots_left=0,
-        slot_tokens=1,
-        max_length=1,
-        throughput=throughput,
-    )
+    return ServerInfo.from_wire(server_record(state=state.value, start=start, end=end, throughput=throughput))
 
 
 def test_only_serving_spans_count():
@@ -260,6 +252,21 @@ def wait_spans(swarm: LocalSwarm, prefix: str, spans: dict[str, tuple[int, int]]
     )
 
 
+def wait_announced(swarm: LocalSwarm, prefix: str, names: set[str], timeout: float = 120.0):
+    """Until every named server has a record (with or without blocks): the roster, and the peer id of
+    each public name in it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        roster = asyncio.run(fetch_roster_async(swarm.observer, prefix, NUM_BLOCKS))
+        peers = {info.public_name: peer for peer, info in roster.items()}
+        if names <= set(peers):
+            return roster, peers
+        assert time.monotonic() < deadline, (
+            f"servers {sorted(names - set(peers))} did not announce themselves"
+        )
+        time.sleep(0.3)
+
+
 def wait_log(swarm: LocalSwarm, name: str, text: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while text not in swarm.log(name):
@@ -300,9 +307,7 @@ def petals_memory(model_dir, blocks: int) -> int:
 def test_managed_servers_without_scheduler_choose_petals_style(llama_dir, tmp_path):
     prefix = default_prefix(str(llama_dir))
     memory = petals_memory(llama_dir, 3)
-    swarm = LocalSwarm(tmp_path)
-    try:
-        swarm.start_dht()
+    with dht_started(LocalSwarm(tmp_path)) as swarm:
         # one at a time, as PETALS servers join: the second one sees the first one's span
         start_managed(swarm, "first", llama_dir, memory, "--scheduler-timeout", "2")
         wait_spans(swarm, prefix, {"first": (0, 3)})
@@ -315,9 +320,6 @@ def test_managed_servers_without_scheduler_choose_petals_style(llama_dir, tmp_pa
             r"blocks 0:3 loaded in \d+ ms \(1 reused from the probe, 2 read\)", swarm.log("first")
         )
         generate_and_compare(swarm, llama_dir, "The quick brown fox")
-    finally:
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
 
 
 class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
@@ -340,43 +342,38 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         )
 
 
-def serve_scripted(scheduler: scheduler_pb2_grpc.SchedulerServicer) -> tuple[grpc.Server, int]:
-    """`scheduler` served over gRPC on a free loopback port; the caller stops the server."""
+@contextlib.contextmanager
+def scripted_scheduler(
+    swarm: LocalSwarm, prefix: str, scheduler: scheduler_pb2_grpc.SchedulerServicer
+) -> Iterator[grpc.Server]:
+    """`scheduler` served over gRPC on a free loopback port and published, signed by the swarm's
+    trusted scheduler key, as the scheduler of `prefix`; stopped when the block ends."""
     grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
-    return grpc_server, port
-
-
-def publish_scripted(swarm: LocalSwarm, prefix: str, port: int) -> None:
-    """The scripted scheduler's record at `port`, signed by the swarm's trusted scheduler key."""
-    owner = owner_subkey(swarm.scheduler_key)
-    publish_scheduler(swarm.scheduler_dht(), prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
+    try:
+        owner = owner_subkey(swarm.scheduler_key)
+        publish_scheduler(swarm.scheduler_dht(), prefix, owner, {"address": f"127.0.0.1:{port}"}, ttl=300)
+        yield grpc_server
+    finally:
+        grpc_server.stop(0)
 
 
 @pytest.mark.swarm
 def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
     prefix = default_prefix(str(bloom_dir))
     scheduler = ScriptedScheduler()
-    grpc_server, port = serve_scripted(scheduler)
-    swarm = LocalSwarm(tmp_path)
-    try:
-        swarm.start_dht()
-        publish_scripted(swarm, prefix, port)
+    with (
+        dht_started(LocalSwarm(tmp_path)) as swarm,
+        scripted_scheduler(swarm, prefix, scheduler) as grpc_server,
+    ):
         for name in ("a", "b"):  # a short scheduler timeout: the scheduler answers, so it never fires
             options = ["--scheduler-timeout", "1", "--assignment-poll", "0.5", "--drain-timeout", "60"]
             start_managed(swarm, name, bloom_dir, 10**9, *options, "--metrics-port", "0")
 
         # both announce themselves without blocks (managed, JOINING, with the probe's timings)
-        deadline = time.monotonic() + 120
-        while True:
-            roster = asyncio.run(fetch_roster_async(swarm.observer, prefix, NUM_BLOCKS))
-            peers = {info.public_name: peer for peer, info in roster.items()}
-            if {"a", "b"} <= set(peers):
-                break
-            assert time.monotonic() < deadline, "managed servers did not announce themselves"
-            time.sleep(0.3)
+        roster, peers = wait_announced(swarm, prefix, {"a", "b"})
         for peer in peers.values():
             info = roster[peer]
             assert info.managed and not info.has_blocks and info.state == ServerState.JOINING
@@ -408,9 +405,8 @@ def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
         finally:
             client.shutdown()
         wait_spans(swarm, prefix, {"a": (2, 6), "b": (0, 3)})
-        move = (
-            r"moved blocks {} -> {} \(epoch 2\): {} blocks reused, {} loaded; drain \d+ ms \(0 sessions cut\)"
-        )
+        move = r"moved blocks {} -> {} \(epoch 2\): {} blocks reused, {} loaded; "
+        move += r"drain \d+ ms \(0 sessions cut\)"
         assert re.search(move.format("0:3", "2:6", 1, 3), swarm.log("a")), swarm.log("a")[-3000:]
         assert re.search(move.format("3:6", "0:3", 0, 3), swarm.log("b")), swarm.log("b")[-3000:]
         for name in ("a", "b"):  # the first span was loaded, not moved to: one move each
@@ -423,19 +419,13 @@ def test_managed_servers_follow_the_scheduler_and_move(bloom_dir, tmp_path):
         wait_spans(swarm, prefix, {"a": (2, 6), "b": (0, 3)}, timeout=10)
         assert swarm.log("a").count("scheduler unreachable") == 1
         generate_and_compare(swarm, bloom_dir, "Paris London")
-    finally:
-        grpc_server.stop(0)
-        leaked = swarm.close()
-        assert not leaked, f"process groups left running: {leaked}"
 
 
 @pytest.mark.swarm
 def test_managed_server_stopped_while_waiting_leaves_cleanly(llama_dir, tmp_path):
     """SIGTERM before any span is chosen: announce OFFLINE (without blocks) and exit 0 at once."""
     prefix = default_prefix(str(llama_dir))
-    swarm = LocalSwarm(tmp_path)
-    try:
-        swarm.start_dht()
+    with dht_started(LocalSwarm(tmp_path)) as swarm:
         process = start_managed(swarm, "waiting", llama_dir, 10**9, "--scheduler-timeout", "600")
         wait_log(swarm, "waiting", "waiting for a span", timeout=60)
         roster = asyncio.run(fetch_roster_async(swarm.observer, prefix, NUM_BLOCKS))
@@ -449,5 +439,3 @@ def test_managed_server_stopped_while_waiting_leaves_cleanly(llama_dir, tmp_path
             assert time.monotonic() < deadline, roster
             time.sleep(0.3)
             roster = asyncio.run(fetch_roster_async(swarm.observer, prefix, NUM_BLOCKS))
-    finally:
-        assert not swarm.close()

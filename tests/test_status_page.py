@@ -44,27 +44,32 @@ def swarm(llama_dir, tmp_path_factory):
         address = swarm.start_scheduler("scheduler", llama_dir, "--period", "5")
         for name, blocks in SERVERS.items():
             swarm.start_server(name, llama_dir, blocks, "1GB", "--metrics-port", "0")
-        url_file = swarm.log_dir / "health.url"
-        argv = [
-            sys.executable,
-            "-m",
-            "llm_swarm.scheduler.service.health_cli",
-            "--initial-peers",
-            *swarm.initial_peers,
-        ]
-        swarm.start(
-            "health", argv + ["--model-dir", str(llama_dir), "--port", "0", "--address-file", str(url_file)]
-        )
+        url_file = start_health_page(swarm, llama_dir)
         swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, list(SERVERS))
         with grpc.insecure_channel(address) as channel:
             status = pb_grpc.SchedulerStub(channel).GetStatus(pb.StatusRequest(), timeout=10)
-        deadline = time.monotonic() + 30
-        while not url_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        yield swarm, status.status_url, url_file.read_text().strip()
+        yield swarm, status.status_url, read_address(url_file)
     finally:
         leaked = swarm.close()
         assert not leaked, f"process groups left running: {leaked}"
+
+
+def start_health_page(swarm, model_dir) -> Path:
+    """`swarm-health` for `model_dir`'s swarm on a free port; returns the file its URL appears in."""
+    url_file = swarm.log_dir / "health.url"
+    argv = [sys.executable, "-m", "llm_swarm.scheduler.service.health_cli"]
+    argv += ["--initial-peers", *swarm.initial_peers, "--model-dir", str(model_dir), "--port", "0"]
+    argv += ["--address-file", str(url_file)]
+    swarm.start("health", argv)
+    return url_file
+
+
+def read_address(address_file: Path, timeout: float = 30.0) -> str:
+    """What a command writes to its `--address-file`, once it has."""
+    deadline = time.monotonic() + timeout
+    while not address_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return address_file.read_text().strip()
 
 
 def wait_for_servers(url: str, count: int) -> dict:

@@ -32,6 +32,7 @@ from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
 from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from tests.conftest import NUM_BLOCKS
 from tests.rogue_scheduler import published_as_trusted, serve_rogue
+from tests.test_status_page import read_address, start_health_page
 
 pytestmark = pytest.mark.swarm  # every test here starts processes
 
@@ -109,27 +110,15 @@ def attacked_swarm(llama_dir, tmp_path_factory):
         # small budgets (about 40 sessions of 2048 tokens), so that some sessions can never fit
         swarm.start_server("front", llama_dir, "0:3", "64MB")
         swarm.start_server("back", llama_dir, "3:6", "64MB")
-        url_file = swarm.log_dir / "health.url"
-        argv = [
-            sys.executable,
-            "-m",
-            "llm_swarm.scheduler.service.health_cli",
-            "--initial-peers",
-            *swarm.initial_peers,
-        ]
-        argv += ["--model-dir", str(llama_dir), "--port", "0", "--address-file", str(url_file)]
-        swarm.start("health", argv)
+        url_file = start_health_page(swarm, llama_dir)
         prefix = default_prefix(str(llama_dir))
         swarm.wait_online(prefix, NUM_BLOCKS, ["front", "back"])
         with grpc.insecure_channel(address) as channel:
             scheduler_url = (
                 pb_grpc.SchedulerStub(channel).GetStatus(pb.StatusRequest(), timeout=10).status_url
             )
-        deadline = time.monotonic() + 30
-        while not url_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
         attacker = DHT(initial_peers=swarm.initial_peers, start=True)  # plain hivemind: no validators
-        yield swarm, prefix, attacker, scheduler_url, url_file.read_text().strip()
+        yield swarm, prefix, attacker, scheduler_url, read_address(url_file)
     finally:
         if attacker is not None:
             attacker.shutdown()

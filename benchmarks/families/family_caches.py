@@ -14,16 +14,11 @@ transformers allocates, sliding layers keeping only their window. A span's cache
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
-from transformers import (
-    DeepseekV3Config,
-    DynamicCache,
-    Gemma3TextConfig,
-    GptOssConfig,
-    MistralConfig,
-    PretrainedConfig,
-    Qwen3MoeConfig,
-)
+from transformers import AutoConfig, DynamicCache, PretrainedConfig
 
 from benchmarks.common import parse_bench_args, publish_table
 from llm_swarm.swarm.cost import REWIND_RESERVE
@@ -34,59 +29,19 @@ from llm_swarm.swarm.transformers_compat import layer_cache_argument
 
 BYTES = 2  # bfloat16
 
-# the published configs' shapes (config.json of each model on the Hub)
-SHAPES: dict[str, PretrainedConfig] = {
-    "DeepSeek-V3 (61 blocks)": DeepseekV3Config(
-        hidden_size=7168,
-        num_hidden_layers=61,
-        num_attention_heads=128,
-        num_key_value_heads=128,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        first_k_dense_replace=3,
-        n_routed_experts=256,
-        num_experts_per_tok=8,
-    ),
-    "GPT-OSS-120B (36 blocks)": GptOssConfig(
-        hidden_size=2880,
-        num_hidden_layers=36,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        sliding_window=128,
-        num_local_experts=128,
-        num_experts_per_tok=4,
-    ),
-    "Qwen3-235B-A22B (94 blocks)": Qwen3MoeConfig(
-        hidden_size=4096,
-        num_hidden_layers=94,
-        num_attention_heads=64,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-    ),
-    "Gemma-3-27B (62 blocks)": Gemma3TextConfig(
-        hidden_size=5376,
-        num_hidden_layers=62,
-        num_attention_heads=32,
-        num_key_value_heads=16,
-        head_dim=128,
-        sliding_window=1024,
-        query_pre_attn_scalar=168,
-    ),
-    "Mistral-7B v0.1 (32 blocks)": MistralConfig(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        sliding_window=4096,
-    ),
-}
+
+# the published configs' shapes: of each model's config.json on the Hub, its `model_type` and the
+# fields that size attention and experts (layers, heads, widths, windows)
+SHAPES_FILE = Path(__file__).with_name("shapes.json")
+
+
+def published_shapes() -> dict[str, PretrainedConfig]:
+    """Each model's config, by the table's row name, from `SHAPES_FILE`."""
+    shapes = json.loads(SHAPES_FILE.read_text())
+    return {name: AutoConfig.for_model(fields.pop("model_type"), **fields) for name, fields in shapes.items()}
+
+
+SHAPES = published_shapes()
 
 
 def transformers_cache_bytes(config: PretrainedConfig, positions: int) -> float:

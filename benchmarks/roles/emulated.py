@@ -34,9 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import LogLines, measuring_parser, run_emulated
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.common import LogLines, measuring_parser, run_emulated, run_measuring
 
 LAYERS, HIDDEN = 6, 512
 HANDED = re.compile(
@@ -379,7 +377,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
 
 def main() -> None:
-    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--plan")
+    parser = measuring_parser(__doc__, "--model-dir", "--out", "--plan")
     parser.add_argument("--rates", default="0.5,1.0,1.5,2.0", help="Poisson arrival rates, req/s")
     parser.add_argument("--requests", type=int, default=30, help="requests per rate and mode")
     parser.add_argument("--modes", default="colocated,roles")
@@ -421,10 +419,10 @@ def main() -> None:
     parser.add_argument("--out", default="results/roles_netem.json", help="the raw results (JSON)")
     parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
     parser.add_argument("--label", default="", help="added to the report's row names (what this run changed)")
-    args = parser.parse_args()
-    if args.command == "measure":
-        measure(args)
-        return
+    run_measuring(parser, measure, benchmark)
+
+
+def benchmark(args: argparse.Namespace) -> None:
     args.prefill_memory = args.prefill_memory or args.memory
 
     def inside(work: Path) -> dict:

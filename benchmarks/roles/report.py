@@ -12,12 +12,13 @@ rate the servers' link probes announced (else the configured one).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 from pathlib import Path
 
+from benchmarks.common import bench_parser
+from benchmarks.markdown import read_section, write_section
 from benchmarks.roles.sim import (
     OPERATOR_ROLES,
     SERVER_NAMES,
@@ -36,9 +37,6 @@ from llm_swarm.scheduler.sim.metrics import Slo
 from llm_swarm.scheduler.sim.workload import Request, load_azure_trace
 from llm_swarm.swarm.prefill_cost import STREAM_CHUNK_TOKENS
 from llm_swarm.swarm.units import parse_bytes
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 SECTION = "## Prefill/decode roles on the emulated swarm"
 
@@ -251,9 +249,7 @@ def plan_for(raw: dict, slo: Slo) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("raw", nargs="+")
     parser.add_argument("--slo-ttft", type=float, default=5.0)
     parser.add_argument("--slo-tpot", type=float, default=0.2)
@@ -273,15 +269,10 @@ def main() -> None:
 
 def _replace_table(lines: list[str]) -> None:
     """The section's table and summary lines (from its first `|` line to the line before 'Reading it')."""
-    path = ROOT / "BENCHMARKS.md"
-    text = path.read_text()
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
-    section = text[start : end if end != -1 else len(text)]
+    section = read_section(SECTION)
     first = section.index("\n| ") + 1
     last = section.index("\nReading it")
-    section = section[:first] + "\n".join(lines) + "\n" + section[last:]
-    path.write_text(text[:start] + section + (text[end:] if end != -1 else ""))
+    write_section(SECTION, section[:first] + "\n".join(lines) + "\n" + section[last:])
 
 
 if __name__ == "__main__":

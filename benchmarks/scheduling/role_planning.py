@@ -28,11 +28,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from benchmarks.markdown import write_section
+from benchmarks.common import bench_parser, parse_positive, rerun_command, write_timed_section
+from benchmarks.markdown import ROOT
 from llm_swarm.scheduler.sim import hetero, workload
 from llm_swarm.scheduler.sim.contended_roles import parse_roles, uniform_links
 from llm_swarm.scheduler.sim.metrics import Slo
@@ -43,8 +43,6 @@ from llm_swarm.scheduler.sim.role_planning import (
     roles_text,
     split_swarm,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 HEADER = "## The scheduler places prefill/decode roles"
 
@@ -122,34 +120,19 @@ def run(seeds: int, requests: int) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=3, help="runs averaged per probed rate (the check)")
     parser.add_argument("--requests", type=int, default=100, help="requests per run at least (the check)")
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
-    args = parser.parse_args()
-    if args.seeds < 1 or args.requests < 1:
-        parser.error("--seeds and --requests must be >= 1")
+    args = parse_positive(parser, "seeds", "requests")
     started = time.perf_counter()
     lines = run(args.seeds, args.requests)
     wall = time.perf_counter() - started
     print(f"{wall:.0f} s")
     if args.write:
-        command = (
-            f".venv/bin/python -m benchmarks.scheduling.role_planning --seeds {args.seeds} "
-            f"--requests {args.requests} --write"
-        )
-        notes_path = ROOT / "results/role_planning_notes.md"
-        notes = notes_path.read_text() if notes_path.exists() else ""
-        body = (
-            f"{HEADER}\n\nCommand (wall time {wall:.0f} s on this 2-core machine): `{command}`\n\n"
-            + (__doc__.split("\n\n", 2)[2].strip())
-            + "\n\n"
-            + "\n".join(lines)
-            + f"\n\n{notes}"
-        )
-        write_section(HEADER, body)
+        command = rerun_command(__file__, argparse.Namespace(seeds=args.seeds, requests=args.requests))
+        parts = [__doc__.split("\n\n", 2)[2].strip(), "\n".join(lines)]
+        write_timed_section(HEADER, command, wall, parts, ROOT / "results/role_planning_notes.md")
     return 0
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.markdown import write_section
+from benchmarks.common import bench_parser, parse_positive, rerun_command, write_timed_section
+from benchmarks.markdown import ROOT
 from benchmarks.table2.inputs import ServerPlan, TinyCosts, paper_model, scaled_scenario, server_plans
 from benchmarks.table2.prediction import predict
 from benchmarks.table2.repeatability import METRICS  # the four metrics a run is judged on
@@ -55,8 +56,6 @@ from llm_swarm.scheduler.sim.roles_goodput import (
     probe,
 )
 from llm_swarm.scheduler.sim.server_costs import IterationCost, ServerCost, relative_host_cost
-
-ROOT = Path(__file__).resolve().parents[2]
 
 HEADER = "## A simulator of contended servers"
 # (file, what its label adds, whether the CPU costs are fitted on its runs): the last file re-runs
@@ -355,16 +354,12 @@ def measure_host_shape(rounds: int = 6, blocks: int = 8) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=2, help="(b): runs averaged per probed rate")
     parser.add_argument("--requests", type=int, default=100, help="(b): requests per run at least")
     parser.add_argument("--measure-host", action="store_true", help=f"re-measure {HOST_SHAPE.name} and stop")
     parser.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
-    args = parser.parse_args()
-    if args.seeds < 1 or args.requests < 1:
-        parser.error("--seeds and --requests must be >= 1")
+    args = parse_positive(parser, "seeds", "requests")
     if args.measure_host:
         RESULTS.mkdir(parents=True, exist_ok=True)
         HOST_SHAPE.write_text(json.dumps(measure_host_shape(), indent=1) + "\n")
@@ -380,28 +375,17 @@ def main() -> int:
     wall = time.perf_counter() - started
     print(f"(a) {table_s:.0f} s, (b) {wall - table_s:.0f} s")
     if args.write:
-        command = (
-            f".venv/bin/python -m benchmarks.scheduling.sim_contended --seeds {args.seeds} "
-            f"--requests {args.requests} --write"
-        )
-        notes = NOTES.read_text() if NOTES.exists() else ""
+        command = rerun_command(__file__, argparse.Namespace(seeds=args.seeds, requests=args.requests))
         cpu_text = ", ".join(
             f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") else f"{k} {v:.3f} cores" for k, v in cpu.items()
         )
-        body = (
-            f"{HEADER}\n\nCommand (wall time {wall:.0f} s on this 2-core machine): `{command}`\n\n"
-            + TEXT_A
-            + " Host CPU shape "
-            f"(per block: fixed, per row, per cached token): {', '.join(f'{x:.3g}' for x in shape)} s "
-            f"(`--measure-host`); CPU costs regressed on the runs' CPU seconds: {cpu_text}.\n\n"
-            + "\n".join(table)
-            + "\n\n"
-            + TEXT_B.format(seeds=args.seeds)
-            + "\n\n"
-            + "\n".join(roles)
-            + f"\n\n{notes}"
+        costs = (
+            f" Host CPU shape (per block: fixed, per row, per cached token): "
+            f"{', '.join(f'{x:.3g}' for x in shape)} s (`--measure-host`); CPU costs regressed on the "
+            f"runs' CPU seconds: {cpu_text}."
         )
-        write_section(HEADER, body)
+        parts = [TEXT_A + costs, "\n".join(table), TEXT_B.format(seeds=args.seeds), "\n".join(roles)]
+        write_timed_section(HEADER, command, wall, parts, NOTES)
     return 0
 
 

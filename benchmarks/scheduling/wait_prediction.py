@@ -29,10 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import publish_table
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from benchmarks.common import add_mig_slice_delays, add_report_options, bench_parser, publish_table
 
 SCHEDULER_L_IN, SCHEDULER_L_OUT = 20, 128  # the scheduler's (and formerly every client's) lengths
 MODES = ("fixed", "real")
@@ -162,9 +159,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=80, help="consecutive trace records")
     parser.add_argument("--seed", type=int, default=0, help="where the trace window starts")
     parser.add_argument("--stretch", type=float, default=1.0, help="multiply the trace's arrival times")
@@ -177,11 +172,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rtt", type=float, default=50.0, help="ms between the client site and each server")
-    parser.add_argument("--compute-delay", type=float, default=0.004, help="s per block per forward")
-    parser.add_argument(
-        "--compute-delay-per-token", type=float, default=13.6e-6, help="s per block per token"
-    )
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
+    add_mig_slice_delays(parser)
+    add_report_options(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-wait-") as work:
         rows = run(args, Path(work))
@@ -200,9 +192,8 @@ def main() -> None:
         "measured one runs from that answer to admission. 'error of the waiting ones' is the median of "
         "|predicted - measured| / measured over requests that waited more than 0.5 s."
     )
-    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "write"}, write=args.write)
     header = "## The scheduler's predicted wait on varied lengths, over emulated links"
-    publish_table(__file__, options, table(rows), header, text)
+    publish_table(__file__, args, table(rows), header, text)
 
 
 if __name__ == "__main__":

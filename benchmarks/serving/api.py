@@ -23,10 +23,9 @@ import openai
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
-from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.common import parse_bench_args, publish_table, run_concurrently, serving_swarm
-from benchmarks.serving.timing import percentile
+from benchmarks.serving.timing import TokenClock, percentile
 from harness.local_swarm import LocalSwarm
 from llm_swarm.client import AutoDistributedModelForCausalLM
 from llm_swarm.swarm.dht_keys import default_prefix
@@ -34,21 +33,6 @@ from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 PROMPT = "Once upon a time there was"
 SERVERS = {"first": "0:3", "second": "3:6"}
-
-
-class FirstToken(BaseStreamer):
-    def __init__(self):
-        self.calls, self.first, self.tokens = 0, None, 0
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            self.first = time.perf_counter()
-        if self.calls >= 2:
-            self.tokens += 1
-
-    def end(self) -> None:
-        pass
 
 
 def run_level(clients: int, requests: int, one_request) -> tuple[float, list[float], list[float]]:
@@ -98,7 +82,7 @@ def main() -> None:
                 return first or time.perf_counter(), tokens, time.perf_counter()
 
             def direct():
-                clock = FirstToken()
+                clock = TokenClock()
                 model.generate(prompt_ids, max_new_tokens=args.tokens, do_sample=False, streamer=clock)
                 return clock.first, clock.tokens, time.perf_counter()
 

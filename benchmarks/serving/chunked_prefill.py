@@ -25,10 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import measuring_parser, publish_table
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from benchmarks.common import (
+    add_mig_slice_delays,
+    add_report_options,
+    measuring_parser,
+    publish_table,
+    run_measuring,
+)
 
 DECODER_PROMPT = [5, 17, 99, 200, 33, 41, 7]
 
@@ -43,21 +46,9 @@ def decoder(args: argparse.Namespace) -> None:
     """Two sessions of `--decode-tokens` greedy tokens: quiet, then (after telling the prompter to
     start) while prompts arrive. Writes each phase's gaps between consecutive tokens."""
     import torch
-    from transformers.generation.streamers import BaseStreamer
 
+    from benchmarks.serving.timing import TokenClock
     from llm_swarm.client import AutoDistributedModelForCausalLM
-
-    class TokenClock(BaseStreamer):
-        """When each generated token reached the client (the first `put` is the prompt)."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
 
     torch.set_num_threads(1)
     work = Path(args.work)
@@ -205,27 +196,32 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def shared_options(options: argparse.ArgumentParser) -> None:
+    """The options the benchmark passes on to its measuring client."""
+    options.add_argument("--decode-tokens", type=int, default=150, help="tokens per decoding session")
+    options.add_argument("--prompt-tokens", type=int, default=2000, help="tokens of each long prompt")
+    options.add_argument("--prompt-pause", type=float, default=0.3, help="seconds between prompts")
+
+
 def main() -> None:
-    parser, inner = measuring_parser(__doc__, "--model-dir", "--work", "--role")
-    for options in (parser, inner):
-        options.add_argument("--decode-tokens", type=int, default=150, help="tokens per decoding session")
-        options.add_argument("--prompt-tokens", type=int, default=2000, help="tokens of each long prompt")
-        options.add_argument("--prompt-pause", type=float, default=0.3, help="seconds between prompts")
+    parser = measuring_parser(__doc__, "--model-dir", "--work", "--role", shared=shared_options)
     parser.add_argument("--chunks", default="0,256,512,1024", help="--prefill-chunk values (0: off)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4, help="blocks of the tiny model (all on the server)")
     parser.add_argument("--rtt", type=float, default=50.0, help="ms between each client and the server")
     parser.add_argument("--bandwidth", type=float, default=100.0, help="Mbit/s of each link")
-    parser.add_argument("--compute-delay", type=float, default=0.004, help="s per block per forward")
-    parser.add_argument(
-        "--compute-delay-per-token", type=float, default=13.6e-6, help="s per block per token"
-    )
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
-    if args.command == "measure":
-        logging.basicConfig(level=logging.WARNING)
-        (decoder if args.role == "decoder" else prompter)(args)
-        return
+    add_mig_slice_delays(parser)
+    add_report_options(parser)
+    run_measuring(parser, measure, benchmark)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """The measuring client of `--role`: the decoder or the prompter."""
+    logging.basicConfig(level=logging.WARNING)
+    (decoder if args.role == "decoder" else prompter)(args)
+
+
+def benchmark(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-chunked-") as work:
         rows = run(args, Path(work))
     prefill_ms = (
@@ -247,10 +243,9 @@ def main() -> None:
         "decode tokens as the decoder's `generate` streams them. Targets: p99 with prompts at "
         "most 1.3x the p99 without; the prompts' first token at most 1.1x unchunked."
     )
-    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "command"})
     publish_table(
         __file__,
-        options,
+        args,
         table(rows),
         "## Chunked prefill against decoding, over emulated links",
         text,

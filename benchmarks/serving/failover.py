@@ -17,29 +17,15 @@ import time
 from pathlib import Path
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.markdown import write_section
+from benchmarks.serving.timing import TokenClock
 from harness.local_swarm import LocalSwarm
 from llm_swarm.client import AutoDistributedModelForCausalLM
 from llm_swarm.swarm.dht_keys import default_prefix
 from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 LAYERS = 6
-
-
-class FirstToken(BaseStreamer):
-    def __init__(self):
-        self.first: float | None = None
-        self.count = 0
-
-    def put(self, value) -> None:
-        self.count += 1
-        if self.count == 2 and self.first is None:  # the first put is the prompt
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
 
 
 def one_run(model_dir: Path, log_dir: Path, before: int) -> tuple[float, float]:
@@ -57,7 +43,7 @@ def one_run(model_dir: Path, log_dir: Path, before: int) -> tuple[float, float]:
                 sequence = model.generate(prompt, max_new_tokens=before, do_sample=False, session=session)
                 swarm.start_server("a2", model_dir, "0:3")
                 swarm.wait_online(prefix, LAYERS, ["a2"])
-                clock = FirstToken()
+                clock = TokenClock()
                 started = time.perf_counter()
                 sequence = model.generate(
                     sequence, max_new_tokens=1, do_sample=False, session=session, streamer=clock
@@ -65,7 +51,7 @@ def one_run(model_dir: Path, log_dir: Path, before: int) -> tuple[float, float]:
                 normal = clock.first - started  # one token with every server alive
                 swarm.stop("a", signal.SIGKILL)
                 killed_at = time.perf_counter()
-                clock = FirstToken()
+                clock = TokenClock()
                 model.generate(sequence, max_new_tokens=1, do_sample=False, session=session, streamer=clock)
                 return clock.first - killed_at, normal
         finally:

@@ -28,10 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import LogLines, measuring_parser, publish_table, run_emulated
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from benchmarks.common import (
+    LogLines,
+    add_report_options,
+    measuring_parser,
+    publish_table,
+    run_emulated,
+    run_measuring,
+)
 
 LAYERS = 6
 PROMPT = [5, 17, 99, 200, 33, 41, 7]
@@ -224,23 +228,25 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def shared_options(options: argparse.ArgumentParser) -> None:
+    """The options the benchmark passes on to its measuring client."""
+    options.add_argument("--history", default="500", help="tokens generated before the drain")
+    options.add_argument("--uplink", default="50", help="Mbit/s of the client's links")
+    options.add_argument("--cases", default=",".join(CASES), help="where the target is: near, far")
+    options.add_argument("--modes", default=",".join(MODES), help="ClientOptions.handoff values")
+
+
 def main() -> None:
-    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--work")
-    for options in (parser, inner):
-        options.add_argument("--history", default="500", help="tokens generated before the drain")
-        options.add_argument("--uplink", default="50", help="Mbit/s of the client's links")
-        options.add_argument("--cases", default=",".join(CASES), help="where the target is: near, far")
-        options.add_argument("--modes", default=",".join(MODES), help="ClientOptions.handoff values")
+    parser = measuring_parser(__doc__, "--model-dir", "--out", "--work", shared=shared_options)
     parser.add_argument("--compute-delay", type=float, default=0.001, help="seconds per block per step")
     parser.add_argument(
         "--compute-delay-per-token", type=float, default=0.0005, help="seconds per block per token of a step"
     )
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
-    args = parser.parse_args()
-    if args.command == "measure":
-        measure(args)
-        return
+    add_report_options(parser, keep_logs=True)
+    run_measuring(parser, measure, benchmark)
+
+
+def benchmark(args: argparse.Namespace) -> None:
     args.uplink = float(args.uplink)
     rows = run_emulated("bench-handoff-", args.keep_logs, lambda work: run(args, work))
     text = (

@@ -26,10 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import measuring_parser, publish_table
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from benchmarks.common import add_report_options, measuring_parser, publish_table, run_measuring
 
 LAYERS = 6
 MODES = ("steps", "exact", "prefill")
@@ -140,17 +137,20 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def shared_options(options: argparse.ArgumentParser) -> None:
+    """The options the benchmark passes on to its measuring client."""
+    options.add_argument("--history", default="50,200,500", help="tokens generated before each kill")
+
+
 def main() -> None:
-    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--pids")
-    for options in (parser, inner):
-        options.add_argument("--history", default="50,200,500", help="tokens generated before each kill")
+    parser = measuring_parser(__doc__, "--model-dir", "--out", "--pids", shared=shared_options)
     parser.add_argument("--rtt", type=float, default=50.0, help="ms between the client and each server site")
     parser.add_argument("--compute-delay", type=float, default=0.001, help="seconds per block per step")
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
-    if args.command == "measure":
-        measure(args)
-        return
+    add_report_options(parser)
+    run_measuring(parser, measure, benchmark)
+
+
+def benchmark(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as work:
         rows = run(args, Path(work))
     text = (

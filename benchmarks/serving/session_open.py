@@ -22,10 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import measuring_parser, publish_table, run_emulated
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from benchmarks.common import add_report_options, measuring_parser, publish_table, run_emulated, run_measuring
 
 LAYERS = 6
 SPANS = ("0:2", "2:4", "4:6")
@@ -203,17 +200,19 @@ def table(result: dict, rtt_ms: float) -> list[str]:
     return lines
 
 
+def shared_options(options: argparse.ArgumentParser) -> None:
+    """The options the benchmark passes on to its measuring client."""
+    options.add_argument("--repeats", type=int, default=10, help="opens of each kind (and requests)")
+
+
 def main() -> None:
-    parser, inner = measuring_parser(__doc__, "--model-dir", "--out", "--scheduler-key")
-    for options in (parser, inner):
-        options.add_argument("--repeats", type=int, default=10, help="opens of each kind (and requests)")
+    parser = measuring_parser(__doc__, "--model-dir", "--out", "--scheduler-key", shared=shared_options)
     parser.add_argument("--rtt-ms", type=float, default=100.0, help="between the client and each server")
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    parser.add_argument("--keep-logs", help="copy the processes' logs to this folder at the end")
-    args = parser.parse_args()
-    if args.command == "measure":
-        measure(args)
-        return
+    add_report_options(parser, keep_logs=True)
+    run_measuring(parser, measure, benchmark)
+
+
+def benchmark(args: argparse.Namespace) -> None:
     result = run_emulated("bench-open-", args.keep_logs, lambda work: run(args, work))
     text = (
         f"netem: three servers in three sites (blocks 0:2, 2:4, 4:6 of a 6-block LLaMA, hidden 64), the "

@@ -34,10 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import measuring_parser, publish_table
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from benchmarks.common import add_report_options, measuring_parser, publish_table, run_measuring
 
 LAYERS = 6
 SPANS = ("0:2", "2:4", "4:6")
@@ -275,17 +272,20 @@ def table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def shared_options(options: argparse.ArgumentParser) -> None:
+    """The options the benchmark passes on to its measuring client."""
+    options.add_argument("--tokens", type=int, default=64)
+    options.add_argument("--repeats", type=int, default=3)
+
+
 def main() -> None:
-    parser, inner = measuring_parser(__doc__, "--model-dir", "--out")
-    for options in (parser, inner):
-        options.add_argument("--tokens", type=int, default=64)
-        options.add_argument("--repeats", type=int, default=3)
+    parser = measuring_parser(__doc__, "--model-dir", "--out", shared=shared_options)
     parser.add_argument("--where", choices=("both", "netem", "loopback"), default="both")
-    parser.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
-    args = parser.parse_args()
-    if args.command == "measure":
-        measure(args)
-        return
+    add_report_options(parser)
+    run_measuring(parser, measure, benchmark)
+
+
+def benchmark(args: argparse.Namespace) -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-speculative-") as work:
         model_dir = build_model(Path(work))

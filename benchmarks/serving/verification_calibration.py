@@ -22,6 +22,7 @@ import torch
 from benchmarks.common import parse_bench_args, publish_table
 from llm_swarm.client.verification import TOLERANCE, relative_difference, tolerance
 from llm_swarm.swarm.models import load_span
+from llm_swarm.swarm.models.span import TransformerSpan
 from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 SHAPES = {
@@ -31,7 +32,7 @@ SHAPES = {
 }
 
 
-def decode(span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+def decode(span: TransformerSpan, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
     cache = span.new_cache(1, prompt.shape[1] + len(steps))
     outputs = [span(prompt, cache, 0)[:, -1:].float().cpu()]
     for index, step in enumerate(steps):
@@ -39,13 +40,26 @@ def decode(span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.
     return outputs
 
 
-def measure(model_dir: Path, tokens: int) -> dict[str, float]:
+def worst_difference(outputs: list[torch.Tensor], base: list[torch.Tensor]) -> float:
+    """The largest relative difference of a decode's outputs from `base`'s, step by step."""
+    return max(relative_difference(a, b) for a, b in zip(outputs, base, strict=True))
+
+
+def cpu_reference(
+    model_dir: Path, tokens: int
+) -> tuple[TransformerSpan, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The model's blocks at float32 on the CPU, the seeded inputs every comparison decodes (an
+    8-token prompt, then `tokens` steps) and that span's outputs on them."""
     torch.manual_seed(0)
-    reference = load_span(model_dir, 0, 3, dtype="float32")[0]
+    span = load_span(model_dir, 0, 3, dtype="float32")[0]
+    prompt = torch.randn(1, 8, span.hidden_size)
+    steps = [torch.randn(1, 1, span.hidden_size) for _ in range(tokens)]
+    return span, prompt, steps, decode(span, prompt, steps)
+
+
+def measure(model_dir: Path, tokens: int) -> dict[str, float]:
+    reference, prompt, steps, base = cpu_reference(model_dir, tokens)
     width = reference.hidden_size
-    prompt = torch.randn(1, 8, width)
-    steps = [torch.randn(1, 1, width) for _ in range(tokens)]
-    base = decode(reference, prompt, steps)
     results = {}
     # a verifier that caught up with one prefill of the history, then computes the last step
     cache = reference.new_cache(1, prompt.shape[1] + tokens)
@@ -65,7 +79,7 @@ def measure(model_dir: Path, tokens: int) -> dict[str, float]:
     for dtype in ("bfloat16", "float16"):
         span = load_span(model_dir, 0, 3, dtype=dtype)[0]
         outputs = decode(span, prompt, steps)
-        results[dtype] = max(relative_difference(a, b) for a, b in zip(outputs, base, strict=True))
+        results[dtype] = worst_difference(outputs, base)
     return results
 
 
@@ -75,27 +89,19 @@ CUDA_KINDS = [("float16", "none"), ("bfloat16", "none"), ("float16", "int8"), ("
 def measure_cuda(model_dir: Path, tokens: int) -> dict[str, float]:
     """On a GPU: float32 there against the CPU's, CUDA graphs against eager steps (float16), and each
     16-bit or quantized server kind against float32 on the same GPU."""
-    torch.manual_seed(0)
-    cpu = load_span(model_dir, 0, 3, dtype="float32")[0]
-    width = cpu.hidden_size
-    prompt = torch.randn(1, 8, width)
-    steps = [torch.randn(1, 1, width) for _ in range(tokens)]
-    base_cpu = decode(cpu, prompt, steps)
+    _, prompt, steps, base_cpu = cpu_reference(model_dir, tokens)
     reference = load_span(model_dir, 0, 3, dtype="float32", device="cuda")[0]
     base = decode(reference, prompt, steps)
-    worst = max(relative_difference(a, b) for a, b in zip(base, base_cpu, strict=True))
-    results = {"float32 cuda vs cpu": worst}
+    results = {"float32 cuda vs cpu": worst_difference(base, base_cpu)}
     eager = decode(load_span(model_dir, 0, 3, dtype="float16", device="cuda")[0], prompt, steps)
     graphed_span = load_span(model_dir, 0, 3, dtype="float16", device="cuda")[0]
     graphed_span.use_decode_graphs()
     graphed = decode(graphed_span, prompt, steps)
-    results["graphs vs eager"] = max(relative_difference(a, b) for a, b in zip(graphed, eager, strict=True))
+    results["graphs vs eager"] = worst_difference(graphed, eager)
     for dtype, quant in CUDA_KINDS:
         span = load_span(model_dir, 0, 3, dtype=dtype, device="cuda", quant=quant)[0]
         outputs = decode(span, prompt, steps)
-        results[quant if quant != "none" else dtype] = max(
-            relative_difference(a, b) for a, b in zip(outputs, base, strict=True)
-        )
+        results[quant if quant != "none" else dtype] = worst_difference(outputs, base)
     return results
 
 

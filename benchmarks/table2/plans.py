@@ -12,25 +12,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llm_swarm.scheduler.sim.plan_runs import PARAMETER, Candidate
+
 POLICIES = ("petals", "cg-bp", "chains")  # the scheduler's policy names, also the simulator's
-PARAMETER = {"cg-bp": "R", "chains": "c"}  # as scheduler.sim.plan_runs.PARAMETER labels them
 
 _ENTRY = re.compile(r"^\s*([a-z-]+)\s*(?:[:\s]\s*([A-Za-z]+)\s*=\s*([^\s]+))?\s*$")
 
 
 @dataclass(frozen=True)
-class PlanSpec:
-    """One policy of a run: its name and, for a fixed plan, R (cg-bp) or c (chains)."""
-
-    policy: str
-    parameter: int | None = None
-
-    @property
-    def label(self) -> str:
-        """`cg-bp`, `cg-bp R=128` (swarm-plan goodput's label)."""
-        if self.parameter is None:
-            return self.policy
-        return f"{self.policy} {PARAMETER[self.policy]}={self.parameter}"
+class PlanSpec(Candidate):
+    """One policy of a run: its name and, for a fixed plan, R (cg-bp) or c (chains); `label` is
+    swarm-plan goodput's (`cg-bp`, `cg-bp R=128`)."""
 
     @property
     def slug(self) -> str:

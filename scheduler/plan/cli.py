@@ -16,6 +16,7 @@ from llm_swarm.scheduler.algorithms.placing import PLACEMENTS, Infeasible, PlanI
 from llm_swarm.scheduler.plan import goodput as goodput_command
 from llm_swarm.scheduler.plan.commands import compose_chains, place, route_petals, route_ws_rr
 from llm_swarm.scheduler.plan.problem_io import dumps, parse_problem
+from llm_swarm.scheduler.plan.subcommand import add_subcommand
 
 EXIT_INVALID_INPUT = 2
 EXIT_INFEASIBLE = 3
@@ -117,31 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{place,route,compose,goodput}")
 
-    place_parser = commands.add_parser(
-        "place",
-        help="place blocks",
-        description=_PLACE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    place_parser = add_subcommand(commands, "place", "place blocks", _PLACE_HELP)
     place_parser.add_argument("--algo", required=True, choices=list(PLACEMENTS))
     place_parser.set_defaults(run=lambda args, text: place(parse_problem(text), args.algo))
 
-    route = commands.add_parser(
-        "route",
-        help="route one request",
-        description=_ROUTE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    route = add_subcommand(commands, "route", "route one request", _ROUTE_HELP)
     route.add_argument("--algo", required=True, choices=["ws-rr", "petals"])
     routers = {"ws-rr": route_ws_rr, "petals": route_petals}
     route.set_defaults(run=lambda args, text: routers[args.algo](text))
 
-    compose_parser = commands.add_parser(
-        "compose",
-        help="GBP-CR + GCA chain composition",
-        description=_COMPOSE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    compose_parser = add_subcommand(commands, "compose", "GBP-CR + GCA chain composition", _COMPOSE_HELP)
     compose_parser.add_argument(
         "--c-objective",
         choices=["lower-bound", "surrogate"],

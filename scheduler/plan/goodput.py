@@ -15,6 +15,7 @@ from typing import Any
 
 from llm_swarm.scheduler.algorithms.placing import Infeasible, PlanInputError
 from llm_swarm.scheduler.plan.problem_io import json_number, parse_problem, placement_json
+from llm_swarm.scheduler.plan.subcommand import add_subcommand
 from llm_swarm.scheduler.sim.discrete_events import SimulationError
 from llm_swarm.scheduler.sim.goodput_plan import (
     CandidateError,
@@ -31,6 +32,7 @@ from llm_swarm.scheduler.sim.planning_swarm import named_swarm, problem_swarm, w
 from llm_swarm.scheduler.sim.policies import NONE, PAPER000
 from llm_swarm.scheduler.sim.role_planning import roles_document
 from llm_swarm.scheduler.sim.scenarios import Scenario
+from llm_swarm.swarm.cli.dataclass_args import add_field_options
 
 HELP = """\
 Search the placement policy and its parameter (the PETALS baseline; CG-BP + WS-RR with R chosen
@@ -76,11 +78,8 @@ def slo_value(text: str) -> tuple[float, bool]:
 
 def add_parser(commands) -> None:
     """The `goodput` subcommand of `swarm-plan`."""
-    parser = commands.add_parser(
-        "goodput",
-        help="choose policy and parameter by simulated goodput under SLOs",
-        description=HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_subcommand(
+        commands, "goodput", "choose policy and parameter by simulated goodput under SLOs", HELP
     )
     parser.add_argument(
         "--scenario", choices=SCENARIOS, help="a named scenario (default: problem.json on stdin)"
@@ -97,12 +96,15 @@ def add_parser(commands) -> None:
     parser.add_argument("--slo-ttft", type=slo_value, help="TTFT target: seconds, or Nx the idle TTFT")
     parser.add_argument("--slo-tpot", type=slo_value, help="TPOT target: seconds, or Nx the idle TPOT")
     parser.add_argument("--rate", type=float, help="the measured arrival rate, requests/s")
-    parser.add_argument("--seeds", type=int, default=2, help="Monte Carlo runs averaged per probed rate")
-    parser.add_argument(
-        "--bisections", type=int, default=5, help="halvings of each goodput's bracket (resolution 2^-N)"
-    )
-    parser.add_argument(
-        "--refine-rounds", type=int, default=2, help="bisections of R and c around each family's best"
+    # the search's defaults are SearchSettings', so the command line and code that plans agree
+    add_field_options(
+        parser,
+        SearchSettings,
+        {
+            "--seeds": "Monte Carlo runs averaged per probed rate",
+            "--bisections": "halvings of each goodput's bracket (resolution 2^-N)",
+            "--refine-rounds": "bisections of R and c around each family's best",
+        },
     )
     parser.add_argument(
         "--setup",

@@ -5,23 +5,20 @@ from __future__ import annotations
 import argparse
 
 from llm_swarm.scheduler.service.core import CoreSettings
+from llm_swarm.scheduler.service.model_args import model_from_args
 from llm_swarm.scheduler.service.planner import POLICIES, PlanSettings
 from llm_swarm.scheduler.service.runner import SchedulerConfig, run_scheduler
-from llm_swarm.scheduler.service.view import ModelShape
 from llm_swarm.swarm.cli.args import (
     add_model_config_arguments,
     add_swarm_secret_argument,
     command_parser,
     dht_prefix_from_args,
-    resolve_model_argument,
     swarm_secret_from_args,
 )
 from llm_swarm.swarm.cli.dataclass_args import add_field_options, dataclass_from_args
 from llm_swarm.swarm.cli.errors import run_cli
 from llm_swarm.swarm.cli.logs import add_log_level_argument, configure_logging
 from llm_swarm.swarm.errors import SwarmUserError
-from llm_swarm.swarm.model_limits import ModelLimits
-from llm_swarm.swarm.models.checkpoint import load_config
 
 EXAMPLES = """examples:
   swarm-scheduler --initial-peers $(head -1 dht.maddrs) --model-dir models/tiny-llama
@@ -135,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    model_config = load_config(resolve_model_argument(args))
-    shape = ModelShape.from_config(model_config)
+    shape, limits = model_from_args(args)
     # the configuration objects check their own values; only what the flags spell differently is here
     arrival_rate = None
     if args.arrival_rate != "auto":
@@ -154,7 +150,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         shape=shape,
         core=dataclass_from_args(CoreSettings, args, plan=plan),
         http_port=None if args.http_port == -1 else args.http_port,
-        limits=ModelLimits.from_config(model_config),
+        limits=limits,
         swarm_secret=swarm_secret_from_args(args),
     )
 

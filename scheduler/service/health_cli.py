@@ -14,6 +14,7 @@ import time
 
 from hivemind.dht import DHT
 
+from llm_swarm.scheduler.service.model_args import model_from_args
 from llm_swarm.scheduler.service.status import announced_capacity, describe_servers
 from llm_swarm.scheduler.service.view import ModelShape, SwarmView
 from llm_swarm.scheduler.service.web import make_app, start_web
@@ -22,7 +23,6 @@ from llm_swarm.swarm.cli.args import (
     add_swarm_secret_argument,
     command_parser,
     dht_prefix_from_args,
-    resolve_model_argument,
     swarm_secret_from_args,
 )
 from llm_swarm.swarm.cli.errors import run_cli
@@ -32,7 +32,6 @@ from llm_swarm.swarm.dht_peer import start_dht
 from llm_swarm.swarm.dht_records import fetch_roster_async
 from llm_swarm.swarm.errors import SwarmUserError
 from llm_swarm.swarm.model_limits import ModelLimits
-from llm_swarm.swarm.models.checkpoint import load_config
 from llm_swarm.swarm.until_stop import DHT_READ_TIMEOUT, Stopped, until_stop
 
 logger = logging.getLogger(__name__)
@@ -130,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     def run() -> None:
         if args.refresh <= 0 or not 0 <= args.port <= 65535:
             raise SwarmUserError("--refresh must be positive and --port in 0..65535")
-        model_config = load_config(resolve_model_argument(args))
-        shape, limits = ModelShape.from_config(model_config), ModelLimits.from_config(model_config)
+        shape, limits = model_from_args(args)
         terminate_like_interrupt()  # while joining: a SIGTERM still leaves the DHT through `finally`
         asyncio.run(serve(args, dht_prefix_from_args(args), shape, limits))
 

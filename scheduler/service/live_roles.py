@@ -19,13 +19,14 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from llm_swarm.scheduler.algorithms.problem import ServerSpec, Span
+from llm_swarm.scheduler.algorithms.problem import Span
 from llm_swarm.scheduler.algorithms.role_split import BOTH, RolePlan, plan_roles
 from llm_swarm.scheduler.service.view import SwarmView
 from llm_swarm.scheduler.sim.metrics import Slo
 from llm_swarm.scheduler.sim.prefill import PrefillModel
 from llm_swarm.scheduler.sim.role_planning import GoodputOfRoles, RoleSearch, role_inputs, with_links
-from llm_swarm.scheduler.sim.scenarios import CLIENT, Scenario
+from llm_swarm.scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.sim.single_client import seen_by_client
 from llm_swarm.swarm.errors import SwarmUserError
 
 logger = logging.getLogger(__name__)
@@ -52,16 +53,7 @@ def live_scenario(view: SwarmView, peers: Sequence[str], spans: Sequence[Span | 
     for spec in specs:
         rtt = spec.worst_rtt()
         rtts.append(rtt)
-        servers.append(
-            ServerSpec(
-                name=spec.name,
-                memory_bytes=spec.memory_bytes,
-                tau=spec.tau,
-                tau_prefill=spec.tau_prefill,
-                rtt={CLIENT: rtt},
-                rtt_prefill={CLIENT: rtt},
-            )
-        )
+        servers.append(seen_by_client(spec, rtt, rtt))
     prefill = PrefillModel(
         tuple(0.0 for _ in specs),
         tuple(spec.tau_prefill / view.l_in for spec in specs),

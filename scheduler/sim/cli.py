@@ -31,7 +31,7 @@ from llm_swarm.scheduler.sim.metrics import goodput
 from llm_swarm.scheduler.sim.monte_carlo import SCENARIOS, CellConfig, run_cell
 from llm_swarm.scheduler.sim.policies import POLICIES
 from llm_swarm.scheduler.sim.sweeps import SWEEP_POLICIES, SWEEPS, sweep, sweep_points, write_csv
-from llm_swarm.swarm.cli.dataclass_args import dataclass_from_args
+from llm_swarm.swarm.cli.dataclass_args import add_field_options, dataclass_from_args
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -98,11 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every server's iteration loop, its accelerator one iteration at a time (serial) or "
         "each session's step in its own time (overlap)",
     )
-    contended.add_argument(
-        "--batch-wait-ms", type=float, default=2.0, help="the servers' decode batching window"
-    )
-    contended.add_argument(
-        "--prefill-chunk", type=int, default=256, help="prompts run in chunks of this; 0: whole"
+    # the defaults are CellConfig's, so the command line and a config built in code agree
+    add_field_options(
+        contended,
+        CellConfig,
+        {
+            "--batch-wait-ms": "the servers' decode batching window",
+            "--prefill-chunk": "prompts run in chunks of this; 0: whole",
+        },
     )
     contended.add_argument(
         "--roles",
@@ -112,9 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     contended.add_argument(
         "--link-mbps", type=float, default=None, help="bandwidth between every two servers"
     )
-    contended.add_argument(
-        "--link-rtt-ms", type=float, default=10.0, help="round trip between every two servers"
-    )
+    add_field_options(contended, CellConfig, {"--link-rtt-ms": "round trip between every two servers"})
     contended.add_argument(
         "--disaggregate",
         choices=("auto", "always", "never", "scheduler"),

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, goodput
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT
 from llm_swarm.scheduler.sim.monte_carlo import CellConfig, run_cell
+from llm_swarm.scheduler.sim.rate_probes import RateProbes
 
 
 @dataclass(frozen=True)
@@ -31,28 +32,21 @@ def search_rates(
     """Double from `start` until attainment < target (at most `doublings` times), then bisect."""
     if start <= 0 or doublings < 0 or bisections < 0:
         raise ValueError("need start > 0 and non-negative doublings/bisections")
-    probes: list[tuple[float, float]] = []
-
-    def probe(rate: float) -> bool:
-        attained = attainment_at(rate)
-        probes.append((rate, attained))
-        return attained >= target
-
+    probe = RateProbes(attainment_at, target)
     low, high, rate = 0.0, None, start
     for _ in range(doublings + 1):
-        if not probe(rate):
+        if not probe.passes(rate):
             high = rate
             break
         low, rate = rate, 2 * rate
     if high is not None and low > 0:
         for _ in range(bisections):
             middle = (low + high) / 2
-            if probe(middle):
+            if probe.passes(middle):
                 low = middle
             else:
                 high = middle
-    rates, attained = zip(*probes, strict=True)
-    return GoodputResult(goodput(rates, attained, target), tuple(probes))
+    return GoodputResult(probe.goodput(), tuple(probe.probes))
 
 
 def cell_goodput(config: CellConfig, seeds: int, doublings: int = 6, bisections: int = 4) -> GoodputResult:

@@ -33,7 +33,7 @@ import numpy as np
 from llm_swarm.scheduler.algorithms.cgbp import cg_bp, choose_num_requests, max_requests
 from llm_swarm.scheduler.algorithms.problem import Span, floor_ratio
 from llm_swarm.scheduler.algorithms.tuning import compose, max_capacity, tune_capacity
-from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo, goodput
+from llm_swarm.scheduler.sim.metrics import GOODPUT_ATTAINMENT, Slo
 from llm_swarm.scheduler.sim.plan_runs import (
     DEFAULT_POLICIES,
     Candidate,
@@ -47,6 +47,7 @@ from llm_swarm.scheduler.sim.plan_runs import (
 )
 from llm_swarm.scheduler.sim.planning_swarm import with_added_servers
 from llm_swarm.scheduler.sim.policies import with_chain_times
+from llm_swarm.scheduler.sim.rate_probes import RateProbes
 from llm_swarm.scheduler.sim.scenarios import Scenario
 
 TUNED = ("cg-bp", "chains")  # the policies with a parameter: R and c
@@ -78,18 +79,12 @@ def search_goodput(
     no higher than `beat` (such a candidate's goodput is below `beat`)."""
     if not start > 0:
         raise ValueError(f"the start rate must be positive, got {start}")
-    probes: list[tuple[float, float]] = []
-
-    def passes(rate: float) -> bool:
-        attained = attainment_at(rate)
-        probes.append((rate, attained))
-        return attained >= target
-
+    probe = RateProbes(attainment_at, target)
     low, high, pruned = 0.0, None, False
-    if passes(start):
+    if probe.passes(start):
         low = start
         for _ in range(doublings):
-            if passes(2 * low):
+            if probe.passes(2 * low):
                 low *= 2
             else:
                 high = 2 * low
@@ -100,7 +95,7 @@ def search_goodput(
             if high <= beat:
                 pruned = True
                 break
-            if passes(high / 2):
+            if probe.passes(high / 2):
                 low = high / 2
                 break
             high /= 2
@@ -110,12 +105,11 @@ def search_goodput(
                 pruned = True
                 break
             middle = (low + high) / 2
-            if passes(middle):
+            if probe.passes(middle):
                 low = middle
             else:
                 high = middle
-    rates, attained = zip(*probes, strict=True)
-    return RateSearch(goodput(rates, attained, target), tuple(probes), high is None, pruned)
+    return RateSearch(probe.goodput(), tuple(probe.probes), high is None, pruned)
 
 
 def smallest_count(meets: Callable[[int], bool], cap: int) -> int | None:

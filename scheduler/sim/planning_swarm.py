@@ -24,11 +24,10 @@ import statistics
 import numpy as np
 
 from llm_swarm.scheduler.algorithms.placing import PlanInputError, PlanProblem, server_where
-from llm_swarm.scheduler.algorithms.problem import ServerSpec
-from llm_swarm.scheduler.sim.discrete_events import CLIENT
 from llm_swarm.scheduler.sim.monte_carlo import CellConfig, make_scenario
 from llm_swarm.scheduler.sim.prefill import PrefillModel, affine_prefill
 from llm_swarm.scheduler.sim.scenarios import Scenario
+from llm_swarm.scheduler.sim.single_client import seen_by_client
 
 DEFAULT_L_OUT = 128  # swarm-sim's default, for a problem document without `l_out`
 
@@ -85,16 +84,7 @@ def problem_swarm(
             raise PlanInputError(f"{where}.rtt: no round trip to client {name!r} (needed to simulate it)")
         rtt = server.rtt[name]
         rtt_prefill = server.rtt_prefill.get(name, rtt)
-        servers.append(
-            ServerSpec(
-                name=server.name,
-                memory_bytes=server.memory_bytes,
-                tau=server.tau,
-                tau_prefill=server.tau_prefill,
-                rtt={CLIENT: rtt},
-                rtt_prefill={CLIENT: rtt_prefill},
-            )
-        )
+        servers.append(seen_by_client(server, rtt, rtt_prefill))
         pings.append(rtt)
         tau_lines.append((server.tau_prefill, 0.0))  # already for the planned prompt: constant
         rtt_lines.append((rtt_prefill, 0.0))

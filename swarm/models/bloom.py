@@ -11,6 +11,7 @@ from transformers.models.bloom.modeling_bloom import BloomBlock, build_alibi_ten
 
 from llm_swarm.swarm.models.family import ModelFamily, StepInputs, StepTokens, register_family
 from llm_swarm.swarm.models.inplace_attention import use_inplace_bloom_attention
+from llm_swarm.swarm.models.layer_norm_head import layer_norm_client_modules, layer_norm_head_names
 
 
 class BloomFamily(ModelFamily):
@@ -50,25 +51,19 @@ class BloomFamily(ModelFamily):
         return output
 
     def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
-        hidden, eps = config.hidden_size, config.layer_norm_epsilon
-        return nn.ModuleDict(
-            {
-                "embed": nn.Sequential(
-                    nn.Embedding(config.vocab_size, hidden), nn.LayerNorm(hidden, eps=eps)
-                ),
-                "norm": nn.LayerNorm(hidden, eps=eps),
-                "lm_head": nn.Linear(hidden, config.vocab_size, bias=False),
-            }
+        hidden = config.hidden_size
+        # BLOOM normalizes the word embeddings before the first block
+        embed = nn.Sequential(
+            nn.Embedding(config.vocab_size, hidden), nn.LayerNorm(hidden, eps=config.layer_norm_epsilon)
         )
+        return layer_norm_client_modules(config, embed)
 
     def client_tensor_names(self, base_prefix: str) -> dict[str, str]:
         return {
             f"{base_prefix}word_embeddings.weight": "embed.0.weight",
             f"{base_prefix}word_embeddings_layernorm.weight": "embed.1.weight",
             f"{base_prefix}word_embeddings_layernorm.bias": "embed.1.bias",
-            f"{base_prefix}ln_f.weight": "norm.weight",
-            f"{base_prefix}ln_f.bias": "norm.bias",
-            "lm_head.weight": "lm_head.weight",
+            **layer_norm_head_names(base_prefix),
         }
 
 

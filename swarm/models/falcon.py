@@ -42,6 +42,7 @@ from llm_swarm.swarm.models.family import (
     register_family,
     token_positions,
 )
+from llm_swarm.swarm.models.layer_norm_head import layer_norm_client_modules, layer_norm_head_names
 from llm_swarm.swarm.transformers_compat import build_rotary_embedding
 
 
@@ -88,27 +89,24 @@ class FalconFamily(ModelFamily):
         key_mask = key_mask[:, :total].long()
         return {"alibi": build_alibi_tensor(key_mask, self.num_heads(config), hidden.dtype)}
 
-    def step_inputs(
+    def step_attention_mask(
         self,
         config: PretrainedConfig,
-        helpers: nn.ModuleDict,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None,
-        window: int | None = None,
-        key_positions: torch.Tensor | None = None,  # never set: Falcon's blocks do not slide
-    ) -> StepInputs:
+        step: StepTokens,
+        positions: StepInputs,
+        key_positions: torch.Tensor | None,  # never set: Falcon's blocks do not slide
+    ) -> torch.Tensor | None:
         """ALiBi models attend with the biases inside the mask, as `FalconModel` builds it: ALiBi
         scaled by 1/sqrt(head_dim), blocked keys (future, padding) at the dtype's minimum."""
-        inputs = super().step_inputs(config, helpers, hidden, position, padding_mask, window)
-        if config.alibi:
-            batch, total = hidden.shape[0], position + hidden.shape[1]
-            biases = inputs["alibi"].reshape(batch, -1, 1, total) / math.sqrt(self.head_dim(config))
-            blocked = inputs["attention_mask"]
-            if blocked is not None:
-                biases = torch.masked_fill(biases, blocked < -1, torch.finfo(hidden.dtype).min)
-            inputs["attention_mask"] = biases
-        return inputs
+        blocked = super().step_attention_mask(config, step, positions, key_positions)
+        if not config.alibi:
+            return blocked
+        hidden = step.hidden
+        batch, total = hidden.shape[0], step.position + hidden.shape[1]
+        biases = positions["alibi"].reshape(batch, -1, 1, total) / math.sqrt(self.head_dim(config))
+        if blocked is not None:
+            biases = torch.masked_fill(biases, blocked < -1, torch.finfo(hidden.dtype).min)
+        return biases
 
     def run_block(
         self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs
@@ -124,22 +122,10 @@ class FalconFamily(ModelFamily):
         return output
 
     def build_client_modules(self, config: PretrainedConfig) -> nn.ModuleDict:
-        hidden = config.hidden_size
-        return nn.ModuleDict(
-            {
-                "embed": nn.Embedding(config.vocab_size, hidden),
-                "norm": nn.LayerNorm(hidden, eps=config.layer_norm_epsilon),
-                "lm_head": nn.Linear(hidden, config.vocab_size, bias=False),
-            }
-        )
+        return layer_norm_client_modules(config, nn.Embedding(config.vocab_size, config.hidden_size))
 
     def client_tensor_names(self, base_prefix: str) -> dict[str, str]:
-        return {
-            f"{base_prefix}word_embeddings.weight": "embed.weight",
-            f"{base_prefix}ln_f.weight": "norm.weight",
-            f"{base_prefix}ln_f.bias": "norm.bias",
-            "lm_head.weight": "lm_head.weight",
-        }
+        return {f"{base_prefix}word_embeddings.weight": "embed.weight", **layer_norm_head_names(base_prefix)}
 
 
 FALCON = register_family(FalconFamily())

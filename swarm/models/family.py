@@ -133,10 +133,19 @@ class ModelFamily(ABC):
         are not positions `[0, position + new)` (`SpanCache.key_positions`).
         """
         step = StepTokens(hidden, position, padding_mask, window)
-        return {
-            **self.position_inputs(config, helpers, step),
-            "attention_mask": attention_bias(hidden, position, padding_mask, window, key_positions),
-        }
+        inputs = self.position_inputs(config, helpers, step)
+        return {**inputs, "attention_mask": self.step_attention_mask(config, step, inputs, key_positions)}
+
+    def step_attention_mask(
+        self,
+        config: PretrainedConfig,
+        step: StepTokens,
+        positions: StepInputs,
+        key_positions: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The `attention_mask` of `step_inputs`: the causal, padding and window bias every family
+        uses; a family whose position inputs (`positions`) go into the mask adds them here."""
+        return attention_bias(step.hidden, step.position, step.padding_mask, step.window, key_positions)
 
     @abstractmethod
     def position_inputs(
@@ -162,6 +171,13 @@ class ModelFamily(ABC):
     ) -> StepInputs:
         """Per-step inputs of a captured decode step, from position ids held in a tensor (`[batch, 1]`);
         attention masks come with the cache view there. Only families with `decode_graphs`."""
+        return {**self.positions_from_ids(helpers, hidden, position_ids), "attention_mask": None}
+
+    def positions_from_ids(
+        self, helpers: nn.ModuleDict, hidden: torch.Tensor, position_ids: torch.Tensor
+    ) -> StepInputs:
+        """The position inputs of tokens at `position_ids` (`[batch, tokens]`), as `position_inputs`
+        gives them; what a captured decode step needs. Only families with `decode_graphs`."""
         raise NotImplementedError(f"{type(self).__name__} has no captured decode step")
 
     @abstractmethod

@@ -43,18 +43,14 @@ class LlamaFamily(ModelFamily):
     ) -> StepInputs:
         """Rotary embeddings of the tokens' positions (with left padding, real tokens count from 0)."""
         position_ids = token_positions(step.hidden, step.position, step.padding_mask)
-        return {"position_embeddings": helpers["rotary"](step.hidden, position_ids)}
+        return self.positions_from_ids(helpers, step.hidden, position_ids)
 
     decode_graphs = True
 
-    def static_decode_inputs(
-        self,
-        config: PretrainedConfig,
-        helpers: nn.ModuleDict,
-        hidden: torch.Tensor,
-        position_ids: torch.Tensor,
+    def positions_from_ids(
+        self, helpers: nn.ModuleDict, hidden: torch.Tensor, position_ids: torch.Tensor
     ) -> StepInputs:
-        return {"position_embeddings": helpers["rotary"](hidden, position_ids), "attention_mask": None}
+        return {"position_embeddings": helpers["rotary"](hidden, position_ids)}
 
     def run_block(
         self, block: nn.Module, hidden: torch.Tensor, cache: Any, inputs: StepInputs
