@@ -45,6 +45,11 @@ class ClientOptions:
     # measured 14.4x a token after 500 tokens over 50 ms links, against 2.7x, BENCHMARKS.md), "steps"
     # sends the recorded steps one round trip each (what servers without the Replay message understand)
     replay_mode: str = "prefill"
+    # chain sessions: each server pushes a step's output straight to the next server of the chain,
+    # which answers as soon as it ran it (swarm/chain_wire.py), so a token costs one round trip to the
+    # chain plus the servers' links between them; False: every output comes back to the client first
+    # (hub-spoke), as servers that predate pushes serve anyway
+    chain_push: bool = True
     # this client's upload bandwidth (Mbit/s): what a replay costs against a server-to-server hand-off
     uplink_mbps: float = 20.0
     # a session on a server that leaves: "auto" moves its cache by hand-off when that is expected to

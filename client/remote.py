@@ -43,7 +43,7 @@ from llm_swarm.client.replay import can_prefill, replay_groups, replay_tensors
 from llm_swarm.client.routing import chain_problem
 from llm_swarm.client.sequence_rpc import SequenceFunction
 from llm_swarm.client.session_request import SessionRequest
-from llm_swarm.client.stream import FATAL_CODES, ServerStream, StepInput, catch_up_input
+from llm_swarm.client.stream import FATAL_CODES, PushMismatch, ServerStream, StepInput, catch_up_input
 from llm_swarm.client.verification import VerifyPlan, agree, decide, relative_difference, tolerance
 from llm_swarm.swarm.handoff_wire import HandOff
 from llm_swarm.swarm.prefill_cost import (
@@ -161,6 +161,9 @@ class RemoteBlockSession(BlockSession):
         self.verify_plan = VerifyPlan(connection.options.verify_fraction)
         self.verifiers: dict[tuple[int, int], ServerStream] = {}  # a replica per hop's blocks, once needed
         self.steps_done = 0
+        self.chain_steps = 0  # numbers chain steps: one id per step on every server of the chain
+        # (predecessor, successor) peer pairs whose pushes disagreed with the client's copy: unlinked
+        self.unpushed: set[tuple[str, str]] = set()
         self.caught_at_step: int | None = None  # the first step at which a replica outvoted a server
         self._prefill = {}  # set by the first `_open_chain` where prefill servers take the prompt
         self.streams: list[ServerStream] = run_sync(self._open_chain(self.start, self.end, plan_prefill=True))
@@ -284,34 +287,82 @@ class RemoteBlockSession(BlockSession):
         return await self._chain_step(step)
 
     async def _chain_step(self, step: StepInput) -> torch.Tensor:
-        """Through every hop in turn: each server's output is the next one's input."""
+        """Through every hop in turn: each server's output is the next one's input. In a chain
+        session each server also pushes its output straight to the next one (swarm/chain_wire.py),
+        which runs the step from whichever copy comes first and answers at once; the client sends
+        its own copy all the same (what it keeps for replays), and reads the answers in order."""
         timeout = self.connection.options.request_timeout
         failures = 0
         index = 0
+        step_id = await self._next_chain_step()
         while index < len(self.streams):
             stream = self.streams[index]
+            # deep prompts are the client's per hop: a step that carries them is not pushed
+            push_hops = len(self.streams) - 1 - index if step_id and step.prompts is None else 0
             try:
                 if self.verify_plan.verify_now():
-                    output = await self._verified_step(index, step, timeout)
+                    output = await self._verified_step(index, step, timeout, step_id, push_hops)
                 else:
-                    output = await stream.step(step, timeout)
+                    output = await stream.step(step, timeout, step_id=step_id, push_hops=push_hops)
+            except PushMismatch as mismatch:
+                logger.warning(
+                    "session %s: %s; its predecessor %s pushes to it no more",
+                    self.session_id[:8],
+                    mismatch,
+                    self.streams[index - 1].hop.peer_id[-8:],
+                )
+                self.unpushed.add((self.streams[index - 1].hop.peer_id, stream.hop.peer_id))
+                step_id = await self._next_chain_step()  # the step again, from this hop on
+                continue
             except RemoteError as error:
                 if error.code in FATAL_CODES:
                     raise  # replaying it elsewhere would fail the same way
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)
+                step_id = await self._next_chain_step()  # the new servers' chain, a fresh id
                 continue
             except SwarmUnavailable:
                 raise  # e.g. two replicas disagree and none can decide: failing over would hide it
             except Exception as error:  # the connection broke or timed out
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)
+                step_id = await self._next_chain_step()
                 continue
             step = dataclasses.replace(step, hidden=output)
             index += 1
         if any(stream.leaving for stream in self.streams):
             await self._move_leavers()  # this step's output is safe; the next one goes to the new server
         return step.hidden
+
+    async def _next_chain_step(self) -> str | None:
+        """The next chain step's id, every server told whom it takes pushes from and where it pushes
+        them (what changed since the last step); None in a hub-spoke session
+        (`ClientOptions.chain_push` off, or a chain of one server)."""
+        if not self.connection.options.chain_push or len(self.streams) < 2:
+            return None
+        timeout = self.connection.options.request_timeout
+        known = self.connection.roster.known
+
+        def linked(first: ServerStream, second: ServerStream) -> bool:
+            """Whether `first` pushes to `second`: both take part, and no push between them lied."""
+            both = all(getattr(known.get(s.hop.peer_id), "chain_push", False) for s in (first, second))
+            return both and (first.hop.peer_id, second.hop.peer_id) not in self.unpushed
+
+        links = []
+        for index, stream in enumerate(self.streams):
+            before = self.streams[index - 1] if index > 0 else None
+            after = self.streams[index + 1] if index + 1 < len(self.streams) else None
+            links.append(
+                stream.link(
+                    before if before is not None and linked(before, stream) else None,
+                    after if after is not None and linked(stream, after) else None,
+                    timeout,
+                )
+            )
+        # a link that cannot be sent means a broken stream: the step finds it and fails over
+        await asyncio.gather(*links, return_exceptions=True)
+        self.chain_steps += 1
+        return f"chain#{self.chain_steps}"
 
     def rewind(self, position: int) -> None:
         """Continue from `position`: every server of the chain (and every replica) will overwrite
@@ -421,18 +472,23 @@ class RemoteBlockSession(BlockSession):
                     self.admission.scheduler_session, ttft=ttft, tpot=tpot, tokens=len(steps)
                 )
 
-    async def _verified_step(self, index: int, step: StepInput, timeout: float) -> torch.Tensor:
+    async def _verified_step(
+        self, index: int, step: StepInput, timeout: float, step_id: str | None = None, push_hops: int = 0
+    ) -> torch.Tensor:
         """The step on the chain's server and, in parallel, on a replica holding the same blocks (its
-        cache caught up from this hop's history); a disagreement goes to a third server."""
+        cache caught up from this hop's history); a disagreement goes to a third server. In a chain
+        session the server may have run the step from its predecessor's push: its answer carries the
+        digest of that input, which `ServerStream.step` checks against the client's copy, the copy
+        the replica runs, so the replica checks the very input the server ran."""
         stream = self.streams[index]
         history = list(stream.history)  # what the replicas must have seen before this step
         verifier = await self._replica(stream, self.verifiers.get((stream.hop.start, stream.hop.end)))
         if verifier is None:
-            return await stream.step(step, timeout)
+            return await stream.step(step, timeout, step_id=step_id, push_hops=push_hops)
         self.verifiers[(stream.hop.start, stream.hop.end)] = verifier
         checking = asyncio.ensure_future(_replay_then_step(verifier, history, step, timeout))
         try:
-            output = await stream.step(step, timeout)
+            output = await stream.step(step, timeout, step_id=step_id, push_hops=push_hops)
         except BaseException:
             checking.cancel()
             self._drop_verifier(verifier)  # cut off mid-step: its stream is of no use any more

@@ -13,6 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from llm_swarm.client.connection import SwarmConnection
 from llm_swarm.swarm.block_rpc import BlockRpc
+from llm_swarm.swarm.chain_wire import ChainLink, step_digest
 from llm_swarm.swarm.cost import REWIND_RESERVE
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
@@ -26,6 +27,7 @@ from llm_swarm.swarm.wire import (
     Replayed,
     Step,
     StepDone,
+    decode_metadata,
     decode_tensors,
     encode,
     parse,
@@ -35,6 +37,16 @@ LAST_WORDS_TIMEOUT = 1.0  # seconds to read a closed stream's last reply (its re
 
 # errors that another server would answer the same way: our request is wrong, or not allowed here
 FATAL_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED)
+
+
+class PushMismatch(Exception):
+    """A server ran a step from its predecessor's push, and that input is not what the client got
+    from the predecessor: one of the two servers is wrong. The client runs the step again from its
+    own copy, and this link pushes no more."""
+
+    def __init__(self, peer: str):
+        super().__init__(f"{peer[-8:]} ran a pushed input that differs from the client's copy")
+        self.peer = peer
 
 
 class StreamFailure(Exception):
@@ -87,6 +99,11 @@ class ServerStream:
     stay_until: float = 0.0  # monotonic time before which a move off this leaving server is not retried
     length: int = 0  # positions of the server's cache that hold accepted work (rewinds shorten it)
     steps_sent: int = 0  # numbers step ids: a step after a rewind may repeat an earlier position
+    # chain sessions (swarm.chain_wire): the secret a predecessor's pushes into this session carry,
+    # and the wiring last told to the server (whom it accepts pushes from, where it pushes)
+    push_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    linked: ChainLink | None = None
+    pushed_answers: int = 0  # steps the server ran from its predecessor's push and answered unasked
     # the stream through our p2p daemon, read and written directly (not hivemind's stream iterator,
     # which after the server's side closes waits for our request stream to end and so never returns)
     _writer: asyncio.StreamWriter | None = None
@@ -188,14 +205,37 @@ class ServerStream:
             return None
         return RemoteError(message.code, message.message, self.hop.peer_id)
 
-    async def step(self, step: StepInput, timeout: float, last_only: bool = False) -> torch.Tensor:
-        """Run `step` on the server; its output (only the last position's with `last_only`)."""
+    async def link(self, predecessor: ServerStream | None, successor: ServerStream | None, timeout: float):
+        """Tell the server whom it accepts pushed steps from and where it pushes its outputs (chain
+        sessions), if that changed; no reply comes."""
+        link = ChainLink(
+            accept_token=self.push_token if predecessor is not None else "",
+            accept_from=predecessor.hop.peer_id if predecessor is not None else "",
+            next_peer=successor.hop.peer_id if successor is not None else "",
+            next_session=successor.session_id if successor is not None else "",
+            next_token=successor.push_token if successor is not None else "",
+        )
+        if link != (self.linked or ChainLink()):  # a server never linked holds the empty link
+            await self._send(encode(link), timeout)
+            self.linked = link
+
+    async def step(
+        self,
+        step: StepInput,
+        timeout: float,
+        last_only: bool = False,
+        step_id: str | None = None,
+        push_hops: int = 0,
+    ) -> torch.Tensor:
+        """Run `step` on the server; its output (only the last position's with `last_only`).
+        `step_id` and `push_hops`: a chain step's id, the same on every server of the chain, and how
+        many hops on the server pushes its output (chain sessions)."""
         hidden, position = step.hidden, step.position
         tensors = [hidden] if step.padding_mask is None else [hidden, step.padding_mask]
         # unique on the stream: the server answers a repeated id from its last result (a retry), and
         # after a rewind the same position and length may legitimately come again with other tokens
         self.steps_sent += 1
-        step_id = f"{position}+{hidden.shape[1]}#{self.steps_sent}"
+        step_id = step_id or f"{position}+{hidden.shape[1]}#{self.steps_sent}"
         hypo_ids = list(step.hypo_ids) if step.hypo_ids is not None else None
         prompts = step.prompts_for(self.hop.start, self.hop.end)
         if prompts is not None:
@@ -206,12 +246,17 @@ class ServerStream:
             hypo_ids=hypo_ids,
             prompts=prompts is not None,
             last_only=last_only,
+            push_hops=push_hops,
         )
         await self._send(encode(message, tensors), timeout)
-        reply, outputs = await self._receive(timeout, StepDone, with_tensors=True)
+        reply, outputs = await self._receive(timeout, StepDone, with_tensors=True, step_id=step_id)
         self._check_answer(
             output_problem(reply.step_id, step_id, outputs, hidden[:, -1:] if last_only else hidden)
         )
+        if reply.pushed:
+            if reply.input_digest != step_digest(hidden, step.padding_mask, step.hypo_ids):
+                raise PushMismatch(self.hop.peer_id)
+            self.pushed_answers += 1
         self.leaving = reply.leaving
         self.history.append(step)
         self.length = step.end
@@ -248,6 +293,11 @@ class ServerStream:
             )
 
     @property
+    def replies_waiting(self) -> int:
+        """Replies received and not read yet (a server's unasked answers among them)."""
+        return self._replies.qsize() if self._replies is not None else 0
+
+    @property
     def position(self) -> int:
         """Positions of the server's cache that hold accepted work: where its next step may start at
         the latest (a step may also start earlier, overwriting)."""
@@ -267,19 +317,34 @@ class ServerStream:
         self.history = [_cut(sent, position) for sent in self.history if sent.position < position]
         self.length = min(self.length, position)  # a replica that lags behind keeps its own length
 
-    async def _receive(self, timeout: float, expected: type, with_tensors: bool = False):
+    async def _receive(
+        self, timeout: float, expected: type, with_tensors: bool = False, step_id: str | None = None
+    ):
+        """The server's next reply, as `expected`. A step's answer that the server sent on its own
+        (it ran the step from a push) and that is not the answer to `step_id` is dropped: it belongs
+        to a chain step the client abandoned (run again after a failure or a mismatch)."""
         if self._replies is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
-        try:
-            reply = await asyncio.wait_for(self._replies.get(), timeout)
-        except Exception as error:  # a timeout
-            self.healthy = False
-            raise StreamFailure(self.hop.peer_id, error) from error
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            reply = await self._next_reply(deadline)
+            if not _stale_push(reply, step_id):
+                break
         if not isinstance(reply, tuple):  # the stream ended (or broke) before a reply came
             self.healthy = False
             self._replies.put_nowait(reply)  # still over for whoever reads next
             cause = "the server closed the session" if reply is _CLOSED else reply
             raise StreamFailure(self.hop.peer_id, cause)
+        return self._parse_reply(reply, expected, with_tensors)
+
+    async def _next_reply(self, deadline: float):
+        try:
+            return await asyncio.wait_for(self._replies.get(), deadline - asyncio.get_running_loop().time())
+        except Exception as error:  # a timeout
+            self.healthy = False
+            raise StreamFailure(self.hop.peer_id, error) from error
+
+    def _parse_reply(self, reply, expected: type, with_tensors: bool):
         response, failure = reply
         if failure is not None:  # the p2p layer's own error: the server's handler broke off
             self.healthy = False
@@ -319,6 +384,21 @@ class ServerStream:
 
 
 _CLOSED = object()  # what `_read_replies` queues when the server ends its side
+
+
+def _stale_push(reply, step_id: str | None) -> bool:
+    """`reply` answers, unasked, a step other than `step_id` (see `ServerStream._receive`)."""
+    if not isinstance(reply, tuple) or reply[1] is not None:
+        return False
+    try:
+        metadata = decode_metadata(reply[0].metadata)
+    except Exception:  # garbage is for the parser to refuse
+        return False
+    return (
+        metadata.get("type") == "step_done"
+        and metadata.get("pushed") is True
+        and metadata.get("step_id") != step_id
+    )
 
 
 async def _read_replies(reader: asyncio.StreamReader, replies: asyncio.Queue) -> None:

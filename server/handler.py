@@ -44,9 +44,13 @@ from llm_swarm.server.memory import CacheBudget, NoCacheRoom
 from llm_swarm.server.metrics import ServerMetrics
 from llm_swarm.server.replay import MAX_TOKENS_PER_POSITION, parse_replay
 from llm_swarm.server.session import Session, check_hypo_ids, check_step_inputs
+from llm_swarm.server.session_inputs import SessionIdle, SessionInputs, SessionLifetimeOver
 from llm_swarm.server.session_lengths import SessionLengths
+from llm_swarm.server.step_pusher import PushTarget, StepPusher
+from llm_swarm.server.step_receiver import receive_steps
 from llm_swarm.server.training import parse_sequence_call, run_backward, run_forward
 from llm_swarm.swarm.block_rpc import BlockRpc
+from llm_swarm.swarm.chain_wire import ChainLink, PushedStep, step_digest
 from llm_swarm.swarm.closed_swarm import SwarmSecret
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.models.adapters import adapter_rows
@@ -80,6 +84,7 @@ REPORT_WINDOW = 10.0  # seconds: one peer's reports of wrong outputs count at mo
 MAX_REPORTERS = 10_000
 MAX_LINKS = 16  # measured links a server announces (the record's bound)
 PUSH_HANDLE = "push_cache"  # not rpc_*: hivemind would register it as a plain protobuf handler
+STEP_PUSH_HANDLE = "push_steps"  # chain sessions: a predecessor's pushed steps (server/step_receiver.py)
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,7 @@ class BlockServicer(BlockRpc):
         peer = str(context.remote_id)
         session: Session | None = None
         following = None  # a push that follows the next step (`HandOff.follow`), until that step ran
+        inputs: SessionInputs | None = None
         try:
             first = await self._next_request(requests)
             if first is None:
@@ -202,15 +208,32 @@ class BlockServicer(BlockRpc):
                 [],
             )
             ends_at = time.monotonic() + self.limits.max_session_lifetime
+            inputs = SessionInputs(requests, session.inbox)
             while True:
-                request = await self._next_request(requests, ends_at)
-                if request is None:
+                # a session receiving or following a cache takes no pushed steps meanwhile
+                quiet = following is not None or session.receiving or session.progress is not None
+                item = await inputs.next(self.session_idle_timeout, ends_at, pushes=not quiet)
+                if item is None:
                     return  # the client closed its side: the session is over
+                source, request = item
+                if source == "push":
+                    reply = await self._pushed_step(session, *request)
+                    if reply is not None:
+                        yield reply
+                    continue
+                self.metrics.received.inc(request.ByteSize())
                 kind = _message_type(request)
+                if kind == "chain_link":
+                    refusal = self._link(session, request)
+                    if refusal is not None:
+                        yield refusal
+                    continue
                 if following is not None:  # a push follows this session's prompt: its step must come now
                     stepped = kind not in ("hand_off", "replay")
                     if stepped:
-                        yield await self._step(session, request)
+                        reply = await self._step(session, request)
+                        if reply is not None:
+                            yield reply
                     yield await self._end_follow(session, following, stepped)
                     following = None
                     if stepped:
@@ -225,20 +248,22 @@ class BlockServicer(BlockRpc):
                         yield await self._hand_off(session, request)
                     continue
                 if kind != "replay":
-                    yield await self._step(session, request)
+                    reply = await self._step(session, request)
+                    if reply is not None:  # None: a copy of a step that already ran from a push
+                        yield reply
                     continue
                 response, replayed = await self._replay(session, request)
                 yield response
                 if not replayed:
                     return  # a failed replay leaves a useless cache: the session ends, its memory is freed
-        except _LifetimeOver:
+        except SessionLifetimeOver:
             logger.info("session %s reached the lifetime limit: closed", session.session_id[:8])
             with contextlib.suppress(Exception):
                 yield self._error(
                     ErrorCode.SESSION_EXPIRED,
                     f"session lifetime of {self.limits.max_session_lifetime:.0f} s is over: open a new one",
                 )
-        except TimeoutError:
+        except SessionIdle:
             logger.info(
                 "session %s idle for %.0f s: closed",
                 session.session_id if session else "?",
@@ -247,23 +272,21 @@ class BlockServicer(BlockRpc):
             with contextlib.suppress(Exception):
                 yield self._error(ErrorCode.SESSION_EXPIRED, "session idle for too long")
         finally:
+            if inputs is not None:
+                inputs.close()
             if following is not None:
                 self._drop_follow(session, following)
             if session is not None:
                 self._close(session)
 
-    async def _next_request(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], ends_at: float = float("inf")
-    ):
-        left = ends_at - time.monotonic()
+    async def _next_request(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        """The stream's first request (its `Open`), None if the client ended at once."""
         try:
-            request = await asyncio.wait_for(anext(requests), timeout=min(self.session_idle_timeout, left))
+            request = await asyncio.wait_for(anext(requests), timeout=self.session_idle_timeout)
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            if left <= self.session_idle_timeout:
-                raise _LifetimeOver() from None
-            raise
+            raise SessionIdle() from None
         self.metrics.received.inc(request.ByteSize())
         return request
 
@@ -320,6 +343,9 @@ class BlockServicer(BlockRpc):
 
     def _close(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
+        if session.pusher is not None:
+            session.pusher.close()
+            session.pusher = None
         self.decode_load.forget(session.session_id)
         self.metrics.sessions.set(len(self.sessions))
         self.budget.release(session.session_id)
@@ -332,9 +358,13 @@ class BlockServicer(BlockRpc):
         logger.info("session %s closed, %d cache bytes free", session.session_id[:8], self.budget.bytes_left)
         self.on_sessions_changed()
 
-    async def _step(self, session: Session, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+    async def _step(
+        self, session: Session, request: runtime_pb2.ExpertRequest
+    ) -> runtime_pb2.ExpertResponse | None:
+        """The client's step, answered; None for its copy of a step that already ran from a push
+        (answered then)."""
         try:
-            size, limit = request.ByteSize(), self._message_limit(session.batch_size, session.max_length)
+            size, limit = request.ByteSize(), self._session_message_limit(session)
             if size > limit:
                 raise ProtocolError(
                     ErrorCode.BAD_REQUEST,
@@ -346,6 +376,8 @@ class BlockServicer(BlockRpc):
                 raise ProtocolError(
                     ErrorCode.NO_CACHE_ROOM, "the session is receiving its cache: wait for it"
                 )
+            if session.answered.get(message.step_id):
+                return None
             replay = session.replayed_output(message.step_id, message.position)
             if replay is not None:
                 return self._reply(StepDone(step_id=message.step_id, position=message.position), [replay])
@@ -353,20 +385,20 @@ class BlockServicer(BlockRpc):
                 session, self.span.hidden_size, message.position, decode_tensors(request), message.prompts
             )
             hypo_ids = check_hypo_ids(session, message.hypo_ids)
-            if hypo_ids is not None:
-                session.cache.reorder(hypo_ids)
-            kind = "decode" if hidden.shape[1] == 1 else "prefill"
-            decoding = 0  # sessions decoding here now, this one included (`server.decode_load`)
-            if kind == "decode":
-                decoding = self.decode_load.decoding(session.session_id, time.monotonic())
-            started = time.perf_counter()
-            output = await self._compute(session, hidden, message.position, padding_mask, prompts)
+            output = await self._run_step(
+                session, message.step_id, message.position, hidden, padding_mask, prompts, hypo_ids
+            )
             if message.last_only:
                 output = output[:, -1:]
-            elapsed = time.perf_counter() - started
-            self.metrics.steps.labels(kind=kind).observe(elapsed)
-            if decoding:
-                self.decode_load.observe(decoding, elapsed)
+            self._push_on(
+                session,
+                message.step_id,
+                message.position,
+                message.hypo_ids,
+                output,
+                padding_mask,
+                message.push_hops,
+            )
             session.record(message.step_id, message.position, output)
             done = StepDone(step_id=message.step_id, position=message.position, leaving=not self.accepting)
             return self._reply(done, [output])
@@ -377,6 +409,115 @@ class BlockServicer(BlockRpc):
             return self._error(
                 ErrorCode.INTERNAL, f"step failed on the server: {type(error).__name__}: {error}"
             )
+
+    async def _run_step(
+        self,
+        session: Session,
+        step_id: str,
+        position: int,
+        hidden: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A checked step on the session's cache, timed (the metrics and the decode load)."""
+        if hypo_ids is not None:
+            session.cache.reorder(hypo_ids)
+        kind = "decode" if hidden.shape[1] == 1 else "prefill"
+        decoding = 0  # sessions decoding here now, this one included (`server.decode_load`)
+        if kind == "decode":
+            decoding = self.decode_load.decoding(session.session_id, time.monotonic())
+        started = time.perf_counter()
+        output = await self._compute(session, hidden, position, padding_mask, prompts)
+        elapsed = time.perf_counter() - started
+        self.metrics.steps.labels(kind=kind).observe(elapsed)
+        if decoding:
+            self.decode_load.observe(decoding, elapsed)
+        return output
+
+    # --- chain sessions: steps pushed server to server (swarm/chain_wire.py) ----------------------
+    def _link(
+        self, session: Session, request: runtime_pb2.ExpertRequest
+    ) -> runtime_pb2.ExpertResponse | None:
+        """The client's `ChainLink`: who may push steps here, and where this session pushes its
+        outputs. No reply unless it is invalid."""
+        try:
+            link = parse(request.metadata, ChainLink)
+            if bool(link.accept_token) != bool(link.accept_from):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "accept_token and accept_from come together")
+            if len({bool(link.next_peer), bool(link.next_session), bool(link.next_token)}) != 1:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, "next_peer, next_session and next_token come together"
+                )
+        except ProtocolError as error:
+            return self._error(error.code, str(error))
+        session.push_token, session.push_from = link.accept_token, link.accept_from
+        target = PushTarget(link.next_peer, link.next_session, link.next_token) if link.next_peer else None
+        if session.pusher is not None and session.pusher.target != target:
+            session.pusher.close()
+            session.pusher = None
+        if target is not None and session.pusher is None and self._p2p is not None:
+            handle = self._get_handle_name(self._namespace, STEP_PUSH_HANDLE)
+            session.pusher = StepPusher(self._p2p, handle, target, session.session_id[:8])
+        return None
+
+    def _push_on(
+        self,
+        session: Session,
+        step_id: str,
+        position: int,
+        hypo_ids: list[int] | None,
+        output: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        push_hops: int,
+    ) -> None:
+        """The step's output to the session's successor, when the step asks for it (never waits)."""
+        if push_hops <= 0 or session.pusher is None:
+            return
+        step = PushedStep(
+            step_id=step_id,
+            position=position,
+            hypo_ids=hypo_ids,
+            masked=padding_mask is not None,
+            push_hops=push_hops - 1,
+        )
+        session.pusher.push(step, [output] if padding_mask is None else [output, padding_mask])
+
+    async def _pushed_step(
+        self, session: Session, step: PushedStep, tensors: list[torch.Tensor]
+    ) -> runtime_pb2.ExpertResponse | None:
+        """A step the predecessor pushed, run unless the client's copy ran first, and answered to the
+        client at once (with the digest of its input); a push that does not fit the session now is
+        dropped (the client's copy still comes)."""
+        if step.step_id in session.answered or session.receiving or session.cache is None:
+            return None
+        try:
+            hidden, padding_mask, _ = check_step_inputs(
+                session, self.span.hidden_size, step.position, tensors
+            )
+            hypo_ids = check_hypo_ids(session, step.hypo_ids)
+            output = await self._run_step(
+                session, step.step_id, step.position, hidden, padding_mask, None, hypo_ids
+            )
+        except ProtocolError as error:
+            logger.info("session %s: pushed step %s not run: %s", session.session_id[:8], step.step_id, error)
+            return None
+        except Exception:  # a bug or a device fault: the client's copy is run (or fails) as any step
+            logger.exception("session %s: pushed step failed", session.session_id[:8])
+            return None
+        self._push_on(
+            session, step.step_id, step.position, step.hypo_ids, output, padding_mask, step.push_hops
+        )
+        session.record(step.step_id, step.position, output, pushed=True)
+        digest = step_digest(hidden, padding_mask, step.hypo_ids)
+        done = StepDone(
+            step_id=step.step_id,
+            position=step.position,
+            leaving=not self.accepting,
+            pushed=True,
+            input_digest=digest,
+        )
+        return self._reply(done, [output])
 
     async def _replay(self, session: Session, request: runtime_pb2.ExpertRequest):
         """Run a `Replay`'s steps in order (a failover's exact catch-up in one round trip); returns the
@@ -414,6 +555,10 @@ class BlockServicer(BlockRpc):
             return self._error(
                 ErrorCode.INTERNAL, f"replay failed on the server: {type(error).__name__}: {error}"
             ), False
+
+    def _session_message_limit(self, session: Session) -> int:
+        """The largest legitimate step of `session`."""
+        return self._message_limit(session.batch_size, session.max_length)
 
     def _replay_limit(self, session: Session) -> int:
         """The largest legitimate replay: twice the session's positions of float32 hidden states,
@@ -685,6 +830,22 @@ class BlockServicer(BlockRpc):
                 yield response
 
         await add_bounded_stream_handler(p2p, self._push_handle(namespace), handler)
+
+        async def step_handler(requests, context, limit):
+            async for response in receive_steps(
+                requests,
+                context,
+                limit,
+                find_session,
+                self.span.hidden_size,
+                self._session_message_limit,
+                self.session_idle_timeout,
+            ):
+                yield response
+
+        await add_bounded_stream_handler(
+            p2p, self._get_handle_name(namespace, STEP_PUSH_HANDLE), step_handler
+        )
         probing = asyncio.Lock()  # one probe at a time: others are refused, never queued
 
         async def probe_handler(requests, context, limit):
@@ -695,6 +856,7 @@ class BlockServicer(BlockRpc):
 
     async def remove_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
         await p2p.remove_binary_stream_handler(self._push_handle(namespace))
+        await p2p.remove_binary_stream_handler(self._get_handle_name(namespace, STEP_PUSH_HANDLE))
         await p2p.remove_binary_stream_handler(self.probe_handle(namespace))
 
     def probe_handle(self, namespace: str | None) -> str:
@@ -829,7 +991,3 @@ def _message_type(request: runtime_pb2.ExpertRequest) -> object:
         return decode_metadata(request.metadata).get("type")
     except ProtocolError:
         return None
-
-
-class _LifetimeOver(Exception):
-    """The session reached `PeerLimits.max_session_lifetime`."""

@@ -125,6 +125,7 @@ class SwarmServer:
             reachability=self.reachability,
             adapters=served.adapter_names if served is not None else (),
             role=self.role.role,
+            chain_push=True,
             links=served.link_rates if served is not None else {},
         )
 

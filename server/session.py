@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from llm_swarm.server.cache_progress import CacheProgress
+from llm_swarm.server.step_pusher import StepPusher
 from llm_swarm.swarm.models.cache import SpanCache
 from llm_swarm.swarm.wire import ErrorCode, ProtocolError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ANSWERED_STEPS = 256  # step ids a session remembers having run: a later copy of one is not run again
+INBOX_STEPS = 4  # pushed steps a session holds before it runs them (more are dropped)
 
 
 @dataclass
@@ -34,6 +39,13 @@ class Session:
     last_output: torch.Tensor | None = None
     last_active: float = field(default_factory=time.monotonic)
     prompt_tokens: int | None = None  # its step at position 0 (`server.session_lengths`), if seen
+    # chain sessions (swarm.chain_wire): who may push steps here and with what token, what they pushed,
+    # where this session pushes its own outputs, and which step ids ran (True: from a push)
+    push_token: str = ""
+    push_from: str = ""
+    inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_STEPS))
+    pusher: StepPusher | None = None
+    answered: OrderedDict[str, bool] = field(default_factory=OrderedDict)
 
     def replayed_output(self, step_id: str, position: int) -> torch.Tensor | None:
         """The answer to a step that was already computed (a retry of the same step id), if any."""
@@ -41,9 +53,12 @@ class Session:
             return self.last_output
         return None
 
-    def record(self, step_id: str, position: int, output: torch.Tensor) -> None:
+    def record(self, step_id: str, position: int, output: torch.Tensor, pushed: bool = False) -> None:
         self.last_step_id, self.last_position, self.last_output = step_id, position, output
         self.last_active = time.monotonic()
+        self.answered[step_id] = pushed
+        while len(self.answered) > ANSWERED_STEPS:
+            self.answered.popitem(last=False)
 
 
 def check_hypo_ids(session: Session, hypo_ids: list[int] | None) -> torch.Tensor | None:

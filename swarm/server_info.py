@@ -99,6 +99,9 @@ class ServerInfo(VersionedRecord):
     # servers that predate the field were reachable as far as anyone knew: DIRECT
     reachability: Reachability = Reachability.DIRECT
     role: ServerRole = ServerRole.BOTH
+    # takes part in chain sessions (swarm/chain_wire.py): pushes its outputs to the next server and
+    # runs steps pushed to it; servers that predate them leave it out
+    chain_push: bool = False
     # cache hand-offs this server measured: peer id -> bytes/s of its pushes there (at most 16)
     links: dict[Annotated[str, Field(max_length=128)], Annotated[float, Field(gt=0, le=1e12)]] = Field(
         default_factory=dict, max_length=16

@@ -91,6 +91,9 @@ class Step(Message):
     # reply with the last position's output only: a failover's catch-up prefill into the last server
     # of a replacement chain, whose outputs nobody reads (half the bytes on the wire)
     last_only: bool = False
+    # chain sessions (swarm.chain_wire): push the output to the session's successor, which pushes it
+    # on, `push_hops` hops in all; the same step id names the step on every server of the chain
+    push_hops: int = Field(default=0, ge=0, le=64)
 
 
 class StepDone(Message):
@@ -99,6 +102,10 @@ class StepDone(Message):
     position: int
     # the server is leaving (draining or moving): the client should move the session now (a hand-off)
     leaving: bool = False
+    # the step ran from the predecessor's push (swarm.chain_wire), not the client's copy: the digest
+    # of the input it ran (`chain_wire.step_digest`), which the client compares with its own copy
+    pushed: bool = False
+    input_digest: str = Field(default="", max_length=64)
 
 
 class Replay(Message):
@@ -206,24 +213,36 @@ class RemoteError(Exception):
         self.code, self.peer, self.message = code, peer, message
 
 
+# fields messages leave out when they hold these values (what servers that predate them assume)
+OPTIONAL_FIELDS = {
+    "swarm_proof": "",
+    "hypo_ids": None,
+    "prompts": False,
+    "last_only": False,
+    "adapter": "",
+    "cache_token": "",
+    "cache_from": "",
+    "leaving": False,
+    "follow": False,
+    "push_hops": 0,
+    "pushed": False,
+    "input_digest": "",
+}
+
+
+def _same(value: object, empty: object) -> bool:
+    """`value` is `empty` itself: 0 is not False here, nor False 0."""
+    return type(value) is type(empty) and value == empty
+
+
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
     # hivemind serializes host memory only: a server on a GPU sends its caches' chunks (hand-offs)
     serialized = [serialize_torch_tensor(t.cpu()) for t in tensors]
     # optional fields left empty are left out, so servers that predate them accept the message
     unused = {
         name
-        for name in (
-            "swarm_proof",
-            "hypo_ids",
-            "prompts",
-            "last_only",
-            "adapter",
-            "cache_token",
-            "cache_from",
-            "leaving",
-            "follow",
-        )
-        if getattr(message, name, 1) in ("", None) or getattr(message, name, 1) is False
+        for name, empty in OPTIONAL_FIELDS.items()
+        if name in type(message).model_fields and _same(getattr(message, name), empty)
     }
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))
     if request:

@@ -68,6 +68,24 @@ def model_dir(request, bloom_dir, llama_dir) -> Path:
     return bloom_dir if request.param == "bloom" else llama_dir
 
 
+@pytest.fixture(scope="session")
+def local_reference():
+    """`local_reference(model_dir)`: local transformers' model (in eval mode) and tokenizer of a
+    checkpoint, loaded once per test session: what distributed runs must equal. Tests only read it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded: dict[str, tuple] = {}
+
+    def load(model_dir: Path | str) -> tuple:
+        key = str(model_dir)
+        if key not in loaded:
+            model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+            loaded[key] = model, AutoTokenizer.from_pretrained(model_dir)
+        return loaded[key]
+
+    return load
+
+
 # --- the `swarm` marker: tests that start processes ---------------------------------------------------
 # A test that starts anything (a local swarm, a subprocess, a browser) carries `pytest.mark.swarm`, on
 # itself or its module, so `scripts/test.sh -m "not swarm"` runs the pure tests alone, in seconds. A

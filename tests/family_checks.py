@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from llm_swarm.client.backend import LocalSpans
 from llm_swarm.client.model import DistributedModelForCausalLM
@@ -23,11 +23,10 @@ PADDED_TEXTS = ["A cat sat on a mat", "one two"]
 
 
 def assert_spans_generate_like_transformers(
-    model_dir: Path, layers: int, new_tokens: int, padded_new_tokens: int
+    model_dir: Path, reference, layers: int, new_tokens: int, padded_new_tokens: int
 ):
     """Spans `[0, 1)` and `[1, layers)` in process: greedy and beam search, then a left-padded batch,
-    each token for token what local transformers generates."""
-    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    each token for token what `reference` (local transformers) generates."""
     spans = [load_span(model_dir, 0, 1)[0], load_span(model_dir, 1, layers)[0]]
     model = DistributedModelForCausalLM.from_local_parts(model_dir, LocalSpans(spans))
     assert_generates_like_transformers(model, reference, model_dir, new_tokens, padded_new_tokens)

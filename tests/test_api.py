@@ -21,7 +21,7 @@ from typing import NamedTuple
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from harness.local_swarm import LocalSwarm
 from llm_swarm.client import AutoDistributedModelForCausalLM
@@ -278,9 +278,9 @@ def test_a_dropped_stream_frees_the_servers_cache(api, llama_dir):
 
 # --- what evaluation harnesses and agent frameworks use: log-probabilities, echo, n, batches, tools ---
 @pytest.fixture(scope="module")
-def local(llama_dir):
+def local(llama_dir, local_reference):
     """transformers' own model of the same checkpoint, in float32: the numbers the API must give."""
-    return AutoModelForCausalLM.from_pretrained(llama_dir).eval(), AutoTokenizer.from_pretrained(llama_dir)
+    return local_reference(llama_dir)[0], AutoTokenizer.from_pretrained(llama_dir)
 
 
 @pytest.fixture(scope="module")

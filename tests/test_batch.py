@@ -353,9 +353,9 @@ def one_torch_thread():
 
 @pytest.mark.swarm
 def test_a_killed_batch_resumes_and_answers_every_prompt_once_exactly(
-    llama_dir, tmp_path, capsys, one_torch_thread
+    llama_dir, tmp_path, capsys, one_torch_thread, local_reference
 ):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from harness.local_swarm import LocalSwarm
     from llm_swarm.client.batch.cli import build_parser, run_batch
@@ -405,7 +405,7 @@ def test_a_killed_batch_resumes_and_answers_every_prompt_once_exactly(
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["id"] for line in lines) == sorted(p["id"] for p in prompts)  # each exactly once
     assert {line["chain"] for line in lines} == {0, 1}
-    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    reference = local_reference(llama_dir)[0]
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     by_id = {line["id"]: line for line in lines}
     for prompt in prompts:

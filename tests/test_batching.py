@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from llm_swarm.server.engine import BatchingEngine, EngineStats
 from llm_swarm.swarm.models import load_client_parts, load_span
@@ -411,13 +411,13 @@ PROMPTS = [
 
 
 @pytest.mark.swarm
-def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path):
+def test_eight_concurrent_clients_through_a_batching_server(llama_dir, tmp_path, local_reference):
     from harness.local_swarm import LocalSwarm, prometheus_sample
     from llm_swarm.client import AutoDistributedModelForCausalLM
     from llm_swarm.swarm.dht_keys import default_prefix
 
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    reference = local_reference(llama_dir)[0]
     prompts = [tokenizer(text, return_tensors="pt").input_ids for text in PROMPTS]
     expected = [reference.generate(p, max_new_tokens=16, do_sample=False) for p in prompts]
     swarm = LocalSwarm(tmp_path)

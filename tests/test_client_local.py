@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from llm_swarm.client.backend import LocalSpans
 from llm_swarm.client.model import DistributedModelForCausalLM
@@ -18,8 +18,8 @@ from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 
 @pytest.fixture(scope="module")
-def models(model_dir):
-    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+def models(model_dir, local_reference):
+    reference = local_reference(model_dir)[0]
     backend = LocalSpans([load_span(model_dir, 0, 2)[0], load_span(model_dir, 2, 6)[0]])
     return reference, DistributedModelForCausalLM.from_local_parts(model_dir, backend)
 

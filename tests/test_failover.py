@@ -61,7 +61,7 @@ def test_generation_survives_killed_servers(swarm, llama_dir, expected, replacem
     assert len(survivors) >= 2
 
 
-def test_chaos_many_clients_while_servers_die_and_return(swarm, llama_dir, expected):
+def test_chaos_many_clients_while_servers_die_and_return(swarm, llama_dir, expected, local_reference):
     """8 clients generate 48 tokens while servers are SIGKILLed and restarted; every block stays served."""
     prefix = default_prefix(str(llama_dir))
     spans = {"a1": "0:3", "a2": "0:3", "b1": "3:6", "b2": "3:6", "c": "0:6"}
@@ -69,7 +69,7 @@ def test_chaos_many_clients_while_servers_die_and_return(swarm, llama_dir, expec
     for name, blocks in spans.items():
         swarm.start_server(name, llama_dir, blocks, "1GB", "--compute-delay", "0.003")
     swarm.wait_online(prefix, NUM_BLOCKS, list(spans))
-    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    reference = local_reference(llama_dir)[0]
     prompts = [torch.tensor([[5 + i, 17, 99, 200 - i, 33]]) for i in range(8)]
     expected_outputs = [reference.generate(p, max_new_tokens=48, do_sample=False) for p in prompts]
 
@@ -171,7 +171,7 @@ def test_sigterm_drains_open_sessions_and_refuses_new_ones(swarm, llama_dir, exp
         model.shutdown()
 
 
-def test_beam_search_survives_a_killed_server(swarm, llama_dir):
+def test_beam_search_survives_a_killed_server(swarm, llama_dir, local_reference):
     """Five beams; the first server of the chain is SIGKILLed mid-generation: its replacement replays
     the kept inputs with their hypothesis indices, so its cache holds the same reordered beams."""
     prefix = default_prefix(str(llama_dir))
@@ -179,7 +179,7 @@ def test_beam_search_survives_a_killed_server(swarm, llama_dir):
         swarm.start_server(name, llama_dir, blocks)
     swarm.wait_online(prefix, NUM_BLOCKS, ["a", "a2", "b"])
     names = {peer: info.public_name for peer, info in swarm.servers(prefix, NUM_BLOCKS).items()}
-    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    reference = local_reference(llama_dir)[0]
     expected = reference.generate(PROMPT, max_new_tokens=16, num_beams=5, do_sample=False)
     model = AutoDistributedModelForCausalLM.from_pretrained(
         llama_dir, swarm.initial_peers, options=FAST_FAILOVER

@@ -50,9 +50,9 @@ def variant_dir(request, tmp_path_factory) -> Path:
     return build_falcon(tmp_path_factory.mktemp(f"falcon-{request.param}") / "model", request.param)
 
 
-def test_in_process_spans_generate_what_transformers_generates(variant_dir):
+def test_in_process_spans_generate_what_transformers_generates(variant_dir, local_reference):
     family_checks.assert_spans_generate_like_transformers(
-        variant_dir, LAYERS, new_tokens=12, padded_new_tokens=8
+        variant_dir, local_reference(variant_dir)[0], LAYERS, new_tokens=12, padded_new_tokens=8
     )
 
 
@@ -135,8 +135,8 @@ def default_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(default_dir):
-    return AutoModelForCausalLM.from_pretrained(default_dir).eval()
+def reference(default_dir, local_reference):
+    return local_reference(default_dir)[0]
 
 
 @pytest.fixture(scope="module")

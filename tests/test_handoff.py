@@ -81,7 +81,7 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
 
 
 @pytest.mark.swarm
-def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama_dir):
+def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama_dir, local_reference):
     """A hand-off for a move: a managed server that the scheduler moves to another span while
     a session is open on it hands the session's cache to a server holding the session's blocks (the
     only one: `spare`, made slower so that the session starts on the mover), and generation stays
@@ -103,7 +103,7 @@ def test_a_server_the_scheduler_moves_hands_its_session_off_exactly(swarm, llama
         scheduler.epoch, scheduler.spans = 1, {mover: (0, NUM_BLOCKS)}
         swarm.start_server("spare", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--compute-delay", "0.02")
         wait_spans(swarm, prefix, {"mover": (0, NUM_BLOCKS), "spare": (0, NUM_BLOCKS)})
-        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+        reference = local_reference(llama_dir)[0]
         expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
         model = AutoDistributedModelForCausalLM.from_pretrained(
             llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
@@ -184,7 +184,7 @@ async def _push(connection, peer_id: str, requests: list) -> list[str]:
 
 
 @pytest.mark.swarm
-def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir):
+def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir, local_reference):
     """This test's own peer pushes caches it was not given, or malformed ones, into a real server:
     each is refused, the session stays empty and usable, and an honest session is exact after."""
     prefix = default_prefix(str(llama_dir))
@@ -265,7 +265,7 @@ def test_hostile_pushes_are_refused_and_leave_nothing_behind(swarm, llama_dir):
         assert output.shape == hidden.shape and torch.isfinite(output).all()
         run_sync(stream.close_and_wait(5.0))
         # an honest session afterwards is exact, and every reservation was released
-        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+        reference = local_reference(llama_dir)[0]
         expected = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)
         assert torch.equal(model.generate(PROMPT, max_new_tokens=8, do_sample=False), expected)
     finally:
@@ -366,7 +366,7 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
 
 
 @pytest.mark.swarm
-def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir, caplog):
+def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir, caplog, local_reference):
     """WS-RR routes both phases: decode chains only through servers that decode, and each
     session's prompt to the prefill server the scheduler chose (by queue, prefill and hand-off), whose
     cache then goes to the decode server. Two prefill servers, two sessions at once: one each."""
@@ -391,7 +391,7 @@ def test_the_scheduler_plans_where_prompts_run_and_spreads_them(swarm, llama_dir
     swarm.wait_for(
         prefix, NUM_BLOCKS, lambda online: all(decoders <= set(online[n].links) for n in names[:2]), 60
     )
-    reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    reference = local_reference(llama_dir)[0]
     prompt = torch.randint(4, 400, (1, 40), generator=torch.Generator().manual_seed(0))
     expected = reference.generate(prompt, max_new_tokens=8, do_sample=False)
     options = ClientOptions(request_timeout=20.0, scheduler_key=swarm.scheduler_key)

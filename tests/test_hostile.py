@@ -18,7 +18,6 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
-from transformers import AutoModelForCausalLM
 
 from harness.local_swarm import LocalSwarm
 from llm_swarm.client import AutoDistributedModelForCausalLM
@@ -298,7 +297,7 @@ class Target:
 
 
 @pytest.fixture(scope="module")
-def target(llama_dir, tmp_path_factory):
+def target(llama_dir, tmp_path_factory, local_reference):
     from llm_swarm.swarm.models import load_span
 
     span, _ = load_span(llama_dir, 0, NUM_BLOCKS)
@@ -321,7 +320,7 @@ def target(llama_dir, tmp_path_factory):
         swarm.wait_online(prefix, NUM_BLOCKS, ["target"])
         ((peer_id, info),) = swarm.servers(prefix, NUM_BLOCKS).items()
         prompt = torch.tensor([[5, 17, 99, 200]])
-        reference = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+        reference = local_reference(llama_dir)[0]
         expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
         model = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers)
         target = Target(swarm, prefix, peer_id, info.cache_bytes_left, model, prompt, expected)

@@ -57,8 +57,9 @@ def family_dir(request, tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp(request.param) / "model", spec, max_shard_size="60KB")
 
 
-def test_in_process_spans_generate_what_transformers_generates(family_dir):
-    assert_spans_generate_like_transformers(family_dir, LAYERS, new_tokens=10, padded_new_tokens=8)
+def test_in_process_spans_generate_what_transformers_generates(family_dir, local_reference):
+    reference = local_reference(family_dir)[0]
+    assert_spans_generate_like_transformers(family_dir, reference, LAYERS, new_tokens=10, padded_new_tokens=8)
 
 
 def test_a_span_loads_only_its_own_shards(family_dir):
@@ -131,13 +132,13 @@ def assert_batched_step_equals_steps_alone(span, lengths: tuple[int, ...] = (3, 
 
 @pytest.mark.swarm
 @pytest.mark.compat
-def test_real_servers_batching_and_failover(swarm, family_dir):
+def test_real_servers_batching_and_failover(swarm, family_dir, local_reference):
     prefix = default_prefix(str(family_dir))
     swarm.start_server("a", family_dir, "0:2")
     swarm.start_server("b", family_dir, "2:4")
     swarm.start_server("a2", family_dir, "0:2")
     swarm.wait_online(prefix, LAYERS, ["a", "b", "a2"])
-    reference = AutoModelForCausalLM.from_pretrained(family_dir).eval()
+    reference = local_reference(family_dir)[0]
     options = ClientOptions(request_timeout=20.0, ban_base=60.0, wait_for_servers=30.0)
     model = AutoDistributedModelForCausalLM.from_pretrained(family_dir, swarm.initial_peers, options=options)
     try:

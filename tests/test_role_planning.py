@@ -345,14 +345,15 @@ def test_managed_servers_adopt_an_assigned_role_unless_started_with_one(llama_di
 
 
 @pytest.mark.swarm
-def test_a_live_scheduler_plans_roles_and_generation_through_them_stays_exact(swarm, llama_dir):
+def test_a_live_scheduler_plans_roles_and_generation_through_them_stays_exact(
+    swarm, llama_dir, local_reference
+):
     """`swarm-scheduler --roles auto` on four managed servers, the netem benchmark's `split` swarm in
     small (two compute-rich servers that decode 2x slower, two that prefill 10x slower; emulated
     delays): once the servers have measured their links, the scheduler makes the compute-rich ones
     `prefill` and places for it; a session's prompt then runs there, its cache streamed to the server
     that decodes, and greedy generation equals local transformers."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
     from llm_swarm.swarm.dht_keys import default_prefix
@@ -384,7 +385,7 @@ def test_a_live_scheduler_plans_roles_and_generation_through_them_stays_exact(sw
         what="the compute-rich servers prefill",
     )
     prompt = torch.randint(4, 100, (1, 200), generator=torch.Generator().manual_seed(0))
-    expected = AutoModelForCausalLM.from_pretrained(llama_dir).eval().generate(prompt, max_new_tokens=6)
+    expected = local_reference(llama_dir)[0].generate(prompt, max_new_tokens=6)
     options = ClientOptions(
         request_timeout=30.0, scheduler_key=swarm.scheduler_key, use_scheduler=True, accept_slo_miss=True
     )

@@ -21,7 +21,6 @@ import time
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness.local_swarm import LocalSwarm
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
@@ -101,8 +100,8 @@ def scheduled_swarm(directory, llama_dir, args: tuple[str, ...]):
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
-    return AutoModelForCausalLM.from_pretrained(llama_dir).eval(), AutoTokenizer.from_pretrained(llama_dir)
+def reference(llama_dir, local_reference):
+    return local_reference(llama_dir)
 
 
 def expected(reference, prompt: str, new_tokens: int) -> torch.Tensor:

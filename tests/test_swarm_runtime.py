@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness.local_swarm import CHILD_ENV, LocalSwarm, child_pids
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
@@ -49,8 +48,8 @@ def swarm(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+def reference(model_dir, local_reference):
+    return local_reference(model_dir)
 
 
 @pytest.fixture(scope="module")

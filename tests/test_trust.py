@@ -21,7 +21,6 @@ from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
-from transformers import AutoModelForCausalLM
 
 from harness.local_swarm import LocalSwarm
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
@@ -72,8 +71,8 @@ def rogue_scheduler():
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
-    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+def reference(llama_dir, local_reference):
+    model = local_reference(llama_dir)[0]
     return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 

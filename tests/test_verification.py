@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from harness.local_swarm import LocalSwarm, prometheus_sample
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
@@ -58,8 +57,8 @@ def test_tolerance_follows_the_kinds_measured_disagreement():
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
-    return AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+def reference(llama_dir, local_reference):
+    return local_reference(llama_dir)[0]
 
 
 @pytest.mark.swarm

@@ -1,0 +1,210 @@
+"""Chain sessions: each server pushes its output for a step straight to the next server of the
+client's chain (swarm/chain_wire.py), which runs the step from whichever copy comes first and answers
+the client at once. Through three real servers: greedy, beam search, a left-padded batch and
+speculative decoding equal local transformers, with the later hops answering from pushes; hub-spoke
+(`ClientOptions.chain_push=False`) gives the same tokens with no push; a middle server killed
+mid-generation is replaced and the pushes go on through its replacement, exactly. Hostile pushes (a
+wrong token, a peer the client did not name, a session that takes none, oversized, NaN, wrong shapes,
+a sender that never finishes) are refused and leave the session as it was; a replayed push is not
+run twice."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
+from llm_swarm.client.connection import run_sync
+from llm_swarm.client.stream import ServerStream, StepInput
+from llm_swarm.swarm.chain_wire import PushedStep, PushSteps, step_digest
+from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.wire import Step, decode_metadata, encode
+from tests.conftest import NUM_BLOCKS
+from tests.family_checks import PADDED_TEXTS, PROMPT, REPEATING_PROMPT
+from tests.raw_streams import exchange
+
+
+def pushed_answers(streams: list[ServerStream]) -> list[int]:
+    return [stream.pushed_answers for stream in streams]
+
+
+@pytest.mark.swarm
+def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir, local_reference):
+    prefix = default_prefix(str(llama_dir))
+    for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6"), ("b2", "2:4")):
+        swarm.start_server(name, llama_dir, blocks, "1GB")
+    swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c", "b2"])
+    reference, tokenizer = local_reference(llama_dir)
+    options = ClientOptions(request_timeout=20.0, ban_base=60.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
+    hub = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0, chain_push=False)
+    )
+    try:
+        # every step of a session through three hops: the second and third answer from pushes
+        expected = reference.generate(PROMPT, max_new_tokens=12, do_sample=False)
+        with model.inference_session(max_length=PROMPT.shape[1] + 12) as session:
+            assert torch.equal(
+                model.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session), expected
+            )
+            streams = session.blocks.streams
+            assert len(streams) == 3 and pushed_answers(streams)[0] == 0
+            assert min(pushed_answers(streams)[1:]) >= 10  # the first step may race its links
+        with hub.inference_session(max_length=PROMPT.shape[1] + 12) as session:
+            assert torch.equal(
+                hub.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session), expected
+            )
+            assert pushed_answers(session.blocks.streams) == [0, 0, 0]
+        # beam search (the pushes carry its reorderings), a left-padded batch, speculation's rewinds
+        beams = reference.generate(PROMPT, max_new_tokens=8, num_beams=3, do_sample=False)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=8, num_beams=3, do_sample=False), beams)
+        batch = tokenizer(PADDED_TEXTS, return_tensors="pt", padding=True, padding_side="left")
+        padded = reference.generate(**batch, max_new_tokens=8, do_sample=False)
+        assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False), padded)
+        greedy = reference.generate(REPEATING_PROMPT, max_new_tokens=12, do_sample=False)
+        for speculation in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": reference}):
+            output = model.generate(REPEATING_PROMPT, max_new_tokens=12, do_sample=False, **speculation)
+            assert torch.equal(output, greedy), speculation
+        # the middle server killed mid-generation: its replacement is linked in, and pushes go on
+        expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False)
+        with model.inference_session(max_length=PROMPT.shape[1] + 16) as session:
+            first = model.generate(PROMPT, max_new_tokens=8, do_sample=False, session=session)
+            victim = session.blocks.streams[1]
+            swarm.stop(model.backend.connection.roster.known[victim.hop.peer_id].public_name, signal.SIGKILL)
+            rest = model.generate(None, max_new_tokens=8, do_sample=False)
+            streams = session.blocks.streams
+            assert victim.hop.peer_id not in [stream.hop.peer_id for stream in streams]
+            assert streams[1].pushed_answers > 0 and streams[2].pushed_answers > 0
+        assert torch.equal(torch.cat([first, rest], dim=1), expected)
+    finally:
+        model.shutdown()
+        hub.shutdown()
+
+
+@pytest.mark.swarm
+def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_dir, local_reference):
+    """This test's own peer pushes steps into sessions on a real server: only the session that named it
+    as predecessor, with its token, takes them; every other push is refused with the reason, and the
+    session is exact afterwards."""
+    prefix = default_prefix(str(llama_dir))
+    swarm.start_server("b", llama_dir, f"0:{NUM_BLOCKS}", "1GB", "--session-timeout", "3")
+    swarm.wait_online(prefix, NUM_BLOCKS, ["b"])
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
+    )
+    connection = model.backend.connection
+    try:
+        servers = run_sync(connection.roster.servers(refresh=True))
+        (peer,) = [p for p, info in servers.items() if info.public_name == "b"]
+        me = connection.p2p.peer_id.to_base58()
+        hop, shape = RouteHop(peer, 0, NUM_BLOCKS), SessionShape(1, 16, l_in=4, l_out=12)
+        width = local_reference(llama_dir)[0].config.hidden_size
+
+        def session(predecessor: str | None) -> ServerStream:
+            """A session of ours on the server, taking pushes from `predecessor` (None: from nobody)."""
+            stream = ServerStream(hop, uuid.uuid4().hex, shape)
+            run_sync(stream.open(connection))
+            if predecessor is not None:
+                named = ServerStream(RouteHop(predecessor, 0, 1), uuid.uuid4().hex, shape)
+                run_sync(stream.link(named, None, 20.0))
+            return stream
+
+        def push(stream: ServerStream, token: str, *steps) -> list[str]:
+            header = encode(PushSteps(session_id=stream.session_id, token=token))
+            return run_sync(
+                exchange(connection, peer, "push_steps", [header, *steps], lambda kinds: not kinds)
+            )
+
+        def step(position: int = 0, hidden: torch.Tensor | None = None, **fields):
+            hidden = torch.randn(1, 2, width) if hidden is None else hidden
+            return encode(PushedStep(step_id=f"x{position}", position=position, **fields), [hidden])
+
+        attacks = {  # each on a session of its own, opened right before (sessions expire after 3 s idle)
+            "a wrong token": (me, "0" * 32, [step()]),
+            "a session that takes no pushes": (None, "1" * 32, [step()]),
+            "another predecessor": ("12D3KooWSomeOtherPeerThatIsNotTheTestsOwnPeer", None, [step()]),
+            "NaN": (me, None, [step(hidden=torch.full((1, 2, width), math.nan))]),
+            "a wrong width": (me, None, [step(hidden=torch.zeros(1, 2, width + 1))]),
+            "a wrong batch": (me, None, [step(hidden=torch.zeros(2, 2, width))]),
+            "past max_length": (me, None, [step(position=15)]),
+            "a mask it does not carry": (me, None, [step(masked=True)]),
+            "an oversized message": (me, None, [step(hidden=torch.zeros(1, 4096, width))]),
+        }
+        reasons = {
+            "a wrong token": "the token does not match",
+            "a session that takes no pushes": "no session here accepts pushed steps",
+            "another predecessor": "not the one the session's client named as its predecessor",
+            "NaN": "NaN",
+            "a wrong width": "hidden size",
+            "a wrong batch": "does not fit the session",
+            "past max_length": "does not fit the session",
+            "a mask it does not carry": "carries 2 tensors",
+            "an oversized message": "exceeds this session's limit",
+        }
+        for what, (predecessor, token, steps) in attacks.items():
+            stream = session(predecessor)
+            kinds = push(stream, token or stream.push_token, *steps)
+            assert len(kinds) == 1 and reasons[what] in kinds[0], (what, kinds)
+            run_sync(stream.close_and_wait(5.0))
+        # a sender that never finishes: the server ends the stream after its idle timeout (3 s)
+        stalled = session(me)
+        header = encode(PushSteps(session_id=stalled.session_id, token=stalled.push_token))
+        kinds = run_sync(
+            asyncio.wait_for(exchange(connection, peer, "push_steps", [header], lambda k: not k), 30)
+        )
+        assert kinds and kinds[-1].startswith(("error", "closed")), kinds
+        run_sync(stalled.close_and_wait(5.0))
+        # a push into the session that named us runs, answered unasked; the same push again does not
+        # run twice; the session goes on from the client at the next position
+        ours = session(me)
+        hidden = torch.randn(1, 3, width)
+        header = encode(PushSteps(session_id=ours.session_id, token=ours.push_token))
+        sent = [header, step(0, hidden), step(0, hidden)]
+        assert run_sync(exchange(connection, peer, "push_steps", sent, lambda kinds: False)) == []
+        deadline = time.monotonic() + 20
+        while ours.replies_waiting < 1:  # the server's answer to the push, unasked
+            assert time.monotonic() < deadline, "the pushed step was not answered"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert ours.replies_waiting == 1  # the same push again did not run again
+        output = run_sync(ours.step(StepInput(hidden, 0, None, None, None, 0), 20.0, step_id="x0"))
+        assert ours.pushed_answers == 1 and output.shape == hidden.shape
+        later = run_sync(ours.step(StepInput(torch.randn(1, 1, width), 3, None, None, None, 0), 20.0))
+        assert later.shape == (1, 1, width) and ours.pushed_answers == 1
+        run_sync(ours.close_and_wait(5.0))
+        # an honest session afterwards is exact
+        reference = local_reference(llama_dir)[0]
+        expected = reference.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=6, do_sample=False), expected)
+    finally:
+        model.shutdown()
+
+
+@pytest.mark.version_neutral
+def test_a_step_that_pushes_nothing_is_the_message_older_servers_know_and_digests_tell_inputs_apart():
+    """`push_hops=0` is left out of a step (servers that predate chain sessions refuse unknown
+    fields), and the digest a pushed answer carries changes with the hidden states, the padding mask
+    and the reordering alike."""
+    plain = decode_metadata(encode(Step(step_id="s", position=0)).metadata)
+    assert (
+        "push_hops" not in plain
+        and decode_metadata(encode(Step(step_id="s", position=0, push_hops=2)).metadata)["push_hops"] == 2
+    )
+    hidden, mask = torch.randn(1, 2, 8), torch.ones(1, 2, dtype=torch.long)
+    digest = step_digest(hidden, None, None)
+    assert digest == step_digest(hidden.clone(), None, None)
+    changed = hidden.clone()
+    changed[0, 1, 3] += 1e-6
+    others = {
+        step_digest(changed, None, None),
+        step_digest(hidden, mask, None),
+        step_digest(hidden, None, (0,)),
+    }
+    assert digest not in others and len(others) == 3
