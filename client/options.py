@@ -50,6 +50,10 @@ class ClientOptions:
     # chain plus the servers' links between them; False: every output comes back to the client first
     # (hub-spoke), as servers that predate pushes serve anyway
     chain_push: bool = True
+    # in a chain session, seconds the client waits for a server's answer to a step its predecessor
+    # pushed before it sends its own copy of the step's input: None sends it at once (a failed push
+    # costs nothing), a delay saves the client's upload while pushes work (a failed one costs it)
+    push_copy_after: float | None = None
     # this client's upload bandwidth (Mbit/s): what a replay costs against a server-to-server hand-off
     uplink_mbps: float = 20.0
     # a session on a server that leaves: "auto" moves its cache by hand-off when that is expected to
@@ -92,6 +96,11 @@ class ClientOptions:
             )
         if self.probe_per_block < 1:
             raise SwarmUserError(f"ClientOptions.probe_per_block must be >= 1, got {self.probe_per_block}")
+        if self.push_copy_after is not None and not 0 <= self.push_copy_after <= self.request_timeout:
+            raise SwarmUserError(
+                "ClientOptions.push_copy_after must be None or in [0, request_timeout], got "
+                f"{self.push_copy_after}"
+            )
         if self.replay_mode not in ("exact", "prefill", "steps"):
             raise SwarmUserError(
                 f"ClientOptions.replay_mode must be exact, prefill or steps, got {self.replay_mode!r}"

@@ -290,20 +290,34 @@ class RemoteBlockSession(BlockSession):
         """Through every hop in turn: each server's output is the next one's input. In a chain
         session each server also pushes its output straight to the next one (swarm/chain_wire.py),
         which runs the step from whichever copy comes first and answers at once; the client sends
-        its own copy all the same (what it keeps for replays), and reads the answers in order."""
+        its own copy all the same (at once, or once `ClientOptions.push_copy_after` passed without
+        an answer), and reads the answers in order."""
         timeout = self.connection.options.request_timeout
         failures = 0
         index = 0
         step_id = await self._next_chain_step()
+        first_pushed = 1  # hops from here on get this step id pushed (not where it restarted)
         while index < len(self.streams):
             stream = self.streams[index]
             # deep prompts are the client's per hop: a step that carries them is not pushed
             push_hops = len(self.streams) - 1 - index if step_id and step.prompts is None else 0
+            before = self.streams[index - 1] if index > 0 else None
+            pushed_here = (  # the predecessor pushes this step here: the client's copy may wait
+                step_id is not None
+                and index >= first_pushed
+                and step.prompts is None
+                and before is not None
+                and stream.linked is not None
+                and stream.linked.accept_from == before.hop.peer_id
+            )
+            copy_after = self.connection.options.push_copy_after if pushed_here else None
             try:
                 if self.verify_plan.verify_now():
                     output = await self._verified_step(index, step, timeout, step_id, push_hops)
                 else:
-                    output = await stream.step(step, timeout, step_id=step_id, push_hops=push_hops)
+                    output = await stream.step(
+                        step, timeout, step_id=step_id, push_hops=push_hops, copy_after=copy_after
+                    )
             except PushMismatch as mismatch:
                 logger.warning(
                     "session %s: %s; its predecessor %s pushes to it no more",
@@ -313,6 +327,7 @@ class RemoteBlockSession(BlockSession):
                 )
                 self.unpushed.add((self.streams[index - 1].hop.peer_id, stream.hop.peer_id))
                 step_id = await self._next_chain_step()  # the step again, from this hop on
+                first_pushed = index + 1
                 continue
             except RemoteError as error:
                 if error.code in FATAL_CODES:
@@ -320,6 +335,7 @@ class RemoteBlockSession(BlockSession):
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)
                 step_id = await self._next_chain_step()  # the new servers' chain, a fresh id
+                first_pushed = index + 1
                 continue
             except SwarmUnavailable:
                 raise  # e.g. two replicas disagree and none can decide: failing over would hide it
@@ -327,6 +343,7 @@ class RemoteBlockSession(BlockSession):
                 failures = self._count_failure(failures, stream, error)
                 self.streams[index : index + 1] = await self._replace(stream)
                 step_id = await self._next_chain_step()
+                first_pushed = index + 1
                 continue
             step = dataclasses.replace(step, hidden=output)
             index += 1

@@ -226,10 +226,13 @@ class ServerStream:
         last_only: bool = False,
         step_id: str | None = None,
         push_hops: int = 0,
+        copy_after: float | None = None,
     ) -> torch.Tensor:
         """Run `step` on the server; its output (only the last position's with `last_only`).
         `step_id` and `push_hops`: a chain step's id, the same on every server of the chain, and how
-        many hops on the server pushes its output (chain sessions)."""
+        many hops on the server pushes its output (chain sessions). `copy_after`: the step's input
+        comes pushed by the predecessor; send the client's copy only if no answer came within this
+        many seconds (None: send it at once)."""
         hidden, position = step.hidden, step.position
         tensors = [hidden] if step.padding_mask is None else [hidden, step.padding_mask]
         # unique on the stream: the server answers a repeated id from its last result (a retry), and
@@ -248,8 +251,14 @@ class ServerStream:
             last_only=last_only,
             push_hops=push_hops,
         )
-        await self._send(encode(message, tensors), timeout)
-        reply, outputs = await self._receive(timeout, StepDone, with_tensors=True, step_id=step_id)
+        answered = None
+        if copy_after is not None:
+            answered = await self._pushed_answer(copy_after, step_id)
+        if answered is None:
+            await self._send(encode(message, tensors), timeout)
+        reply, outputs = answered or await self._receive(
+            timeout, StepDone, with_tensors=True, step_id=step_id
+        )
         self._check_answer(
             output_problem(reply.step_id, step_id, outputs, hidden[:, -1:] if last_only else hidden)
         )
@@ -336,6 +345,25 @@ class ServerStream:
             cause = "the server closed the session" if reply is _CLOSED else reply
             raise StreamFailure(self.hop.peer_id, cause)
         return self._parse_reply(reply, expected, with_tensors)
+
+    async def _pushed_answer(self, seconds: float, step_id: str):
+        """The server's answer to chain step `step_id` if it comes within `seconds` (it ran the step
+        from a push), as `_receive` gives it; None otherwise."""
+        if self._replies is None:
+            raise StreamFailure(self.hop.peer_id, "the stream is closed")
+        deadline = asyncio.get_running_loop().time() + seconds
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                reply = await asyncio.wait_for(self._replies.get(), max(left, 0.0))
+            except TimeoutError:
+                return None
+            if not _stale_push(reply, step_id):
+                break
+        if not isinstance(reply, tuple):  # the stream ended: `_receive` says so (the copy is lost too)
+            self._replies.put_nowait(reply)
+            return await self._receive(0.0, StepDone, with_tensors=True, step_id=step_id)
+        return self._parse_reply(reply, StepDone, with_tensors=True)
 
     async def _next_reply(self, deadline: float):
         try:

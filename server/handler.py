@@ -377,6 +377,7 @@ class BlockServicer(BlockRpc):
                     ErrorCode.NO_CACHE_ROOM, "the session is receiving its cache: wait for it"
                 )
             if session.answered.get(message.step_id):
+                self.metrics.chained_steps.labels(how="copy_dropped").inc()
                 return None
             replay = session.replayed_output(message.step_id, message.position)
             if replay is not None:
@@ -452,6 +453,7 @@ class BlockServicer(BlockRpc):
         except ProtocolError as error:
             return self._error(error.code, str(error))
         session.push_token, session.push_from = link.accept_token, link.accept_from
+        session.linked.set()
         target = PushTarget(link.next_peer, link.next_session, link.next_token) if link.next_peer else None
         if session.pusher is not None and session.pusher.target != target:
             session.pusher.close()
@@ -505,6 +507,7 @@ class BlockServicer(BlockRpc):
         except Exception:  # a bug or a device fault: the client's copy is run (or fails) as any step
             logger.exception("session %s: pushed step failed", session.session_id[:8])
             return None
+        self.metrics.chained_steps.labels(how="pushed").inc()
         self._push_on(
             session, step.step_id, step.position, step.hypo_ids, output, padding_mask, step.push_hops
         )

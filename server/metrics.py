@@ -55,6 +55,12 @@ class ServerMetrics:
             "What each session decoding here at once adds to a token's time per block (0: not measured)",
         )
         self.span_changes = counter("swarm_server_span_changes", "Times the server moved to a new span")
+        self.chained_steps = counter(
+            "swarm_server_chained_steps",
+            "Chain sessions' steps run from the predecessor's push (pushed), and the client's copies of "
+            "them not run again (copy_dropped)",
+            ["how"],
+        )
 
     def watch_cache(
         self, free_slots: Callable[[], int], total_slots: Callable[[], int], free_bytes: Callable[[], int]

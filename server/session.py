@@ -43,6 +43,7 @@ class Session:
     # where this session pushes its own outputs, and which step ids ran (True: from a push)
     push_token: str = ""
     push_from: str = ""
+    linked: asyncio.Event = field(default_factory=asyncio.Event)  # the client's first `ChainLink` came
     inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_STEPS))
     pusher: StepPusher | None = None
     answered: OrderedDict[str, bool] = field(default_factory=OrderedDict)

@@ -13,6 +13,7 @@ order, and at most `INBOX_STEPS` wait there (more are dropped: the client's copi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,10 @@ from llm_swarm.swarm.chain_wire import PushedStep, PushSteps
 from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
 
 logger = logging.getLogger(__name__)
+
+# how long a push stream waits for the client's `ChainLink` to the session it names: the client links
+# every server as it sends the first step, and the first push may come before the link does
+LINK_WAIT = 5.0
 
 
 async def receive_steps(
@@ -43,7 +48,11 @@ async def receive_steps(
     try:
         first = await asyncio.wait_for(anext(requests), idle_timeout)
         header = parse(first.metadata, PushSteps)
-        session = _claim(find_session(header.session_id), header, sender)
+        session = find_session(header.session_id)
+        if session is not None and not session.linked.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(session.linked.wait(), LINK_WAIT)
+        session = _claim(session, header, sender)
         limit.max_bytes = message_limit(session)
         while True:
             try:

@@ -31,47 +31,51 @@ START_TIMEOUT = 120.0
 FORCED = re.compile(r"DHT process \d+ did not stop within")
 
 
-ALL_COMMANDS = ("swarm-dht", "swarm-server", "swarm-health", "swarm-scheduler", "swarm-api")
+# what each command's stop is tested against: its DHT process frozen (SIGSTOP), or its p2pd frozen,
+# which leaves the DHT process alive but stuck waiting for the daemon; the second kind for the two
+# commands that differ most, the bootstrap peer and the server (which also drains)
+FROZEN = {
+    "swarm-dht": "dht-process",
+    "swarm-server": "dht-process",
+    "swarm-health": "dht-process",
+    "swarm-scheduler": "dht-process",
+    "swarm-api": "dht-process",
+    "swarm-dht-stuck": "p2pd",
+    "swarm-server-stuck": "p2pd",
+}
 
 
-def _start_commands(swarm: LocalSwarm, model_dir: Path, names: tuple[str, ...]) -> dict[str, psutil.Process]:
-    """The commands `names`, started together and waited for; each one's process."""
+def _start_commands(swarm: LocalSwarm, model_dir: Path) -> dict[str, psutil.Process]:
+    """Every command of `FROZEN`, started together and waited for; each one's process."""
     peers = swarm.initial_peers
     log_dir = swarm.log_dir
-    ready_files = {"swarm-dht": "second.maddrs", "swarm-health": "health.url"}
-    if "swarm-dht" in names:
-        swarm.start("swarm-dht", [*dht_argv(log_dir / "second.maddrs"), "--initial-peers", *peers])
-    if "swarm-server" in names:
-        swarm.start_server("swarm-server", model_dir, "0:2", "1GB", "--drain-timeout", f"{SERVER_DRAIN:g}")
-    if "swarm-health" in names:
-        health = [
-            PYTHON,
-            "-m",
-            "llm_swarm.scheduler.service.health_cli",
-            "--initial-peers",
-            *peers,
-            "--model-dir",
-            str(model_dir),
-        ]
-        swarm.start("swarm-health", [*health, "--port", "0", "--address-file", str(log_dir / "health.url")])
-    if "swarm-scheduler" in names:
-        swarm.start_scheduler("swarm-scheduler", model_dir, timeout=START_TIMEOUT)
-    if "swarm-api" in names:
-        swarm.start_api("swarm-api", model_dir, timeout=START_TIMEOUT)
-    for name in set(ready_files) & set(names):
-        wait_for_file(
-            log_dir / ready_files[name],
-            swarm.processes[name],
-            name,
-            lambda n=name: swarm.log(n),
-            START_TIMEOUT,
-        )
+    ready_files = {"swarm-health": log_dir / "health.url"}
+    for name in ("swarm-dht", "swarm-dht-stuck"):
+        ready_files[name] = log_dir / f"{name}.maddrs"
+        swarm.start(name, [*dht_argv(ready_files[name]), "--initial-peers", *peers])
+    for name in ("swarm-server", "swarm-server-stuck"):
+        swarm.start_server(name, model_dir, "0:2", "1GB", "--drain-timeout", f"{SERVER_DRAIN:g}")
+    health = [PYTHON, "-m", "llm_swarm.scheduler.service.health_cli", "--initial-peers", *peers]
+    health += [
+        "--model-dir",
+        str(model_dir),
+        "--port",
+        "0",
+        "--address-file",
+        str(ready_files["swarm-health"]),
+    ]
+    swarm.start("swarm-health", health)
+    swarm.start_scheduler("swarm-scheduler", model_dir, timeout=START_TIMEOUT)
+    swarm.start_api("swarm-api", model_dir, timeout=START_TIMEOUT)
+    for name, path in ready_files.items():
+        wait_for_file(path, swarm.processes[name], name, lambda n=name: swarm.log(n), START_TIMEOUT)
     deadline = time.monotonic() + START_TIMEOUT
-    while "swarm-server" in names and "online: serving" not in swarm.log("swarm-server"):
-        assert time.monotonic() < deadline and swarm.processes["swarm-server"].poll() is None, swarm.log(
-            "swarm-server"
-        )[-3000:]
-        time.sleep(0.2)
+    for name in ("swarm-server", "swarm-server-stuck"):
+        while "online: serving" not in swarm.log(name):
+            assert time.monotonic() < deadline and swarm.processes[name].poll() is None, swarm.log(name)[
+                -3000:
+            ]
+            time.sleep(0.2)
     return {name: psutil.Process(process.pid) for name, process in swarm.processes.items() if name != "dht"}
 
 
@@ -98,20 +102,15 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-# a frozen DHT process, for every command; a stuck one (its p2pd frozen) for the two that differ most:
-# the bootstrap peer and the server (which also drains)
-@pytest.mark.parametrize(
-    ("frozen", "names"), [("dht-process", ALL_COMMANDS), ("p2pd", ("swarm-dht", "swarm-server"))]
-)
-def test_sigterm_stops_every_command_and_what_it_started_in_bounded_time(llama_dir, tmp_path, frozen, names):
+def test_sigterm_stops_every_command_and_what_it_started_in_bounded_time(llama_dir, tmp_path):
     swarm = LocalSwarm(tmp_path)
     try:
         swarm.start_dht()
-        commands = _start_commands(swarm, llama_dir, names)
+        commands = _start_commands(swarm, llama_dir)
         started = {name: command.children(recursive=True) for name, command in commands.items()}
-        for command in commands.values():
+        for name, command in commands.items():
             dht_process, p2pd = _dht_process(command)
-            (dht_process if frozen == "dht-process" else p2pd).send_signal(signal.SIGSTOP)
+            (dht_process if FROZEN[name] == "dht-process" else p2pd).send_signal(signal.SIGSTOP)
         # let each command's loop call its frozen DHT first (the scheduler reads its roster every 2 s):
         # a stop asked during a DHT call that never returns must be bounded too (it once was not)
         time.sleep(2.5)
