@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import shutil
 import sys
@@ -24,6 +25,7 @@ from benchmarks.markdown import ROOT, write_section
 from llm_swarm.swarm.dht_keys import default_prefix
 
 if TYPE_CHECKING:  # importing it pulls in hivemind, which takes seconds
+    from benchmarks.netem.emulator import Emulation
     from harness.local_swarm import LocalSwarm
 
 
@@ -150,6 +152,21 @@ def run_emulated(prefix: str, keep_logs: str | None, run: Callable[[Path], _T]) 
         finally:
             if keep_logs:
                 shutil.copytree(Path(work) / "netem", keep_logs, dirs_exist_ok=True)
+
+
+def run_measuring_client(
+    emulation: Emulation, argv: list[str], out: Path, watch: list[str] | None = None
+) -> dict:
+    """Runs a benchmark's measuring client `argv` (its `measure` subcommand) in the client's site until
+    it ends, checking meanwhile that the emulation's processes (`watch`; default: all) and its packet
+    delayer are alive; returns the JSON it wrote to `out`."""
+    process = emulation.start("measure", "client", argv)
+    while process.poll() is None:
+        emulation.check_alive(watch)
+        time.sleep(1.0)
+    if process.returncode != 0:
+        raise SystemExit(f"the measuring client failed:\n{emulation.log('measure')[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def run_concurrently(work: list[Callable[[], None]]) -> float:

@@ -13,7 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from llm_swarm.client.connection import SwarmConnection
 from llm_swarm.swarm.block_rpc import BlockRpc
-from llm_swarm.swarm.chain_wire import ChainLink, step_digest
+from llm_swarm.swarm.chain_wire import ChainLink, answers_another_step, step_digest
 from llm_swarm.swarm.cost import REWIND_RESERVE
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
@@ -27,7 +27,6 @@ from llm_swarm.swarm.wire import (
     Replayed,
     Step,
     StepDone,
-    decode_metadata,
     decode_tensors,
     encode,
     parse,
@@ -337,7 +336,7 @@ class ServerStream:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             reply = await self._next_reply(deadline)
-            if not _stale_push(reply, step_id):
+            if not _stale(reply, step_id):
                 break
         if not isinstance(reply, tuple):  # the stream ended (or broke) before a reply came
             self.healthy = False
@@ -358,7 +357,7 @@ class ServerStream:
                 reply = await asyncio.wait_for(self._replies.get(), max(left, 0.0))
             except TimeoutError:
                 return None
-            if not _stale_push(reply, step_id):
+            if not _stale(reply, step_id):
                 break
         if not isinstance(reply, tuple):  # the stream ended: `_receive` says so (the copy is lost too)
             self._replies.put_nowait(reply)
@@ -414,19 +413,10 @@ class ServerStream:
 _CLOSED = object()  # what `_read_replies` queues when the server ends its side
 
 
-def _stale_push(reply, step_id: str | None) -> bool:
-    """`reply` answers, unasked, a step other than `step_id` (see `ServerStream._receive`)."""
-    if not isinstance(reply, tuple) or reply[1] is not None:
-        return False
-    try:
-        metadata = decode_metadata(reply[0].metadata)
-    except Exception:  # garbage is for the parser to refuse
-        return False
-    return (
-        metadata.get("type") == "step_done"
-        and metadata.get("pushed") is True
-        and metadata.get("step_id") != step_id
-    )
+def _stale(reply, step_id: str | None) -> bool:
+    """`reply` (as `_read_replies` queues it) is a server's unasked answer to a step other than
+    `step_id` (see `ServerStream._receive`)."""
+    return isinstance(reply, tuple) and reply[1] is None and answers_another_step(reply[0], step_id)
 
 
 async def _read_replies(reader: asyncio.StreamReader, replies: asyncio.Queue) -> None:

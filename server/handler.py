@@ -364,12 +364,7 @@ class BlockServicer(BlockRpc):
         """The client's step, answered; None for its copy of a step that already ran from a push
         (answered then)."""
         try:
-            size, limit = request.ByteSize(), self._session_message_limit(session)
-            if size > limit:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    f"message of {size:,} bytes exceeds this session's limit of {limit:,}",
-                )
+            _check_size(request, self._session_message_limit(session), "message")
             message = parse(request.metadata, Step)
             if session.receiving:
                 # "wait": a push the client gave up on is still being undone here
@@ -526,12 +521,7 @@ class BlockServicer(BlockRpc):
         """Run a `Replay`'s steps in order (a failover's exact catch-up in one round trip); returns the
         reply and whether it succeeded."""
         try:
-            size, limit = request.ByteSize(), self._replay_limit(session)
-            if size > limit:
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST,
-                    f"replay of {size:,} bytes exceeds this session's limit of {limit:,}",
-                )
+            _check_size(request, self._replay_limit(session), "replay")
             message = parse(request.metadata, Replay)
             steps = parse_replay(message, decode_tensors(request), session, self.span.hidden_size)
             started, outputs = time.perf_counter(), []
@@ -986,6 +976,14 @@ class BlockServicer(BlockRpc):
             handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
         )
         return self._reply(reply, [])
+
+
+def _check_size(request: runtime_pb2.ExpertRequest, limit: int, what: str) -> None:
+    size = request.ByteSize()
+    if size > limit:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{what} of {size:,} bytes exceeds this session's limit of {limit:,}"
+        )
 
 
 def _message_type(request: runtime_pb2.ExpertRequest) -> object:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from hivemind.proto import runtime_pb2
 from pydantic import Field
 
-from llm_swarm.swarm.wire import Message, RequestId, SessionId
+from llm_swarm.swarm.wire import Message, ProtocolError, RequestId, SessionId, decode_metadata
 
 TOKEN_PATTERN = r"^[0-9a-f]{32,64}$"  # a secret the client draws: only its holder may push to a session
 OPTIONAL_TOKEN_PATTERN = r"^([0-9a-f]{32,64})?$"
@@ -84,3 +85,14 @@ def step_digest(hidden: torch.Tensor, padding_mask: torch.Tensor | None, hypo_id
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     digest.update(repr(None if hypo_ids is None else [int(i) for i in hypo_ids]).encode())
     return digest.hexdigest()
+
+
+def answers_another_step(response: runtime_pb2.ExpertResponse, step_id: str | None) -> bool:
+    """`response` is a server's answer to a step it ran from a push, and that step is not `step_id`:
+    an answer to a chain step the client gave up (and ran again under another id)."""
+    try:
+        metadata = decode_metadata(response.metadata)
+    except ProtocolError:  # garbage is for the reader's parser to refuse
+        return False
+    pushed = metadata.get("type") == "step_done" and metadata.get("pushed") is True
+    return pushed and metadata.get("step_id") != step_id

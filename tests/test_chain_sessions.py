@@ -107,7 +107,8 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
         (peer,) = [p for p, info in servers.items() if info.public_name == "b"]
         me = connection.p2p.peer_id.to_base58()
         hop, shape = RouteHop(peer, 0, NUM_BLOCKS), SessionShape(1, 16, l_in=4, l_out=12)
-        width = local_reference(llama_dir)[0].config.hidden_size
+        reference = local_reference(llama_dir)[0]
+        width = reference.config.hidden_size
 
         def session(predecessor: str | None) -> ServerStream:
             """A session of ours on the server, taking pushes from `predecessor` (None: from nobody)."""
@@ -182,9 +183,8 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
         assert later.shape == (1, 1, width) and ours.pushed_answers == 1
         run_sync(ours.close_and_wait(5.0))
         # an honest session afterwards is exact
-        reference = local_reference(llama_dir)[0]
-        expected = reference.generate(PROMPT, max_new_tokens=6, do_sample=False)
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=6, do_sample=False), expected)
+        output, expected = (m.generate(PROMPT, max_new_tokens=6, do_sample=False) for m in (model, reference))
+        assert torch.equal(output, expected)
     finally:
         model.shutdown()
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import add_report_options, measuring_parser, publish_table, run_emulated, run_measuring
+from benchmarks import common
 
 LAYERS = 6
 PROMPT_TOKENS, NEW_TOKENS = 16, 32
@@ -136,11 +136,7 @@ def run(args: argparse.Namespace, setting: str, work: Path) -> dict:
             "--initial-peers", *emulation.initial_peers, "--out", str(out), "--repeats", str(args.repeats),
             "--setting", setting,
         ]  # fmt: skip
-        client = emulation.start("measure", "client", argv)
-        client.wait(1200)
-        if client.returncode != 0:
-            raise SystemExit(f"the measuring client failed:\n{emulation.log('measure')[-3000:]}")
-        return json.loads(out.read_text())
+        return common.run_measuring_client(emulation, argv, out)
 
 
 def table(results: dict[str, dict]) -> list[str]:
@@ -179,10 +175,10 @@ def shared_options(options: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = measuring_parser(__doc__, "--model-dir", "--out", "--setting", shared=shared_options)
+    parser = common.measuring_parser(__doc__, "--model-dir", "--out", "--setting", shared=shared_options)
     parser.add_argument("--settings", default="near,near6,far", help=f"of {', '.join(SETTINGS)}")
-    add_report_options(parser, keep_logs=True)
-    run_measuring(parser, measure, benchmark)
+    common.add_report_options(parser, keep_logs=True)
+    common.run_measuring(parser, measure, benchmark)
 
 
 def benchmark(args: argparse.Namespace) -> None:
@@ -191,7 +187,7 @@ def benchmark(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"unknown settings {unknown}: choose among {', '.join(SETTINGS)}")
     results = {
-        setting: run_emulated(
+        setting: common.run_emulated(
             f"bench-chain-{setting}-", args.keep_logs, lambda work, setting=setting: run(args, setting, work)
         )
         for setting in settings
@@ -204,7 +200,7 @@ def benchmark(args: argparse.Namespace) -> None:
         "100 Mbit/s, between servers 1 Gbit/s."
     )
     options = argparse.Namespace(settings=args.settings, repeats=args.repeats, write=args.write)
-    publish_table(__file__, options, table(results), HEADER, text)
+    common.publish_table(__file__, options, table(results), HEADER, text)
 
 
 if __name__ == "__main__":

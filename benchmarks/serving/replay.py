@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import add_report_options, measuring_parser, publish_table, run_measuring
+from benchmarks import common
 
 LAYERS = 6
 MODES = ("steps", "exact", "prefill")
@@ -110,13 +110,7 @@ def run(args: argparse.Namespace, work: Path) -> list[dict]:
             "--initial-peers", *emulation.initial_peers, "--out", str(out), "--pids", str(work / "pids.json"),
             "--history", args.history,
         ]  # fmt: skip
-        process = emulation.start("measure", "client", argv)
-        while process.poll() is None:
-            emulation.check_alive(["dht", "second", "third", "measure"])
-            time.sleep(1.0)
-        if process.returncode != 0:
-            raise SystemExit(f"the measuring client failed:\n{emulation.log('measure')[-3000:]}")
-        return json.loads(out.read_text())
+        return common.run_measuring_client(emulation, argv, out, ["dht", "second", "third", "measure"])
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -143,11 +137,11 @@ def shared_options(options: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = measuring_parser(__doc__, "--model-dir", "--out", "--pids", shared=shared_options)
+    parser = common.measuring_parser(__doc__, "--model-dir", "--out", "--pids", shared=shared_options)
     parser.add_argument("--rtt", type=float, default=50.0, help="ms between the client and each server site")
     parser.add_argument("--compute-delay", type=float, default=0.001, help="seconds per block per step")
-    add_report_options(parser)
-    run_measuring(parser, measure, benchmark)
+    common.add_report_options(parser)
+    common.run_measuring(parser, measure, benchmark)
 
 
 def benchmark(args: argparse.Namespace) -> None:
@@ -165,7 +159,9 @@ def benchmark(args: argparse.Namespace) -> None:
     options = argparse.Namespace(
         history=args.history, rtt=args.rtt, compute_delay=args.compute_delay, write=args.write
     )
-    publish_table(__file__, options, table(rows), "## Failover in one round trip, over emulated links", text)
+    common.publish_table(
+        __file__, options, table(rows), "## Failover in one round trip, over emulated links", text
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import add_report_options, measuring_parser, publish_table, run_emulated, run_measuring
+from benchmarks.common import (
+    add_report_options,
+    measuring_parser,
+    publish_table,
+    run_emulated,
+    run_measuring,
+    run_measuring_client,
+)
 
 LAYERS = 6
 SPANS = ("0:2", "2:4", "4:6")
@@ -162,11 +169,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             "--initial-peers", *emulation.initial_peers, "--out", str(out),
             "--repeats", str(args.repeats), "--scheduler-key", emulation.scheduler_key,
         ]  # fmt: skip
-        client = emulation.start("measure", "client", argv)
-        client.wait(600)
-        if client.returncode != 0:
-            raise SystemExit(f"the measuring client failed:\n{emulation.log('measure')[-3000:]}")
-        return json.loads(out.read_text())
+        return run_measuring_client(emulation, argv, out)
 
 
 def table(result: dict, rtt_ms: float) -> list[str]:

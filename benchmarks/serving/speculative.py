@@ -34,7 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import add_report_options, measuring_parser, publish_table, run_measuring
+from benchmarks.common import (
+    add_report_options,
+    measuring_parser,
+    publish_table,
+    run_measuring,
+    run_measuring_client,
+)
 
 LAYERS = 6
 SPANS = ("0:2", "2:4", "4:6")
@@ -225,15 +231,9 @@ def run_netem(work: Path, model_dir: Path, args: argparse.Namespace) -> dict:
             emulation.start_server(names[-1], site, model_dir, span, "1GB", COMPUTE_DELAY)
         emulation.wait_online("client", model_dir, names)
         out = work / "netem.json"
-        process = emulation.start(
-            "measure", "client", measure_argv(model_dir, emulation.initial_peers, out, args)
+        return run_measuring_client(
+            emulation, measure_argv(model_dir, emulation.initial_peers, out, args), out
         )
-        while process.poll() is None:
-            emulation.check_alive()
-            time.sleep(1.0)
-        if process.returncode != 0:
-            raise SystemExit(f"the measuring client failed:\n{emulation.log('measure')[-3000:]}")
-        return json.loads(out.read_text())
 
 
 # --- the report ---------------------------------------------------------------------------------------------
