@@ -4,9 +4,9 @@
 #   scripts/test.sh -k spans -x
 # `scripts/test.sh --compat [pytest args]` is the compatibility leg: the same checkout on the other
 # supported transformers major (4.57, requirements-transformers4.lock), running the pure tests (but
-# those marked `version_neutral`, whose code never touches transformers) and
-# the swarm tests marked `compat` (one per family through real servers, speculation, adapters, the
-# API and its clients). The packages whose versions differ between the two locks are installed into
+# those marked `version_neutral`, whose code never touches transformers) and the swarm tests marked
+# `compat` (real servers for each family whose code differs between the majors, speculation,
+# adapters, the API and its clients). The packages whose versions differ between the two locks are installed into
 # .compat-packages, which PYTHONPATH puts before .venv's own (for the test processes and every
 # process they start), so the leg costs seconds to set up rather than a second full environment.
 set -euo pipefail

@@ -66,6 +66,8 @@ def api(llama_dir, tmp_path_factory):
             "2",
             "--max-request-tokens",
             "4096",
+            "--wait-for-servers",
+            "3",
         )
         yield Api(swarm, url, prefix, idle_cache)
     finally:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from llm_swarm.client.backend import LocalSpans
+from llm_swarm.client.cli import main as generate_main
 from llm_swarm.client.model import DistributedModelForCausalLM
 from llm_swarm.client.session_cache import SessionCache
 from llm_swarm.swarm.errors import SwarmUserError
@@ -158,12 +160,19 @@ def test_sampling_matches_under_the_same_seed(models):
 
 
 def run_generate_command(llama_dir, prompt: str, *extra: str) -> subprocess.CompletedProcess:
-    """`swarm-generate` on the tiny LLaMA's two local spans."""
-    argv = [sys.executable, "-m", "llm_swarm.client.cli", str(llama_dir), "--local-spans", "0:3,3:6"]
-    return subprocess.run([*argv, "--prompt", prompt, *extra], capture_output=True, text=True, timeout=120)
+    """`swarm-generate` on the tiny LLaMA's two local spans, run in this process (its `main`, the
+    console script's entry point): its exit status and what it printed."""
+    argv = [str(llama_dir), "--local-spans", "0:3,3:6", "--prompt", prompt, *extra]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            generate_main(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
 
 
-@pytest.mark.swarm
 def test_generate_command_runs_locally(llama_dir):
     result = run_generate_command(llama_dir, "Once upon", "--max-new-tokens", "5")
     assert result.returncode == 0, result.stderr
@@ -179,7 +188,6 @@ def test_beam_search_equals_transformers(models):
     )
 
 
-@pytest.mark.swarm
 def test_generate_command_speculates_and_prints_the_same_text(llama_dir, tmp_path):
     """`swarm-generate --assistant DIR` and `--prompt-lookup N` print the text plain decoding prints,
     then a one-line summary of the drafts on stderr; a draft model of another vocabulary is refused."""

@@ -48,6 +48,8 @@ from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
 from tests.test_plan_cli import run, server
 from tests.test_scheduler_core import BLOCK, SERVERS, SHAPE, SLOT, L, core_with, info, serving
 
+pytestmark = pytest.mark.version_neutral  # scheduler and simulator code: no transformers
+
 _SCRIPT = Path(sys.executable).with_name("swarm-plan")
 COMMAND = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "llm_swarm.scheduler.plan.cli"]
 

@@ -35,6 +35,8 @@ from llm_swarm.swarm.route_request import RouteRequest, SessionShape
 from llm_swarm.swarm.server_info import ServerInfo, ServerState
 from tests.test_scheduler_core import BLOCK, SHAPE, TOKEN, L, info
 
+pytestmark = pytest.mark.version_neutral  # scheduler and simulator code: no transformers
+
 lengths_strategy = st.lists(st.integers(1, 5000), min_size=1, max_size=300)
 
 # -- the predictor ---------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from llm_swarm.swarm.errors import SwarmUserError
 from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
 from llm_swarm.swarm.server_info import ServerInfo, ServerRole, ServerState
 
+pytestmark = pytest.mark.version_neutral  # scheduler and simulator code: no transformers
+
 KV = 4096.0  # cache bytes per token per block
 L_IN = 2048
 

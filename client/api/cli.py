@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--scheduler-key", help="route through the scheduler whose records this key signs")
     parser.add_argument(
+        "--wait-for-servers",
+        type=float,
+        default=ClientOptions.wait_for_servers,
+        help="seconds a request waits for some server to cover blocks nobody serves before it is answered "
+        "503",
+    )
+    parser.add_argument(
         "--verify-fraction", type=float, default=0.0, help="replica verification (see swarm-generate)"
     )
     parser.add_argument(
