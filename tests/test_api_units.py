@@ -10,9 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from llm_swarm.client.api.admission import Admission
 from llm_swarm.client.api.chat_schema import ChatRequest
 from llm_swarm.client.api.errors import ApiError
+from llm_swarm.client.api.generation_slots import GenerationSlots
 from llm_swarm.client.api.logprobs import LogprobRecorder
 from llm_swarm.client.api.planning import choice_seed
 from llm_swarm.client.api.prompting import SIMPLE_TEMPLATE, template_renders_tools
@@ -78,7 +78,7 @@ def test_tool_formats_follow_the_template_and_force_calls():
 
 def test_admission_counts_choices_and_serves_in_turn():
     async def scenario() -> list[str]:
-        admission, order = Admission(max_concurrent=4, max_queued=4), []
+        admission, order = GenerationSlots(max_concurrent=4, max_queued=4), []
         admission.enter(3)
         with pytest.raises(ApiError) as refused:
             admission.enter(6)  # 3 + 6 > 4 + 4

@@ -22,11 +22,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from llm_swarm.client.api.admission import Admission
 from llm_swarm.client.api.chat_schema import ChatRequest
 from llm_swarm.client.api.config import ApiConfig
 from llm_swarm.client.api.errors import ApiError, error_body
 from llm_swarm.client.api.generation import GenerationJob
+from llm_swarm.client.api.generation_slots import GenerationSlots
 from llm_swarm.client.api.logprobs import TokenTexts, install_hook
 from llm_swarm.client.api.metrics import ApiMetrics
 from llm_swarm.client.api.planning import RequestPlan, plan_chat, plan_completion
@@ -50,7 +50,7 @@ class SwarmApi:
         self.metrics = ApiMetrics()
         # one worker per slot: admission never lets more generations run than there are workers
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent, thread_name_prefix="generate")
-        self.admission = Admission(config.max_concurrent, config.max_queued)
+        self.admission = GenerationSlots(config.max_concurrent, config.max_queued)
         self.texts = TokenTexts(tokenizer)
         self.vocab_size = getattr(model.config, "vocab_size", None) or len(tokenizer)
         install_hook(model)  # log-probabilities come from the logits of the model's own forwards

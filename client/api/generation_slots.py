@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from llm_swarm.client.api.errors import ApiError
 
 
-class Admission:
+class GenerationSlots:
     def __init__(self, max_concurrent: int, max_queued: int):
         self.max_concurrent, self.max_queued = max_concurrent, max_queued
         self.admitted = 0  # generations running or waiting for a slot
