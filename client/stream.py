@@ -252,7 +252,8 @@ class ServerStream:
         )
         answered = None
         if copy_after is not None:
-            answered = await self._pushed_answer(copy_after, step_id)
+            # the server's answer to a push within `copy_after` seconds, else none: send the copy
+            answered = await self._receive(copy_after, StepDone, True, step_id, quiet_timeout=True)
         if answered is None:
             await self._send(encode(message, tensors), timeout)
         reply, outputs = answered or await self._receive(
@@ -326,16 +327,30 @@ class ServerStream:
         self.length = min(self.length, position)  # a replica that lags behind keeps its own length
 
     async def _receive(
-        self, timeout: float, expected: type, with_tensors: bool = False, step_id: str | None = None
+        self,
+        timeout: float,
+        expected: type,
+        with_tensors: bool = False,
+        step_id: str | None = None,
+        quiet_timeout: bool = False,
     ):
         """The server's next reply, as `expected`. A step's answer that the server sent on its own
         (it ran the step from a push) and that is not the answer to `step_id` is dropped: it belongs
-        to a chain step the client abandoned (run again after a failure or a mismatch)."""
+        to a chain step the client abandoned (run again after a failure or a mismatch). With
+        `quiet_timeout`, None when nothing came within `timeout` (the stream stays healthy)."""
         if self._replies is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
-            reply = await self._next_reply(deadline)
+            try:
+                reply = await asyncio.wait_for(
+                    self._replies.get(), max(deadline - asyncio.get_running_loop().time(), 0.0)
+                )
+            except TimeoutError as error:
+                if quiet_timeout:
+                    return None
+                self.healthy = False
+                raise StreamFailure(self.hop.peer_id, error) from error
             if not _stale(reply, step_id):
                 break
         if not isinstance(reply, tuple):  # the stream ended (or broke) before a reply came
@@ -344,32 +359,6 @@ class ServerStream:
             cause = "the server closed the session" if reply is _CLOSED else reply
             raise StreamFailure(self.hop.peer_id, cause)
         return self._parse_reply(reply, expected, with_tensors)
-
-    async def _pushed_answer(self, seconds: float, step_id: str):
-        """The server's answer to chain step `step_id` if it comes within `seconds` (it ran the step
-        from a push), as `_receive` gives it; None otherwise."""
-        if self._replies is None:
-            raise StreamFailure(self.hop.peer_id, "the stream is closed")
-        deadline = asyncio.get_running_loop().time() + seconds
-        while True:
-            left = deadline - asyncio.get_running_loop().time()
-            try:
-                reply = await asyncio.wait_for(self._replies.get(), max(left, 0.0))
-            except TimeoutError:
-                return None
-            if not _stale(reply, step_id):
-                break
-        if not isinstance(reply, tuple):  # the stream ended: `_receive` says so (the copy is lost too)
-            self._replies.put_nowait(reply)
-            return await self._receive(0.0, StepDone, with_tensors=True, step_id=step_id)
-        return self._parse_reply(reply, StepDone, with_tensors=True)
-
-    async def _next_reply(self, deadline: float):
-        try:
-            return await asyncio.wait_for(self._replies.get(), deadline - asyncio.get_running_loop().time())
-        except Exception as error:  # a timeout
-            self.healthy = False
-            raise StreamFailure(self.hop.peer_id, error) from error
 
     def _parse_reply(self, reply, expected: type, with_tensors: bool):
         response, failure = reply

@@ -381,9 +381,7 @@ class BlockServicer(BlockRpc):
                 session, self.span.hidden_size, message.position, decode_tensors(request), message.prompts
             )
             hypo_ids = check_hypo_ids(session, message.hypo_ids)
-            output = await self._run_step(
-                session, message.step_id, message.position, hidden, padding_mask, prompts, hypo_ids
-            )
+            output = await self._run_step(session, message.position, hidden, padding_mask, prompts, hypo_ids)
             if message.last_only:
                 output = output[:, -1:]
             self._push_on(
@@ -409,7 +407,6 @@ class BlockServicer(BlockRpc):
     async def _run_step(
         self,
         session: Session,
-        step_id: str,
         position: int,
         hidden: torch.Tensor,
         padding_mask: torch.Tensor | None,
@@ -493,9 +490,7 @@ class BlockServicer(BlockRpc):
                 session, self.span.hidden_size, step.position, tensors
             )
             hypo_ids = check_hypo_ids(session, step.hypo_ids)
-            output = await self._run_step(
-                session, step.step_id, step.position, hidden, padding_mask, None, hypo_ids
-            )
+            output = await self._run_step(session, step.position, hidden, padding_mask, None, hypo_ids)
         except ProtocolError as error:
             logger.info("session %s: pushed step %s not run: %s", session.session_id[:8], step.step_id, error)
             return None

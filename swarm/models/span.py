@@ -297,15 +297,9 @@ class TransformerSpan(nn.Module):
             raise ValueError("a session can take part in a batched step only once")
         for cache, position in zip(caches, positions, strict=True):
             cache.begin_step(position, 1)  # validates each position against its own cache
-        gathered = not self.family.reads_cache_in_place
+        # sessions past a sliding-window ring (families that gather keys have no windows: see
+        # `BatchedStepCache`)
         wrapped = [index for index, (_, cache, position, _) in enumerate(steps) if cache.wraps(position, 1)]
-        alone = wrapped if gathered else []  # a gathered batch lines keys up by position
-        if alone:
-            together = [index for index in range(len(steps)) if index not in alone]
-            batched = self.forward_batch([steps[index] for index in together])
-            outputs = dict(zip(together, batched, strict=True))
-            outputs.update({index: self.forward(*steps[index]) for index in alone})
-            return [outputs[index] for index in range(len(steps))]
         graphable = not wrapped and all(_graphable(hidden, mask) for hidden, _, _, mask in steps)
         if self.decode_graphs is not None and graphable:
             outputs = self.decode_graphs.run(steps)
@@ -317,6 +311,7 @@ class TransformerSpan(nn.Module):
         window = min((self.windows[local] for local in blocks if self.windows[local]), default=None)
         past_window = [window is not None and position + 1 > window for position in positions]
         masked = [mask is not None or past for (*_, mask), past in zip(steps, past_window, strict=True)]
+        gathered = not self.family.reads_cache_in_place
         if gathered:  # every session's keys are its columns of one padded batch: all masked
             masked = [True] * len(steps)
         view = BatchedStepCache(caches, positions, total, masked, gathered, self._ring_masks(steps, wrapped))
@@ -350,10 +345,10 @@ class TransformerSpan(nn.Module):
             hidden, cache, position, padding_mask = steps[index]
             if padding_mask is not None:
                 padding_mask = padding_mask.to(self.device)
+            query = hidden.to(device=self.device, dtype=self.dtype)
             for window in {window for window in cache.windows if window is not None}:
                 key_positions = cache.key_positions(window)
                 if key_positions is not None:
-                    query = hidden.to(device=self.device, dtype=self.dtype)
                     masks[index, window] = attention_bias(
                         query, position, padding_mask, window, key_positions
                     )
