@@ -88,7 +88,13 @@ class ChainSearch:
         ]
 
     async def _probe_for_chain(
-        self, refresh: bool, start: int, end: int, shape: SessionShape, phase: str = "decode"
+        self,
+        refresh: bool,
+        start: int,
+        end: int,
+        shape: SessionShape,
+        phase: str = "decode",
+        pushed: bool = False,
     ) -> tuple[list[Candidate], list[RouteHop] | None]:
         """Ping a shortlist and widen it 4x every `PROBE_WIDEN_AFTER` seconds in which no chain formed,
         without waiting for the pings still out: in a swarm full of dead records, each of which takes
@@ -123,7 +129,13 @@ class ChainSearch:
                 if ping.done() and not ping.cancelled() and ping.result() < math.inf  # rtt() never raises
             ]
             chain = choose_chain(
-                answered, start, end, shape, prefill_servers=prefill, block_windows=self.block_windows
+                answered,
+                start,
+                end,
+                shape,
+                prefill_servers=prefill,
+                block_windows=self.block_windows,
+                pushed=pushed,
             )
             out = [ping for ping in pings.values() if not ping.done()]
             now = loop.time()
@@ -140,16 +152,23 @@ class ChainSearch:
             await asyncio.wait(out, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
 
     async def route(
-        self, start: int, end: int, shape: SessionShape, phase: str = "decode", patient: bool = True
+        self,
+        start: int,
+        end: int,
+        shape: SessionShape,
+        phase: str = "decode",
+        patient: bool = True,
+        pushed: bool = False,
     ) -> list[RouteHop]:
         """The fastest chain over `[start, end)` with cache room; waits with backoff while none has room
-        (not `patient`: one more try on fresh records, then raises: for a move only worth doing now)."""
+        (not `patient`: one more try on fresh records, then raises: for a move only worth doing now).
+        `pushed`: for a chain session, whose servers push to each other (`routing.choose_chain`)."""
         deadline = time.monotonic() + (self.options.wait_for_room if patient else 0.0)
         missing_deadline = time.monotonic() + (self.options.wait_for_servers if patient else 0.0)
         delay = 0.1
         refresh = False
         while True:
-            candidates, chain = await self._probe_for_chain(refresh, start, end, shape, phase)
+            candidates, chain = await self._probe_for_chain(refresh, start, end, shape, phase, pushed)
             if chain is not None:
                 return chain
             if not patient and not refresh:  # the records may predate the server that would take it

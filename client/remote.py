@@ -189,7 +189,9 @@ class RemoteBlockSession(BlockSession):
         # refusals are bounded like waiting for room: servers that keep saying no end the attempt
         deadline = time.monotonic() + (self.connection.options.wait_for_room if patient else 0.0)
         while True:
-            chain = await self.connection.chains.route(start, end, self.shape, patient=patient)
+            chain = await self.connection.chains.route(
+                start, end, self.shape, patient=patient, pushed=self.connection.options.chain_push
+            )
             # a fresh id per stream: a replacement may land on a server already in this chain
             streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
             chosen = self._choose_prefill(chain) if plan_prefill else {}
@@ -771,7 +773,9 @@ class RemoteBlockSession(BlockSession):
         link, options = self.connection.scheduler, self.connection.options
         candidates = await self.connection.chains.candidates()
         rtts = {candidate.peer_id: candidate.rtt for candidate in candidates}
-        request = RouteRequest(self.connection.client_id, rtts, self.shape, options.task_label or "")
+        request = RouteRequest(
+            self.connection.client_id, rtts, self.shape, options.task_label or "", options.chain_push
+        )
         reply = await link.route(request)
         if not await _usable_reply(link, reply, "the scheduler has no route (%s): routing locally"):
             return None

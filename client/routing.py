@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llm_swarm.scheduler.algorithms.chain_cost import announced_server_rtts, pushed_handover
 from llm_swarm.scheduler.algorithms.problem import Span
 from llm_swarm.scheduler.algorithms.routing_graph import RoutingGraph
 from llm_swarm.scheduler.algorithms.wsrr import link_request_time
@@ -85,12 +86,15 @@ def choose_chain(
     need_cache_room: bool = True,
     prefill_servers: Mapping[str, ServerInfo] | None = None,
     block_windows: Sequence[int | None] = (),
+    pushed: bool = False,
 ) -> list[RouteHop] | None:
     """Fastest chain covering blocks `[start, end)`, or None if none exists (with cache room, if asked).
     `prefill_servers`: `--role prefill` servers the session's prompts may run on; a server whose
     blocks one of them holds is priced with the faster of the two prefills, since the prompt goes
     there (as the scheduler's WS-RR prices it: `SwarmView.routing_specs`). `block_windows`: each
-    block's sliding window (None: full attention), so a sliding block's room is counted for its ring."""
+    block's sliding window (None: full attention), so a sliding block's room is counted for its ring.
+    `pushed`: a chain session, priced with what its servers announce of their round trips to the
+    servers after them (`chain_cost.pushed_handover`) instead of eq. 1's round trip per hop."""
     usable = [c for c in candidates if _usable(c, start, end) and c.info.max_length >= shape.max_length]
     if not usable:
         return None
@@ -102,7 +106,8 @@ def choose_chain(
     tau = np.array([_loaded_tau(usable[j].info) for j in servers], dtype=float)
     prefill = [_routed_prefill(c, start, end, shape.l_in, prefill_servers or {}) for c in usable]
     tau_prefill = np.array([prefill[j] for j in servers], dtype=float)
-    cost = link_request_time(rtt, tau_prefill, rtt, tau, blocks.astype(float), shape.l_out)
+    hop_rtt = np.zeros_like(rtt) if pushed else rtt  # a pushed chain prices its hand-overs apart
+    cost = link_request_time(hop_rtt, tau_prefill, hop_rtt, tau, blocks.astype(float), shape.l_out)
     if need_cache_room:
         positions = [
             cached_positions(block_windows, start + first, start + first + count, shape.max_length)
@@ -115,7 +120,15 @@ def choose_chain(
         )
         room = np.array([usable[j].info.cache_bytes_left for j in servers])
         cost = np.where(needed <= room, cost, math.inf)
-    chain = graph.shortest_chain(cost)
+    if pushed:
+        handover, exit_cost = pushed_handover(
+            np.array([c.rtt for c in usable]),
+            announced_server_rtts([c.peer_id for c in usable], {c.peer_id: c.info for c in usable}),
+            shape.l_out,
+        )
+        chain = graph.shortest_pushed_chain(cost, handover, exit_cost)
+    else:
+        chain = graph.shortest_chain(cost)
     if chain is None:
         return None
     return [RouteHop(usable[hop.server].peer_id, hop.start + start, hop.end + start) for hop in chain.hops]

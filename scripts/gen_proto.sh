@@ -9,4 +9,7 @@ python=${PYTHON:-.venv/bin/python}
   -I . \
   --python_out=. --pyi_out=. --grpc_python_out=. \
   swarm/scheduler_api/scheduler.proto
+# the package installs as llm_swarm (setup.cfg's package_dir): the generated import must say so
+sed -i 's/^from swarm\.scheduler_api import/from llm_swarm.swarm.scheduler_api import/' \
+  swarm/scheduler_api/scheduler_pb2_grpc.py
 echo "regenerated swarm/scheduler_api/scheduler_pb2{,_grpc}.py"

@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--assignment-poll": "managed: seconds between asking the scheduler for our span while serving",
             "--link-probe-period": "seconds between measuring the links to a few servers holding our blocks "
             "(4 MB each; announced, for clients' cache hand-off decisions; 0: only from hand-offs)",
+            "--next-ping-period": "seconds between pinging the servers that hold the block after ours "
+            "(announced, for pricing chain sessions; 0: never)",
         },
         field_names={"--session-timeout": "session_idle_timeout"},
     )

@@ -80,6 +80,9 @@ class ServerConfig:
     # seconds between probes of the links to a few servers holding our blocks (their rates are announced
     # for clients' hand-off decisions; server/link_probes.py); 0: learn rates from hand-offs only
     link_probe_period: float = 300.0
+    # seconds between pinging the servers that hold the block after ours (their round trips are
+    # announced, for pricing chain sessions; server/next_server_pings.py); 0: never
+    next_ping_period: float = 60.0
 
     def __post_init__(self) -> None:
         """Every value checked where the config is made, whoever makes it (messages name the CLI flags)."""
@@ -108,7 +111,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise SwarmUserError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        for name in ("compute_delay", "compute_delay_per_token", "drain_timeout", "link_probe_period"):
+        periods = ("compute_delay", "compute_delay_per_token", "drain_timeout")
+        for name in (*periods, "link_probe_period", "next_ping_period"):
             value = getattr(self, name)
             if not value >= 0:  # also refuses NaN
                 raise SwarmUserError(f"--{name.replace('_', '-')} must be >= 0, got {value}")

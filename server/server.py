@@ -12,9 +12,11 @@ import asyncio
 import dataclasses
 import logging
 import time
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 
 from hivemind.dht import DHT
+from hivemind.p2p import P2P, PeerID
 from tqdm import tqdm
 
 from llm_swarm.server.active_span import ActiveSpan, run_bounded
@@ -27,10 +29,12 @@ from llm_swarm.server.link_probes import start_link_probes
 from llm_swarm.server.managed import SpanManager, stop_follower
 from llm_swarm.server.memory import CacheBudget
 from llm_swarm.server.metrics import ServerMetrics
+from llm_swarm.server.next_server_pings import PING_TIMEOUT, NextServerRtts, ping_next_servers_forever
 from llm_swarm.server.throughput import BlockTimings, cached_block_timings
+from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.cli.signals import stop_on_signals
 from llm_swarm.swarm.dht_peer import PeerIdentity, forget_identity, open_identity
-from llm_swarm.swarm.dht_records import announce
+from llm_swarm.swarm.dht_records import announce, fetch_servers_async
 from llm_swarm.swarm.model_limits import ModelLimits
 from llm_swarm.swarm.models.adapters import attach_adapters
 from llm_swarm.swarm.models.checkpoint import load_config
@@ -39,6 +43,7 @@ from llm_swarm.swarm.models.span import TransformerSpan, load_span, rebuild_span
 from llm_swarm.swarm.reachability import DialBackService
 from llm_swarm.swarm.server_info import Reachability, ServerInfo, ServerState
 from llm_swarm.swarm.stop_deadline import STOP_DEADLINE
+from llm_swarm.swarm.wire import InfoRequest, encode
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class SwarmServer:
         self.model_config = load_config(config.model_dir)
         self.limits = ModelLimits.from_config(self.model_config)
         self.role = AssignedRole(config.role)  # managed: the scheduler may assign one (--roles auto)
+        self.next_rtts = NextServerRtts()  # round trips to the servers after our span, announced
 
     # --- what we announce -----------------------------------------------------------------------
     @property
@@ -127,6 +133,7 @@ class SwarmServer:
             role=self.role.role,
             chain_push=True,
             links=served.link_rates if served is not None else {},
+            next_rtts=self.next_rtts.announced(),
         )
 
     def _announce(self, wait: bool = True):
@@ -329,15 +336,40 @@ class SwarmServer:
         logger.info("online: serving blocks %s as %s", self.span_text, self.peer_id)
         follower = asyncio.create_task(self.manager.follow(p2p)) if self.manager is not None else None
         prober = start_link_probes(self, p2p)
+        pinger = self._start_next_server_pings(p2p)
         try:
             await self._announce_until_stopped()
         finally:
             self.stopped.set()  # also when announcing failed: the follower must not outlive serving
-            if prober is not None:
-                prober.cancel()
+            for task in (prober, pinger):
+                if task is not None:
+                    task.cancel()
             if follower is not None:
                 await stop_follower(follower)
             await self._leave(p2p)
+
+    def _start_next_server_pings(self, p2p: P2P) -> asyncio.Task | None:
+        """The task that measures our round trips to the servers after our span (None when
+        `--next-ping-period 0`), for whatever span is served now."""
+        config = self.config
+        if config.next_ping_period <= 0:
+            return None
+        secret = config.swarm_secret
+
+        async def ping(peer: str) -> None:
+            proof = secret.session_proof(self.peer_id, peer) if secret is not None else ""
+            stub = BlockRpc.get_stub(p2p, PeerID.from_base58(peer), namespace=config.dht_prefix)
+            await stub.rpc_info(encode(InfoRequest(swarm_proof=proof)), timeout=PING_TIMEOUT)
+
+        def span() -> tuple[int, int] | None:
+            served = self.served
+            return (served.start, served.end) if served is not None and served.servicer is not None else None
+
+        fetch = partial(fetch_servers_async, self.dht, config.dht_prefix, self.limits)
+        pings = ping_next_servers_forever(
+            ping, config.next_ping_period, fetch, self.peer_id, span, self.next_rtts
+        )
+        return asyncio.create_task(pings)
 
     async def _follow_relay_state(self) -> None:
         """Behind NAT, whether clients can reach us follows the relay reservation (libp2p renews it,

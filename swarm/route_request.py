@@ -49,6 +49,7 @@ class RouteRequest:
     rtts: Mapping[str, float]  # seconds, by server peer id
     shape: SessionShape
     task: str = ""  # the kind of work the client declares ("": none); lengths are learned per label
+    pushed: bool = False  # a chain session: priced with the servers' round trips to each other
 
     def to_proto(self) -> pb.RouteRequest:
         return pb.RouteRequest(
@@ -59,10 +60,11 @@ class RouteRequest:
             batch_size=self.shape.batch_size,
             max_length=self.shape.max_length,
             task=self.task,
+            pushed=self.pushed,
         )
 
     @classmethod
     def from_proto(cls, request: pb.RouteRequest) -> RouteRequest:
         shape = SessionShape(request.batch_size, request.max_length, request.l_in, request.l_out)
         rtts = {entry.peer_id: entry.rtt for entry in request.rtts}
-        return cls(request.client_id, rtts, shape, request.task)
+        return cls(request.client_id, rtts, shape, request.task, request.pushed)

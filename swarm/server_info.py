@@ -25,6 +25,7 @@ MAX_MEMORY_BYTES = 1 << 46  # 64 TiB: more than any one server holds
 MAX_TOKENS = 1 << 24
 MIN_TAU = 1e-6  # seconds per block per token: no real block decodes in under a microsecond
 MAX_SECONDS = 3600.0
+MAX_PING_SECONDS = 60.0  # a round trip between two servers; slower than this is no link to push over
 
 
 class ServerState(StrEnum):
@@ -106,6 +107,11 @@ class ServerInfo(VersionedRecord):
     links: dict[Annotated[str, Field(max_length=128)], Annotated[float, Field(gt=0, le=1e12)]] = Field(
         default_factory=dict, max_length=16
     )
+    # round trips this server measured to servers holding the block after its span, which chain
+    # sessions push its outputs to (server/next_server_pings.py): peer id -> seconds (at most 16)
+    next_rtts: dict[
+        Annotated[str, Field(max_length=128)], Annotated[float, Field(gt=0, le=MAX_PING_SECONDS)]
+    ] = Field(default_factory=dict, max_length=16)
     # LoRA adapters a session may name (swarm.models.adapters): at most 16 names of at most 64 characters
     adapters: tuple[Annotated[str, Field(pattern=ADAPTER_NAME, max_length=64)], ...] = Field(
         default=(), max_length=16

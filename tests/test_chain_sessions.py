@@ -31,6 +31,10 @@ from tests.family_checks import PADDED_TEXTS, PROMPT, REPEATING_PROMPT
 from tests.raw_streams import exchange
 
 
+def info_peer(swarm, prefix: str, name: str) -> str:
+    return next(peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items() if info.public_name == name)
+
+
 def pushed_answers(streams: list[ServerStream]) -> list[int]:
     return [stream.pushed_answers for stream in streams]
 
@@ -39,8 +43,21 @@ def pushed_answers(streams: list[ServerStream]) -> list[int]:
 def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir, local_reference):
     prefix = default_prefix(str(llama_dir))
     for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6"), ("b2", "2:4")):
-        swarm.start_server(name, llama_dir, blocks, "1GB")
-    swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c", "b2"])
+        swarm.start_server(name, llama_dir, blocks, "1GB", "--next-ping-period", "1")
+    online = swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c", "b2"])
+    peers = {name: info_peer(swarm, prefix, name) for name in online}
+    # each server measures and announces its round trips to the servers holding the block after its
+    # span, which routing prices chain sessions with
+    successors = {"a": {"b", "b2"}, "b": {"c"}, "b2": {"c"}, "c": set()}
+    swarm.wait_for(
+        prefix,
+        NUM_BLOCKS,
+        lambda online: all(
+            set(online[name].next_rtts) == {peers[after] for after in successors[name]} for name in successors
+        ),
+        60,
+        "announced round trips to the next servers",
+    )
     reference, tokenizer = local_reference(llama_dir)
     # the client sends its copy of a pushed step only if no answer came within 20 s: every step after
     # the first hop runs from a push (on loopback the copy would otherwise race the push)

@@ -54,3 +54,23 @@ def test_a_sliding_window_block_needs_cache_room_for_its_ring_only():
         RouteHop("h", 0, 1),
         RouteHop("t", 1, 4),
     ]
+
+
+def test_a_chain_session_is_routed_through_servers_that_announce_they_are_near_each_other():
+    """A client 100 ms from everyone: a, b, c hold two blocks each and announce 4 ms to the next
+    one; d holds all six but decodes slower. Hub-spoke prices a, b, c at three round trips and takes
+    d; a chain session prices them at about one and takes them, as long as both ends push."""
+    short = SessionShape(batch_size=1, max_length=40, l_in=8, l_out=16)
+    a = Candidate("a", info(start=0, end=2, chain_push=True, next_rtts={"b": 0.004}), 0.1)
+    b = Candidate("b", info(start=2, end=4, chain_push=True, next_rtts={"c": 0.004}), 0.1)
+    c = Candidate("c", info(start=4, end=6, chain_push=True), 0.1)
+    d = Candidate("d", info(tau=0.005, chain_push=True), 0.1)
+    assert choose_chain([a, b, c, d], 0, 6, short) == [RouteHop("d", 0, 6)]
+    assert choose_chain([a, b, c, d], 0, 6, short, pushed=True) == [
+        RouteHop("a", 0, 2),
+        RouteHop("b", 2, 4),
+        RouteHop("c", 4, 6),
+    ]
+    # a server that does not push (it predates chain sessions) is reached through the client
+    old_b = Candidate("b", info(start=2, end=4, next_rtts={"c": 0.004}), 0.1)
+    assert choose_chain([a, old_b, c, d], 0, 6, short, pushed=True) == [RouteHop("d", 0, 6)]

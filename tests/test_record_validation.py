@@ -130,6 +130,11 @@ def test_only_owned_entries_are_stored(validator, key, subkey):
         {"tau_per_session": -0.001},
         {"tau_per_session": float("nan")},
         {"tau_per_session": 1e9},
+        {"next_rtts": {"x": 0.0}},
+        {"next_rtts": {"x": float("nan")}},
+        {"next_rtts": {"x": 1e6}},
+        {"next_rtts": {f"peer{k}": 0.01 for k in range(17)}},
+        {"next_rtts": {"x" * 200: 0.01}},
     ],
     ids=str,
 )

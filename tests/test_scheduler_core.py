@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -383,3 +384,29 @@ def test_the_book_follows_moved_compute_timings_and_measured_load_but_not_round_
     assert book._state is state
     assert [hop.peer_id for hop in book.route("s3", "c", rtts, 4, 1.0, now=0.0).session.hops] == ["b"]
     assert [hop.peer_id for hop in book.route("s4", "c", rtts, 4, 1.0, now=0.0).session.hops] == ["a"]
+
+
+def test_a_chain_session_is_routed_with_the_servers_announced_round_trips_to_each_other():
+    """WS-RR prices a chain session (`RouteRequest.pushed`) with what servers announce of their round
+    trips to the servers after them: a client 100 ms from everyone gets a and b, 4 ms apart, where
+    hub-spoke (two round trips) takes the one slower server that holds every block."""
+    settings = CoreSettings(plan=PlanSettings(num_requests=1), l_in=4, l_out=6, settle=0.0)
+    core = SchedulerCore(SHAPE, settings, 0.0)
+    memory = L * BLOCK + 4 * SLOT * L
+    online = {"state": ServerState.ONLINE, "managed": False}
+    servers = {
+        "peer-a": info(memory, 0.001, span=(0, L // 2), **online),
+        "peer-b": info(memory, 0.001, span=(L // 2, L), **online),
+        "peer-whole": info(memory, 0.004, span=(0, L), **online),
+    }
+    servers = {peer: record.model_copy(update={"chain_push": True}) for peer, record in servers.items()}
+    servers["peer-a"] = servers["peer-a"].model_copy(update={"next_rtts": {"peer-b": 0.004}})
+    core.update_roster(servers, 0.0)
+    core.review(0.1)
+    rtts = dict.fromkeys(servers, 0.1)
+    hub = core.route(_request("client", rtts, 4, 6, 1, 10), now=1.0)
+    assert [hop.peer_id for hop in hub.session.hops] == ["peer-whole"]
+    pushed = dataclasses.replace(_request("client", rtts, 4, 6, 1, 10), pushed=True)
+    chain = core.route(pushed, now=1.0)
+    assert [hop.peer_id for hop in chain.session.hops] == ["peer-a", "peer-b"]
+    assert RouteRequest.from_proto(pushed.to_proto()).pushed  # the flag crosses the wire

@@ -286,3 +286,94 @@ def test_duration_calibration_is_a_bounded_median_of_enough_sessions():
     for _ in range(100):
         calibration.observe(1000.0, 1.0)  # a lying client (or a stuck one) is bounded
     assert calibration.scale == 10.0
+
+
+# -- chain sessions: servers push to each other ------------------------------------------------
+
+
+def brute_force_pushed_cost(servers, model, placement, sessions, l_out, now, server_rtts):
+    """Every feasible chain priced as a chain session: each hop's wait and compute, half the client's
+    round trip into the first hop and back from the last, and between hops the faster of the push
+    (half the servers' round trip) and the way through the client."""
+    plain = [dataclasses.replace(s, rtt={"c1": 0.0}, rtt_prefill={"c1": 0.0}) for s in servers]
+    client = [s.rtt["c1"] for s in servers]
+
+    def wait(j, needed):
+        free = cache_slots(servers[j], model, placement[j].length) - sum(s for _, s in sessions.get(j, []))
+        if free >= needed:
+            return 0.0
+        for ends_at, slots in sorted(sessions.get(j, [])):
+            free += slots
+            if free >= needed:
+                return max(ends_at - now, 0.0)
+        return math.inf
+
+    best = math.inf
+
+    def extend(prev, prev_end, cost, used):
+        nonlocal best
+        if prev_end == model.num_blocks:
+            best = min(best, cost + l_out * client[prev] / 2)
+            return
+        for j, span in enumerate(placement):
+            if span is None or j in used or not can_follow(prev_end, span):
+                continue
+            q = blocks_processed(prev_end, span)
+            s = plain[j]
+            compute = link_time_all_tokens(HopCost(0.0, 0.0, s.tau, s.tau_prefill, q), l_out)
+            if prev is None:
+                carry = client[j] / 2
+            else:
+                carry = min(server_rtts[prev][j] / 2, client[prev] / 2 + client[j] / 2)
+            extend(j, span.end, cost + wait(j, q) + compute + l_out * carry, used | {j})
+
+    extend(None, 0, 0.0, frozenset())
+    return best
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    routing_cases(),
+    st.sampled_from([1, 3, 16]),
+    st.sampled_from([0.0, 2.0]),
+    st.lists(st.sampled_from([math.inf, 0.004, 0.05]), min_size=36, max_size=36),
+)
+def test_a_chain_sessions_route_costs_what_brute_force_over_all_chains_says(case, l_out, now, pairs):
+    model, servers, placement, sessions = case
+    n = len(servers)
+    server_rtts = np.array(pairs[: n * n]).reshape(n, n)
+    state = RoutingState(servers, model, placement)
+    for j, active in sessions.items():
+        for k, (ends_at, slots) in enumerate(active):
+            state.add_session((j, k), {j: slots}, ends_at)
+    expected = brute_force_pushed_cost(servers, model, placement, sessions, l_out, now, server_rtts)
+    route = state.route("c1", l_out, now, server_rtts=server_rtts)
+    if math.isinf(expected):
+        assert route is None
+        return
+    assert math.isclose(route.cost, expected, rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(route.cost, sum(route.hop_waits) + sum(route.hop_times), rel_tol=1e-9)
+    assert math.isclose(route.completion, route.wait + sum(route.hop_times))
+
+
+def test_a_chain_session_takes_three_near_servers_that_eq1_would_pass_over():
+    """A client 100 ms from everyone; a, b, c hold a third of the model each and sit 4 ms apart; d
+    holds it all but decodes slower. Hub-spoke (eq. 1) pays 3 round trips through a, b, c and takes d;
+    a chain session pays about one and takes a, b, c."""
+    model = ModelSpec(6, 10.0, 1.0)
+    servers = [
+        ServerSpec(name, 1000.0, tau, tau, {"c1": 0.1}, {"c1": 0.1})
+        for name, tau in (("a", 0.001), ("b", 0.001), ("c", 0.001), ("d", 0.01))
+    ]
+    placement = [Span(0, 2), Span(2, 4), Span(4, 6), Span(0, 6)]
+    state = RoutingState(servers, model, placement)
+    near = np.full((4, 4), math.inf)
+    near[0, 1] = near[1, 2] = 0.004
+    assert [hop.server for hop in state.route("c1", l_out=8).chain.hops] == [3]
+    route = state.route("c1", l_out=8, server_rtts=near)
+    assert [hop.server for hop in route.chain.hops] == [0, 1, 2]
+    # per token: 50 ms in, 2 + 2 ms between, 50 ms back, plus compute
+    assert math.isclose(route.cost, 8 * (0.05 + 0.002 + 0.002 + 0.05) + 6 * 0.001 * 8, rel_tol=1e-9)
+    # unknown server round trips price the chain as eq. 1 does, so d again
+    unknown = np.full((4, 4), math.inf)
+    assert [hop.server for hop in state.route("c1", l_out=8, server_rtts=unknown).chain.hops] == [3]

@@ -141,6 +141,60 @@ class RoutingGraph:
             self._backtrack(link_cost, boundary_dist, server_dist), float(boundary_dist[self.num_blocks])
         )
 
+    def shortest_pushed_chain(
+        self, link_cost: np.ndarray, handover: np.ndarray, exit_cost: np.ndarray
+    ) -> Chain | None:
+        """Shortest chain when what a hop costs also depends on the hop before it: a chain session's
+        token goes from one server straight to the next (docs/reference.md, "Chain sessions").
+
+        `link_cost` is aligned with the links (the hop's own time: compute, queueing; inf = no link);
+        `handover[i + 1, j]` is the time from server i to server j (row 0: from the client), and
+        `exit_cost[j]` the time from j back to the client. A node is then a server rather than a
+        boundary, so one pass over the servers in increasing `end_j` still computes every distance,
+        in O(links x servers sharing an end). Ties go to the smaller (distance, predecessor index),
+        the client first."""
+        servers = len(self.placement)
+        if len(link_cost) != self.num_links:
+            raise ValueError(f"expected {self.num_links} link costs, got {len(link_cost)}")
+        if handover.shape != (servers + 1, servers) or exit_cost.shape != (servers,):
+            raise ValueError(f"expected a ({servers + 1}, {servers}) handover and {servers} exit costs")
+        server_dist = np.full(servers, math.inf)
+        entered_from: dict[int, tuple[int, int]] = {}  # server -> (predecessor or client, boundary)
+        ending_at: dict[int, np.ndarray] = {}
+        for group in self._groups:
+            for j in group.servers.tolist():
+                best = (math.inf, _CLIENT_INDEX, -1)
+                for prev_end in predecessor_ends(self.placement[j]):
+                    cost = link_cost[self.link_index(j, prev_end)]
+                    if not math.isfinite(cost):
+                        continue
+                    if prev_end == CLIENT_END:
+                        best = min(best, (handover[0, j] + cost, _CLIENT_INDEX, prev_end))
+                    before = ending_at.get(prev_end)
+                    if before is None or not len(before):
+                        continue
+                    arrivals = server_dist[before] + handover[before + 1, j]
+                    k = int(np.argmin(arrivals))
+                    best = min(best, (float(arrivals[k]) + cost, int(before[k]), prev_end))
+                if math.isfinite(best[0]):
+                    server_dist[j] = best[0]
+                    entered_from[j] = (best[1], best[2])
+            ending_at[group.end] = group.servers[np.isfinite(server_dist[group.servers])]
+        last = ending_at.get(self.num_blocks)
+        if last is None or not len(last):
+            return None
+        totals = server_dist[last] + exit_cost[last]
+        server = int(last[int(np.argmin(totals))])
+        total = float(totals.min())
+        if not math.isfinite(total):
+            return None
+        hops: list[ChainHop] = []
+        while server != _CLIENT_INDEX:
+            predecessor, prev_end = entered_from[server]
+            hops.append(ChainHop(server, prev_end, self.placement[server].end))
+            server = predecessor
+        return Chain(tuple(reversed(hops)), total)
+
     def _representative(self, end: int, boundary_dist: np.ndarray, server_dist: np.ndarray) -> int:
         """The node Dijkstra pops first among those ending at `end` with the best distance."""
         if end == CLIENT_END:

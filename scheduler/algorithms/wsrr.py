@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llm_swarm.scheduler.algorithms.chain_cost import pushed_handover
 from llm_swarm.scheduler.algorithms.problem import ModelSpec, Placement, ServerSpec, placement_cache_slots
 from llm_swarm.scheduler.algorithms.routing_graph import Chain, RoutingGraph
 
@@ -138,6 +139,7 @@ class RoutingState:
         now: float = 0.0,
         prefill_scale: float = 1.0,
         units: float = 1.0,
+        server_rtts: np.ndarray | None = None,
     ) -> WsRrRoute | None:
         """The WS-RR route for a new request of `client` arriving at `now` (None: no chain can ever serve it).
 
@@ -147,8 +149,10 @@ class RoutingState:
         in the prompt's tokens. `units`: cache slots per block the request holds (a live session of
         its own lengths: `ceil(blocks x units)` slots per link; 1 is Sun et al.'s nominal request),
         so that eq. 20 waits for the room this request needs and a server too full for a long
-        session is passed over for one with room. Read-only: call `admit` (or `add_session`) to
-        record the decision.
+        session is passed over for one with room. `server_rtts[i, j]`: for a chain session, the
+        round trip server i measured to server j (inf: none, the token goes through the client);
+        the chain is then priced with `chain_cost.pushed_handover` instead of a round trip per hop.
+        Read-only: call `admit` (or `add_session`) to record the decision.
         """
         if l_out < 1:
             raise ValueError(f"l_out must be >= 1, got {l_out}")
@@ -159,15 +163,27 @@ class RoutingState:
         rtt_prefill, rtt = self._rtts_of(client)
         tau_prefill = self._link_tau_prefill * prefill_scale
         blocks = self.graph.link_blocks
-        times = link_request_time(rtt_prefill, tau_prefill, rtt, self._loaded_tau(), blocks, l_out)
+        pushed = server_rtts is not None
+        hop_rtt_prefill, hop_rtt = (np.zeros_like(rtt), np.zeros_like(rtt)) if pushed else (rtt_prefill, rtt)
+        times = link_request_time(hop_rtt_prefill, tau_prefill, hop_rtt, self._loaded_tau(), blocks, l_out)
         times[~np.isfinite(rtt_prefill) | ~np.isfinite(rtt)] = math.inf  # no RTT known: no link
         waits = np.maximum(self._releases(units) - now, 0.0)
-        chain = self.graph.shortest_chain(waits + times)
+        if pushed:
+            handover, exit_cost = pushed_handover(self._server_client_rtts(client), server_rtts, l_out)
+            chain = self.graph.shortest_pushed_chain(waits + times, handover, exit_cost)
+        else:
+            chain = self.graph.shortest_chain(waits + times)
         if chain is None:
             return None
         used = [self.graph.link_index(hop.server, hop.start) for hop in chain.hops]
         hop_waits = tuple(float(waits[k]) for k in used)
-        hop_times = tuple(float(times[k]) for k in used)
+        hop_times = [float(times[k]) for k in used]
+        if pushed:  # each hop also carries the token to it, and the last one back to the client
+            previous = [0, *(hop.server + 1 for hop in chain.hops[:-1])]
+            for n, hop in enumerate(chain.hops):
+                hop_times[n] += float(handover[previous[n], hop.server])
+            hop_times[-1] += float(exit_cost[chain.hops[-1].server])
+        hop_times = tuple(hop_times)
         wait = max(hop_waits)
         return WsRrRoute(chain, wait, wait + sum(hop_times), hop_waits, hop_times)
 
@@ -281,6 +297,12 @@ class RoutingState:
             links = self.graph.link_server
             self._client_rtts[client] = (rtt_prefill[links], rtt[links])
         return self._client_rtts[client]
+
+    def _server_client_rtts(self, client: str) -> np.ndarray:
+        """Per server, the client's decode round trip (inf: unknown), from the per-link table."""
+        per_server = np.full(len(self.servers), math.inf)
+        per_server[self.graph.link_server] = self._rtts_of(client)[1]
+        return per_server
 
     def _refresh_server(self, server: int) -> None:
         """Eq. 20 for every link into `server` (a nominal request), kept up to date."""

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from llm_swarm.scheduler.algorithms.chain_cost import announced_server_rtts
 from llm_swarm.scheduler.algorithms.placing import Infeasible, PlanInputError
 from llm_swarm.scheduler.algorithms.problem import Span
 from llm_swarm.scheduler.algorithms.role_split import PREFILL
@@ -289,7 +290,10 @@ class SchedulerCore:
         routed_l_out = l_out
         if self.settings.l_out_prediction:
             routed_l_out = self.lengths.l_out_for(max(shape.l_in, 1), l_out, request.task or None)
-        decision = self.book.route(uuid.uuid4().hex, client_id, rtts, routed_l_out, units, now, prefill_scale)
+        server_rtts = announced_server_rtts(self.book.peers, self.view.records) if request.pushed else None
+        decision = self.book.route(
+            uuid.uuid4().hex, client_id, rtts, routed_l_out, units, now, prefill_scale, server_rtts
+        )
         if decision is None:
             return None
         decision.session.l_in, decision.session.l_out = max(shape.l_in, 1), l_out

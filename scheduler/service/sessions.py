@@ -33,6 +33,8 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from llm_swarm.scheduler.algorithms import petals
 from llm_swarm.scheduler.algorithms.problem import ModelSpec, ServerSpec, Span, placement_cache_slots
 from llm_swarm.scheduler.algorithms.wsrr import RoutingState, overdue_end
@@ -155,10 +157,13 @@ class SessionBook:
         units: float,
         now: float,
         prefill_scale: float = 1.0,
+        server_rtts: np.ndarray | None = None,
     ) -> RouteDecision | None:
         """Route and record a new session (None: no chain of reachable servers covers the model).
         `l_out` and `prefill_scale` (its prompt's length over the one servers' `tau_prefill` is
-        measured for) are the session's own, so WS-RR's wait and completion estimates follow it."""
+        measured for) are the session's own, so WS-RR's wait and completion estimates follow it.
+        `server_rtts` (aligned with `peers`): a chain session's servers' round trips to each
+        other, which WS-RR prices it with (`RoutingState.route`)."""
         if self._state is None:
             return None
         if self.policy == "chains":
@@ -169,10 +174,10 @@ class SessionBook:
             decision = self._route_petals(client_id, per_server, l_out)
         else:
             self._state.set_client_rtts(client_id, per_server)
-            route = self._state.route(client_id, l_out, now, prefill_scale, units)
+            route = self._state.route(client_id, l_out, now, prefill_scale, units, server_rtts)
             if route is None:  # no chain ever has its room: route it as nominal, and let the caller
                 # refuse it naming the server too small (`SchedulerCore._chain_cannot_hold`)
-                route = self._state.route(client_id, l_out, now, prefill_scale)
+                route = self._state.route(client_id, l_out, now, prefill_scale, server_rtts=server_rtts)
             decision = None if route is None else (route.chain, route.wait, route.completion, route.cost)
         if decision is None:
             return None

@@ -41,7 +41,7 @@ class ServerRtt(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., rtt: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("client_id", "rtts", "l_in", "l_out", "batch_size", "max_length", "task")
+    __slots__ = ("client_id", "rtts", "l_in", "l_out", "batch_size", "max_length", "task", "pushed")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RTTS_FIELD_NUMBER: _ClassVar[int]
     L_IN_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class RouteRequest(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     rtts: _containers.RepeatedCompositeFieldContainer[ServerRtt]
     l_in: int
@@ -56,7 +57,8 @@ class RouteRequest(_message.Message):
     batch_size: int
     max_length: int
     task: str
-    def __init__(self, client_id: _Optional[str] = ..., rtts: _Optional[_Iterable[_Union[ServerRtt, _Mapping]]] = ..., l_in: _Optional[int] = ..., l_out: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., task: _Optional[str] = ...) -> None: ...
+    pushed: bool
+    def __init__(self, client_id: _Optional[str] = ..., rtts: _Optional[_Iterable[_Union[ServerRtt, _Mapping]]] = ..., l_in: _Optional[int] = ..., l_out: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., task: _Optional[str] = ..., pushed: _Optional[bool] = ...) -> None: ...
 
 class Hop(_message.Message):
     __slots__ = ("peer_id", "start", "end")
