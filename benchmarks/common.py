@@ -108,9 +108,9 @@ def rerun_command(script: str, args: argparse.Namespace) -> str:
     `args` of `parse_bench_args` (or `measuring_parser`: the subcommand is left out) and writes its
     section again."""
     options = " ".join(
-        f"--{name.replace('_', '-')} {value}"
+        f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
         for name, value in vars(args).items()
-        if name not in ("write", "command")
+        if name not in ("write", "command") and value is not False  # a flag is named only when set
     )
     return f".venv/bin/python -m {module_name(script)} {options} --write"
 

@@ -175,11 +175,13 @@ class RemoteBlockSession(BlockSession):
         cache_from: str | None = None,
         plan_prefill: bool = False,
         patient: bool = True,
+        answered_later: bool = False,
     ) -> list[ServerStream]:
         """Route blocks `[start, end)` and open a stream on every server of the chain (`cache_from`:
         sessions that may receive their cache from that server, see `SessionMoves`; `plan_prefill`:
         open prefill servers for the prompt where that pays, see `DisaggregatedPrefill`; not `patient`:
-        fail at once rather than wait for servers or room)."""
+        fail at once rather than wait for servers or room; `answered_later`: on a chain the client
+        routed itself, return once every `Open` is sent, see `ServerStream.open`)."""
         # the scheduler routes by load, not by adapters: a session with an adapter routes itself
         scheduled = self.connection.scheduler is not None and self.connection.options.active_adapter is None
         if (start, end) == (0, self.connection.num_blocks) and scheduled:
@@ -196,7 +198,7 @@ class RemoteBlockSession(BlockSession):
             streams = [ServerStream(hop, uuid.uuid4().hex, self.shape) for hop in chain]
             chosen = self._choose_prefill(chain) if plan_prefill else {}
             try:
-                plan = await self._open_with_prefill(chain, streams, chosen, cache_from)
+                plan = await self._open_with_prefill(chain, streams, chosen, cache_from, answered_later)
                 logger.info(
                     "session %s blocks %d:%d routed through %s",
                     self.session_id[:8],
@@ -235,16 +237,17 @@ class RemoteBlockSession(BlockSession):
         streams: list[ServerStream],
         chosen: dict[int, str],
         cache_from: str | None = None,
+        answered_later: bool = False,
     ) -> dict[int, ServerStream]:
         """Open every stream of the chain and the sessions on the prefill servers `chosen` for some of
         its hops, all at once: one round trip for the whole chain instead of one per hop. Returns the
         prefill streams that opened (`DisaggregatedPrefill._open_prefill`). A failed hop raises its
         error (the first in chain order) once every open has answered, the prefill streams closed;
-        the caller closes `streams`. `cache_from`: see `_open_chain`."""
+        the caller closes `streams`. `cache_from`, `answered_later`: see `_open_chain`."""
         results = await asyncio.gather(
             self._open_prefill(chain, chosen),
             *(
-                stream.open(self.connection, chosen.get(index, cache_from))
+                stream.open(self.connection, chosen.get(index, cache_from), answered_later)
                 for index, stream in enumerate(streams)
             ),
             return_exceptions=True,
@@ -410,11 +413,12 @@ class RemoteBlockSession(BlockSession):
 
     async def _replace(self, failed: ServerStream) -> list[ServerStream]:
         """New servers for exactly the failed server's blocks, caches rebuilt from its inputs: one
-        round trip per replacement server (`ClientOptions.replay_mode`, client/replay.py)."""
+        round trip per replacement server (`ClientOptions.replay_mode`, client/replay.py), the
+        catch-up sent right behind the `Open` (answered together)."""
         failed.close()
         started = asyncio.get_running_loop().time()
         while True:
-            replacement = await self._open_chain(failed.hop.start, failed.hop.end)
+            replacement = await self._open_chain(failed.hop.start, failed.hop.end, answered_later=True)
             try:
                 hop_inputs = failed.history
                 for index, stream in enumerate(replacement):  # each server's outputs: the next one's inputs
@@ -426,7 +430,10 @@ class RemoteBlockSession(BlockSession):
                     stream.close()
                 if isinstance(error, RemoteError) and error.code in FATAL_CODES:
                     raise
-                self.connection.blame(getattr(error, "peer", "") or failed_peer(replacement), error)
+                if isinstance(error, RemoteError) and error.code == ErrorCode.NO_CACHE_ROOM:
+                    self.connection.refused(error.peer, error.message)  # its record was stale
+                else:
+                    self.connection.blame(getattr(error, "peer", "") or failed_peer(replacement), error)
                 continue
             elapsed = asyncio.get_running_loop().time() - started
             logger.info(

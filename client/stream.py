@@ -108,10 +108,16 @@ class ServerStream:
     _writer: asyncio.StreamWriter | None = None
     _replies: asyncio.Queue | None = None  # what the server sent, read as it arrives (then _CLOSED)
     _reading: asyncio.Task | None = None
+    _opened_by: float | None = None  # opened `answered_later`: when its `Opened` is due, until read
 
-    async def open(self, connection: SwarmConnection, cache_from: str | None = None) -> str | None:
+    async def open(
+        self, connection: SwarmConnection, cache_from: str | None = None, answered_later: bool = False
+    ) -> str | None:
         """Open the session on the server; with `cache_from` (a peer id), opened to receive its cache
-        from that server: returns the secret a hand-off must carry (None otherwise)."""
+        from that server: returns the secret a hand-off must carry (None otherwise).
+        `answered_later`: return once `Open` is sent; the server's `Opened` (or its refusal) is read
+        before the next reply, so the next message (a replacement's catch-up) travels with `Open`
+        and the two cost one round trip."""
         timeout = connection.options.request_timeout
         cache_token = secrets.token_hex(16) if cache_from is not None else None
         name = BlockRpc._get_handle_name(connection.prefix, "rpc_inference")
@@ -136,8 +142,11 @@ class ServerStream:
             cache_from=cache_from or "",
         )
         await self._send(encode(open_message), timeout)
-        await self._receive(timeout, Opened)
         self.healthy = True
+        if answered_later:
+            self._opened_by = asyncio.get_running_loop().time() + timeout
+        else:
+            await self._receive(timeout, Opened)
         return cache_token
 
     async def hand_off(
@@ -340,6 +349,9 @@ class ServerStream:
         `quiet_timeout`, None when nothing came within `timeout` (the stream stays healthy)."""
         if self._replies is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
+        if self._opened_by is not None:  # the server's answer to `Open` comes first
+            opened_by, self._opened_by = self._opened_by, None
+            await self._receive(max(opened_by - asyncio.get_running_loop().time(), timeout), Opened)
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:

@@ -210,9 +210,9 @@ class BlockServicer(BlockRpc):
             ends_at = time.monotonic() + self.limits.max_session_lifetime
             inputs = SessionInputs(requests, session.inbox)
             while True:
-                # a session receiving or following a cache takes no pushed steps meanwhile
-                quiet = following is not None or session.receiving or session.progress is not None
-                item = await inputs.next(self.session_idle_timeout, ends_at, pushes=not quiet)
+                # a session receiving a cache takes no pushed steps meanwhile; one whose prompt's cache
+                # follows to a decode server takes its prompt from a push as from its client
+                item = await inputs.next(self.session_idle_timeout, ends_at, pushes=not session.receiving)
                 if item is None:
                     return  # the client closed its side: the session is over
                 source, request = item
@@ -220,6 +220,9 @@ class BlockServicer(BlockRpc):
                     reply = await self._pushed_step(session, *request)
                     if reply is not None:
                         yield reply
+                        if following is not None:  # the pushed step was the one the hand-off follows
+                            yield await self._end_follow(session, following, True)
+                            following = None
                     continue
                 self.metrics.received.inc(request.ByteSize())
                 kind = _message_type(request)

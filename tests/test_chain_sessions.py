@@ -6,7 +6,8 @@ speculative decoding equal local transformers, with the later hops answering fro
 mid-generation is replaced and the pushes go on through its replacement, exactly. Hostile pushes (a
 wrong token, a peer the client did not name, a session that takes none, oversized, NaN, wrong shapes,
 a sender that never finishes) are refused and leave the session as it was; a replayed push is not
-run twice."""
+run twice; a client's malformed links are refused; servers that push one thing and answer another,
+or lie about what they ran, are caught by the digests and unlinked."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ import uuid
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 from llm_swarm.client.connection import run_sync
 from llm_swarm.client.stream import ServerStream, StepInput
-from llm_swarm.swarm.chain_wire import PushedStep, PushSteps, step_digest
+from llm_swarm.swarm.chain_wire import ChainLink, PushedStep, PushSteps, step_digest
 from llm_swarm.swarm.dht_keys import default_prefix
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
-from llm_swarm.swarm.wire import Step, decode_metadata, encode
+from llm_swarm.swarm.wire import Open, Step, decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
 from tests.family_checks import PADDED_TEXTS, PROMPT, REPEATING_PROMPT
 from tests.raw_streams import exchange
@@ -199,9 +202,62 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
         later = run_sync(ours.step(StepInput(torch.randn(1, 1, width), 3, None, None, None, 0), 20.0))
         assert later.shape == (1, 1, width) and ours.pushed_answers == 1
         run_sync(ours.close_and_wait(5.0))
+
+        # a client's malformed links are refused one by one, and the session goes on: a step that asks
+        # to be pushed to a peer that is no peer at all is still answered (the push is dropped)
+        def raw(**fields) -> runtime_pb2.ExpertRequest:
+            return runtime_pb2.ExpertRequest(
+                metadata=MSGPackSerializer.dumps({"type": "chain_link", **fields})
+            )
+
+        opening = Open(session_id=uuid.uuid4().hex, max_length=16, batch_size=1, start=0, end=NUM_BLOCKS)
+        requests = [
+            encode(opening),
+            raw(accept_token="a" * 32),
+            raw(next_peer=peer, next_session="s" * 32),
+            raw(accept_token="not hex", accept_from=me),
+            raw(next_peer="x" * 10_000, next_session="s" * 32, next_token="b" * 32),
+            raw(accept_token="c" * 32, accept_from=me, surprise=1),
+            encode(ChainLink(next_peer="not-a-peer-id", next_session="s" * 32, next_token="b" * 32)),
+            encode(Step(step_id="s0", position=0, push_hops=1), [torch.randn(1, 2, width)]),
+        ]
+        kinds = run_sync(exchange(connection, peer, "rpc_inference", requests, lambda kinds: len(kinds) < 7))
+        assert kinds[0] == "opened" and kinds[-1] == "step_done", kinds
+        assert "accept_token and accept_from come together" in kinds[1], kinds
+        assert "next_peer, next_session and next_token come together" in kinds[2], kinds
+        assert all(kind.startswith("error: invalid chain_link message") for kind in kinds[3:6]), kinds
         # an honest session afterwards is exact
         output, expected = (m.generate(PROMPT, max_new_tokens=6, do_sample=False) for m in (model, reference))
         assert torch.equal(output, expected)
+    finally:
+        model.shutdown()
+
+
+@pytest.mark.swarm
+def test_a_server_that_pushes_one_thing_and_answers_another_and_one_that_lies_about_its_input_are_caught(
+    swarm, llama_dir, local_reference
+):
+    """Through x -> y -> z: x answers its client honestly but pushes noise to y; z runs y's pushes
+    honestly but answers with a false digest of its input. The client compares each pushed answer's
+    digest with its own copy of that input (the previous server's answer), so both pairs are caught at
+    the first step and unlinked, the step runs again from the client's copies, and the tokens equal
+    local transformers."""
+    prefix = default_prefix(str(llama_dir))
+    swarm.start_server("x", llama_dir, "0:2", "1GB", module=("tests.lying_server", "push-noise"))
+    swarm.start_server("y", llama_dir, "2:4", "1GB")
+    swarm.start_server("z", llama_dir, "4:6", "1GB", module=("tests.lying_server", "digest"))
+    swarm.wait_online(prefix, NUM_BLOCKS, ["x", "y", "z"])
+    peers = {name: info_peer(swarm, prefix, name) for name in ("x", "y", "z")}
+    reference = local_reference(llama_dir)[0]
+    options = ClientOptions(request_timeout=20.0, push_copy_after=20.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
+    try:
+        expected = reference.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        with model.inference_session(max_length=PROMPT.shape[1] + 6) as session:
+            output = model.generate(PROMPT, max_new_tokens=6, do_sample=False, session=session)
+            assert torch.equal(output, expected)
+            assert session.blocks.unpushed == {(peers["x"], peers["y"]), (peers["y"], peers["z"])}
+            assert pushed_answers(session.blocks.streams) == [0, 0, 0]
     finally:
         model.shutdown()
 

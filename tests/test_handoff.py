@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import threading
 import time
@@ -298,7 +299,16 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
     spans = {"a": f"0:{half}", "b": f"{half}:{NUM_BLOCKS}"}
     for hop, blocks in spans.items():
         swarm.start_server(
-            f"prefill-{hop}", model_dir, blocks, "1GB", "--role", "prefill", "--prefill-chunk", "2"
+            f"prefill-{hop}",
+            model_dir,
+            blocks,
+            "1GB",
+            "--role",
+            "prefill",
+            "--prefill-chunk",
+            "2",
+            "--metrics-port",
+            "0",
         )
         swarm.start_server(
             f"decode-{hop}",
@@ -318,8 +328,10 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
     batch = tokenizer(
         ["A cat sat on a mat", "one two"], return_tensors="pt", padding=True, padding_side="left"
     )
+    # the client's copy of a pushed step goes only after 20 s without an answer: on loopback it would
+    # race the push
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        model_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0)
+        model_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0, push_copy_after=20.0)
     )
     try:
         for inputs in ({"input_ids": PROMPT}, dict(batch)):
@@ -363,6 +375,12 @@ def test_prompts_run_on_prefill_servers_and_decode_servers_continue_exactly(swar
                 lambda online, hop=hop, peer=decode_peer: list(online[f"prefill-{hop}"].links) == [peer],
                 30,
             )
+        # a chain session: the first hop's prefill server pushed each prompt's output to the second's,
+        # which ran it from the push while its cache followed to its decode server
+        pushed = re.search(
+            r'swarm_server_chained_steps_total\{how="pushed"\} ([0-9.]+)', swarm.metrics("prefill-b")
+        )
+        assert pushed is not None and float(pushed.group(1)) >= 1
     finally:
         model.shutdown()
 

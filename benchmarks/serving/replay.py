@@ -11,6 +11,13 @@ first server of its chain, one more token (timed: detection, routing, opening a 
 the cache, the step). Every output is checked against local `transformers`.
 
     sudo .venv/bin/python -m benchmarks.serving.replay [--history 50,200,500] [--rtt 50] [--write]
+
+With `--leave`, the first server leaves instead of dying: SIGTERM, servers started with
+`--drain-timeout 0` (no draining: its sessions end at once), the default replay mode only; the
+client knows the replacement (it is online and pinged), so the time is the leave's notice, routing,
+and one round trip that opens the replacement and catches it up, then the step.
+
+    sudo .venv/bin/python -m benchmarks.serving.replay --leave --history 120 --rtt 60 [--write]
 """
 
 from __future__ import annotations
@@ -54,19 +61,22 @@ def measure(args: argparse.Namespace) -> None:
     )
     connection = model.backend.connection
     rows = []
+    modes = leave_modes(args.leave)
+    stop_signal = signal.SIGTERM if args.leave else signal.SIGKILL
     try:
         for history in histories:
             with model.inference_session(max_length=len(PROMPT) + history + 4 * len(MODES)) as session:
                 sequence = model.generate(torch.tensor([PROMPT]), max_new_tokens=history, do_sample=False)
                 sequence = model.generate(sequence, max_new_tokens=1, do_sample=False)  # in the session now
-                for mode in MODES:
+                for mode in modes:
                     started = time.perf_counter()
                     sequence = model.generate(sequence, max_new_tokens=1, do_sample=False)
                     normal = time.perf_counter() - started
                     victim = session.blocks.streams[0].hop.peer_id
                     name = connection.roster.known[victim].public_name
                     connection.options.replay_mode = mode
-                    os.killpg(pids[name], signal.SIGKILL)  # the server and its p2p daemon, at once
+                    # SIGKILL: the server and its p2p daemon at once; SIGTERM: the server, which leaves
+                    os.killpg(pids[name], stop_signal)
                     started = time.perf_counter()
                     sequence = model.generate(sequence, max_new_tokens=1, do_sample=False)
                     recovery = time.perf_counter() - started
@@ -94,36 +104,45 @@ def run(args: argparse.Namespace, work: Path) -> list[dict]:
         work / "tiny-llama", TinyModelSpec(family="llama", num_layers=LAYERS, num_kv_heads=2)
     )
     scenario = equidistant_scenario("bench_replay", ("client", "s0", "s1", "s2"), args.rtt)
-    kills = len(args.history.split(",")) * len(MODES)
+    kills = len(args.history.split(",")) * len(leave_modes(args.leave))
+    leaving = ("--drain-timeout", "0") if args.leave else ()
     with Emulation(scenario, work / "netem") as emulation:
         emulation.start_dht("client")
         names = {f"first-{index}": ("s0", "0:2") for index in range(kills + 1)}
         names.update({"second": ("s1", "2:4"), "third": ("s2", "4:6")})
         pids = {}
         for name, (site, blocks) in names.items():
-            pids[name] = emulation.start_server(name, site, model_dir, blocks, "1GB", args.compute_delay).pid
+            delay = args.compute_delay
+            pids[name] = emulation.start_server(name, site, model_dir, blocks, "1GB", delay, *leaving).pid
         emulation.wait_online("client", model_dir, list(names))
         (work / "pids.json").write_text(json.dumps(pids))
         out = work / "replay.json"
         argv = [
             sys.executable, str(Path(__file__).resolve()), "measure", "--model-dir", str(model_dir),
             "--initial-peers", *emulation.initial_peers, "--out", str(out), "--pids", str(work / "pids.json"),
-            "--history", args.history,
+            "--history", args.history, *(["--leave"] if args.leave else []),
         ]  # fmt: skip
         return common.run_measuring_client(emulation, argv, out, ["dht", "second", "third", "measure"])
 
 
-def table(rows: list[dict]) -> list[str]:
+def leave_modes(leave: bool) -> tuple[str, ...]:
+    """The replay modes measured: all of them after kills, the default one after leaves."""
+    return ("prefill",) if leave else MODES
+
+
+def table(rows: list[dict], leave: bool = False) -> list[str]:
     normal = statistics.median(row["normal"] for row in rows)
+    modes = leave_modes(leave)
+    event = "leave" if leave else "kill"
     lines = [
-        "| tokens before the kill | "
-        + " | ".join(f"{mode}: kill -> next token (x a token)" for mode in MODES)
+        f"| tokens before the {event} | "
+        + " | ".join(f"{mode}: {event} -> next token (x a token)" for mode in modes)
         + " |",
-        "|---|" + "---|" * len(MODES),
+        "|---|" + "---|" * len(modes),
     ]
     for history in sorted({row["history"] for row in rows}):
         cells = []
-        for mode in MODES:
+        for mode in modes:
             (row,) = [r for r in rows if r["history"] == history and r["mode"] == mode]
             cells.append(f"{row['recovery'] * 1e3:.0f} ms ({row['recovery'] / normal:.1f}x)")
         lines.append(f"| {history} | " + " | ".join(cells) + " |")
@@ -134,6 +153,9 @@ def table(rows: list[dict]) -> list[str]:
 def shared_options(options: argparse.ArgumentParser) -> None:
     """The options the benchmark passes on to its measuring client."""
     options.add_argument("--history", default="50,200,500", help="tokens generated before each kill")
+    options.add_argument(
+        "--leave", action="store_true", help="SIGTERM a server with --drain-timeout 0 instead of SIGKILL"
+    )
 
 
 def main() -> None:
@@ -147,6 +169,26 @@ def main() -> None:
 def benchmark(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as work:
         rows = run(args, Path(work))
+    options = argparse.Namespace(
+        history=args.history,
+        rtt=args.rtt,
+        compute_delay=args.compute_delay,
+        leave=args.leave,
+        write=args.write,
+    )
+    if args.leave:
+        text = (
+            f"netem: the client {args.rtt:.0f} ms (round trip) from each of three server sites, 100 Mbit/s; "
+            f"a tiny LLaMA ({LAYERS} blocks, two per hop), {args.compute_delay * 1e3:.0f} ms emulated "
+            "compute per block per step; servers run with `--drain-timeout 0`. After the tokens, the first "
+            "server of the chain gets SIGTERM (it leaves at once, its sessions end) and the next token is "
+            "timed: the leave's notice, routing to the replacement (online, already pinged), one round "
+            "trip that opens it and sends the catch-up prefill behind the `Open`, and the step. Every "
+            "output equalled local transformers."
+        )
+        title = "## A server that leaves without draining, over emulated links"
+        common.publish_table(__file__, options, table(rows, leave=True), title, text)
+        return
     text = (
         f"netem: the client {args.rtt:.0f} ms (round trip) from each of three server sites, 100 Mbit/s; "
         f"a tiny LLaMA ({LAYERS} blocks, two per hop), {args.compute_delay * 1e3:.0f} ms emulated compute "
@@ -155,9 +197,6 @@ def benchmark(args: argparse.Namespace) -> None:
         "the cache, the step). `steps` replays the recorded steps one round trip each, "
         "`exact` sends them in one Replay message (the server reruns them: a bit-identical cache), "
         "`prefill` sends one catch-up prefill. Every output equalled local transformers."
-    )
-    options = argparse.Namespace(
-        history=args.history, rtt=args.rtt, compute_delay=args.compute_delay, write=args.write
     )
     common.publish_table(
         __file__, options, table(rows), "## Failover in one round trip, over emulated links", text
