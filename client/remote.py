@@ -31,7 +31,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -334,22 +334,21 @@ class RemoteBlockSession(BlockSession):
                 step_id = await self._next_chain_step()  # the step again, from this hop on
                 first_pushed = index + 1
                 continue
-            except RemoteError as error:
-                if error.code in FATAL_CODES:
-                    raise  # replaying it elsewhere would fail the same way
-                failures = self._count_failure(failures, stream, error)
-                self.streams[index : index + 1] = await self._replace(stream)
-                step_id = await self._next_chain_step()  # the new servers' chain, a fresh id
-                first_pushed = index + 1
-                continue
             except SwarmUnavailable:
                 raise  # e.g. two replicas disagree and none can decide: failing over would hide it
-            except Exception as error:  # the connection broke or timed out
+            except Exception as error:  # a server's error, or the connection broke or timed out
+                if isinstance(error, RemoteError) and error.code in FATAL_CODES:
+                    raise  # replaying it elsewhere would fail the same way
                 failures = self._count_failure(failures, stream, error)
-                self.streams[index : index + 1] = await self._replace(stream)
-                step_id = await self._next_chain_step()
+                output, placed, relinked = await self._replace_in_chain(index, step)
+                if output is None:
+                    step_id = await self._next_chain_step()  # the new servers' chain, a fresh id
+                    first_pushed = index + 1
+                    continue
+                # the step rode on the catch-up, which pushed it on to the next hop
+                step_id = relinked
+                index += placed - 1
                 first_pushed = index + 1
-                continue
             step = dataclasses.replace(step, hidden=output)
             index += 1
         if any(stream.leaving for stream in self.streams):
@@ -411,20 +410,73 @@ class RemoteBlockSession(BlockSession):
             ) from error
         return failures
 
-    async def _replace(self, failed: ServerStream) -> list[ServerStream]:
+    async def _replace_in_chain(
+        self, index: int, step: StepInput
+    ) -> tuple[torch.Tensor | None, int, str | None]:
+        """`_replace` for the chain's hop `index`, which failed `step`: the replacement goes into the
+        chain. Returns the step's output if it rode on the catch-up (else None), the servers now in
+        the failed one's place, and the chain step id it was pushed on with."""
+        placed = [self.streams[index]]
+        step_ids: list[str | None] = [None]
+
+        async def relink(replacement: list[ServerStream]) -> tuple[str | None, int]:
+            self.streams[index : index + len(placed)] = replacement
+            placed[:] = replacement
+            step_ids.append(await self._next_chain_step())
+            return step_ids[-1], len(self.streams) - index - len(replacement) if step_ids[-1] else 0
+
+        replacement, output = await self._replace(placed[0], step, relink)
+        self.streams[index : index + len(placed)] = replacement
+        return output, len(replacement), step_ids[-1]
+
+    async def _replace(
+        self,
+        failed: ServerStream,
+        pending: StepInput | None = None,
+        relink: Callable[[list[ServerStream]], Awaitable[tuple[str | None, int]]] | None = None,
+    ) -> tuple[list[ServerStream], torch.Tensor | None]:
         """New servers for exactly the failed server's blocks, caches rebuilt from its inputs: one
         round trip per replacement server (`ClientOptions.replay_mode`, client/replay.py), the
-        catch-up sent right behind the `Open` (answered together)."""
+        catch-up sent right behind the `Open` (answered together). `pending`: the step the failed
+        server did not answer; a one-token step right after its history rides on a one-prefill
+        catch-up, and its output is returned with the streams (None: it still has to run).
+        `relink(replacement)`: puts the replacement into the chain before that catch-up and returns
+        the chain step's id and the hops its last server pushes the step on (chain sessions)."""
         failed.close()
         started = asyncio.get_running_loop().time()
+        timeout = self.connection.options.request_timeout
+        riding = (
+            pending is not None
+            and pending.position == failed.position
+            and pending.hidden.shape[1] == 1
+            and self.connection.options.replay_mode == "prefill"
+            and can_prefill([*failed.history, pending])
+        )
         while True:
             replacement = await self._open_chain(failed.hop.start, failed.hop.end, answered_later=True)
+            output = None
             try:
-                hop_inputs = failed.history
-                for index, stream in enumerate(replacement):  # each server's outputs: the next one's inputs
-                    hop_inputs = await self._catch_up(stream, hop_inputs, last=index == len(replacement) - 1)
-                for stream in replacement:  # a step kept whole across a rewind replays past it
-                    stream.rewind(failed.position)
+                if riding:
+                    hop_inputs = [*failed.history, pending]
+                    for stream in replacement[:-1]:  # each server's outputs: the next one's inputs
+                        hop_inputs = await self._catch_up(stream, hop_inputs, last=False)
+                    # the last server answers the last position only: the pending step's output
+                    step_id, push_hops = await relink(replacement) if relink is not None else (None, 0)
+                    output = await replacement[-1].step(
+                        catch_up_input(hop_inputs, 0),
+                        timeout,
+                        last_only=True,
+                        step_id=step_id,
+                        push_hops=push_hops,
+                    )
+                else:
+                    hop_inputs = failed.history
+                    for index, stream in enumerate(replacement):
+                        hop_inputs = await self._catch_up(
+                            stream, hop_inputs, last=index == len(replacement) - 1
+                        )
+                    for stream in replacement:  # a step kept whole across a rewind replays past it
+                        stream.rewind(failed.position)
             except Exception as error:
                 for stream in replacement:
                     stream.close()
@@ -437,7 +489,8 @@ class RemoteBlockSession(BlockSession):
                 continue
             elapsed = asyncio.get_running_loop().time() - started
             logger.info(
-                "session %s: replaced %s for blocks %d:%d with %d server(s), %s-replayed %d steps in %.0f ms",
+                "session %s: replaced %s for blocks %d:%d with %d server(s), %s-replayed %d steps%s "
+                "in %.0f ms",
                 self.session_id[:8],
                 failed.hop.peer_id[-8:],
                 failed.hop.start,
@@ -445,9 +498,10 @@ class RemoteBlockSession(BlockSession):
                 len(replacement),
                 self.connection.options.replay_mode,
                 len(failed.history),
+                " and the failed step" if riding else "",
                 elapsed * 1e3,
             )
-            return replacement
+            return replacement, output
 
     async def _catch_up(self, stream: ServerStream, history: list[StepInput], last: bool) -> list[StepInput]:
         """Rebuild `stream`'s cache from `history` (its hop's inputs); returns what the stream
@@ -730,7 +784,7 @@ class RemoteBlockSession(BlockSession):
                 logger.info("session %s: replay after a leave failed (%s)", self.session_id[:8], error)
                 for stream in replacement:
                     stream.close()
-                return await self._replace(leaving)
+                return (await self._replace(leaving))[0]
         leaving.close()
         logger.info(
             "session %s: moved blocks %d:%d off leaving %s to %s by %s in %.0f ms (%d positions; "
@@ -1096,7 +1150,7 @@ class RemoteBlockSession(BlockSession):
                 logger.info("session %s: replay of the prompt failed (%s)", self.session_id[:8], replay_error)
                 target.close()
                 prefill.close()
-                return await self._replace(prefill)
+                return (await self._replace(prefill))[0]
         logger.info(
             "session %s: prompt of blocks %d:%d on prefill server %s, cache to %s by %s",
             self.session_id[:8],

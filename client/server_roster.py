@@ -23,7 +23,11 @@ from llm_swarm.swarm.server_info import ServerInfo
 
 logger = logging.getLogger(__name__)
 
-STALE_LIMIT = 10  # server records older than this many refresh periods are re-read before use
+# seconds after which a read is re-read before use: about a server record's lifetime in the DHT (61 s
+# at the servers' default announce period), after which many of the servers it names may be gone.
+# Younger reads are used as they are (a new one follows in the background): a failover after a long
+# generation must not wait for a DHT read (4 round trips) to route to a server it already knows
+STALE_AFTER = 60.0
 
 
 class ServerRoster:
@@ -49,13 +53,13 @@ class ServerRoster:
 
     async def servers(self, refresh: bool = False) -> dict[str, ServerInfo]:
         """The swarm's server records. The first read, an explicit `refresh` (after a failure) and a
-        read older than `STALE_LIMIT` refresh periods are waited for; otherwise an expired list is
+        read older than `STALE_AFTER` seconds are waited for; otherwise an expired list is
         returned as it is while a new one is read in the background, so routing never waits on the
         DHT (reading and checking a large swarm's records takes longer than choosing a chain)."""
         if self._fetched_at == -math.inf and self._first_read is not None and not self._first_read.done():
             await asyncio.wait([self._first_read])  # begun at start-up (if it fails, read again below)
         age = time.monotonic() - self._fetched_at
-        if refresh or age > STALE_LIMIT * self.options.refresh_period:
+        if refresh or age > max(STALE_AFTER, self.options.refresh_period):
             await self._read()
         elif age > self.options.refresh_period and (self._reading is None or self._reading.done()):
             self._reading = asyncio.ensure_future(self._read())

@@ -390,7 +390,8 @@ class BlockServicer(BlockRpc):
             self._push_on(
                 session,
                 message.step_id,
-                message.position,
+                # a last-only step (a failover's catch-up) pushes the one step it ends with
+                message.position + hidden.shape[1] - output.shape[1],
                 message.hypo_ids,
                 output,
                 padding_mask,

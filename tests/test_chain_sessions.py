@@ -104,6 +104,9 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
             streams = session.blocks.streams
             assert victim.hop.peer_id not in [stream.hop.peer_id for stream in streams]
             assert streams[1].pushed_answers == 7  # every step after the one that replaced it
+            # the step that failed rode on the replacement's catch-up, which pushed it on to the last
+            # server: its answer's digest matched the client's copy, as every later one did
+            assert streams[2].pushed_answers == 16 and not session.blocks.unpushed  # 8 steps before, 8 after
         assert torch.equal(torch.cat([first, rest], dim=1), expected)
     finally:
         model.shutdown()

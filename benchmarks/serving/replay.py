@@ -15,7 +15,8 @@ the cache, the step). Every output is checked against local `transformers`.
 With `--leave`, the first server leaves instead of dying: SIGTERM, servers started with
 `--drain-timeout 0` (no draining: its sessions end at once), the default replay mode only; the
 client knows the replacement (it is online and pinged), so the time is the leave's notice, routing,
-and one round trip that opens the replacement and catches it up, then the step.
+and one round trip that opens the replacement and catches it up with the token's step riding on the
+catch-up, then the rest of the chain.
 
     sudo .venv/bin/python -m benchmarks.serving.replay --leave --history 120 --rtt 60 [--write]
 """
@@ -29,7 +30,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -162,13 +162,12 @@ def main() -> None:
     parser = common.measuring_parser(__doc__, "--model-dir", "--out", "--pids", shared=shared_options)
     parser.add_argument("--rtt", type=float, default=50.0, help="ms between the client and each server site")
     parser.add_argument("--compute-delay", type=float, default=0.001, help="seconds per block per step")
-    common.add_report_options(parser)
+    common.add_report_options(parser, keep_logs=True)
     common.run_measuring(parser, measure, benchmark)
 
 
 def benchmark(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench-replay-") as work:
-        rows = run(args, Path(work))
+    rows = common.run_emulated("bench-replay-", args.keep_logs, lambda work: run(args, work))
     options = argparse.Namespace(
         history=args.history,
         rtt=args.rtt,
@@ -183,8 +182,9 @@ def benchmark(args: argparse.Namespace) -> None:
             "compute per block per step; servers run with `--drain-timeout 0`. After the tokens, the first "
             "server of the chain gets SIGTERM (it leaves at once, its sessions end) and the next token is "
             "timed: the leave's notice, routing to the replacement (online, already pinged), one round "
-            "trip that opens it and sends the catch-up prefill behind the `Open`, and the step. Every "
-            "output equalled local transformers."
+            "trip that opens it and sends the catch-up prefill behind the `Open` (the token's step rides "
+            "on it, and the replacement pushes its output on to the next hop), and the rest of the chain. "
+            "Every output equalled local transformers."
         )
         title = "## A server that leaves without draining, over emulated links"
         common.publish_table(__file__, options, table(rows, leave=True), title, text)
