@@ -61,7 +61,7 @@ def train(model_dir: Path, initial_peers: list[str], steps: int, lr: float, seed
         model.shutdown()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -70,7 +70,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the loss must have something to fall from)")
     with tempfile.TemporaryDirectory(prefix="prompt-tuning-") as scratch:

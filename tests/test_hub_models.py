@@ -208,7 +208,7 @@ def test_hub_errors_say_what_to_do_and_downloads_recover(published, tmp_path):
     assert results["corrupted shard"] == "ok" and len(gets) == 3, gets
 
     offline = subprocess.run(
-        [PYTHON, "-c", "from swarm.models.hub import resolve_model; resolve_model('swarm-tests/tiny-llama')"],
+        [PYTHON, "-c", f"from llm_swarm.swarm.models.hub import resolve_model; resolve_model({REPO!r})"],
         env=hub_env(hub, tmp_path / "empty", HF_HUB_OFFLINE="1"),
         capture_output=True,
         text=True,

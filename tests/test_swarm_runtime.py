@@ -6,11 +6,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from examples import prompt_tuning
 from harness.local_swarm import CHILD_ENV, LocalSwarm, child_pids
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 from llm_swarm.client.backend import LocalSpans
@@ -271,10 +271,13 @@ def test_generate_none_and_inputs_embeds_through_the_swarm(client, reference):
 
 
 def test_a_script_without_shutdown_exits_cleanly(swarm, model_dir):
-    """No `model.shutdown()`: the client still leaves at exit, with nothing on stderr."""
+    """No `model.shutdown()`: the client still leaves at exit, with nothing on stderr. A new interpreter
+    for one family: how a client leaves at exit does not depend on the model."""
+    if "bloom" in model_dir.name:
+        pytest.skip("exiting is the same for every family: checked with the LLaMA")
     script = (
         "import torch\n"
-        "from client import AutoDistributedModelForCausalLM\n"
+        "from llm_swarm import AutoDistributedModelForCausalLM\n"
         f"peers = {swarm.initial_peers!r}\n"
         f"model = AutoDistributedModelForCausalLM.from_pretrained({str(model_dir)!r}, peers)\n"
         "print(model.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=4, do_sample=False).tolist())\n"
@@ -390,19 +393,12 @@ def _local_run(span):
     return run
 
 
-def test_the_prompt_tuning_example_lowers_the_loss(swarm, model_dir):
-    """docs/fine-tuning.md's example, a few steps against this swarm: it exits 0 only if the loss fell."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "examples.prompt_tuning", "--model-dir", str(model_dir), "--steps", "6"]
-        + ["--initial-peers", *swarm.initial_peers],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=CHILD_ENV,
-        cwd=Path(__file__).resolve().parents[1],  # the example runs as a module of the checkout
-    )
-    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
-    assert "loss fell from" in completed.stdout
+def test_the_prompt_tuning_example_lowers_the_loss(swarm, model_dir, capsys):
+    """docs/fine-tuning.md's example, a few steps against this swarm: it exits 0 only if the loss fell.
+    Its entry point runs in this process, which has paid for its imports already."""
+    argv = ["--model-dir", str(model_dir), "--steps", "6", "--initial-peers", *swarm.initial_peers]
+    assert prompt_tuning.main(argv) == 0, capsys.readouterr().out[-2000:]
+    assert "loss fell from" in capsys.readouterr().out
 
 
 def test_a_first_prompt_larger_than_the_open_limit_is_served(client, reference):

@@ -89,8 +89,12 @@ class Emulation:
         self._previous_handlers.clear()
 
     def close(self) -> list[str]:
-        """Stop every process, then the network. Idempotent."""
-        problems = self.stop_many(list(self.processes))
+        """Stop every process, then the network. Idempotent. The DHT bootstrap peer stops last: each
+        server's shutdown announces that it left, which needs the DHT (without it, each waits out its
+        announcement's time limit)."""
+        problems = self.stop_many([name for name in self.processes if name != "dht"])
+        if "dht" in self.processes:
+            problems += self.stop_many(["dht"])
         problems += self.network.teardown()
         self.teardown_report = problems
         if problems:
@@ -133,8 +137,11 @@ class Emulation:
         return [f"process group of {name} still alive" for name, p in processes if _group_alive(p)]
 
     def stop_all(self) -> list[str]:
-        """Stop every process but keep the network (between runs of one experiment)."""
-        problems = self.stop_many(list(self.processes))
+        """Stop every process but keep the network (between runs of one experiment); the DHT
+        bootstrap peer last, as in `close`."""
+        problems = self.stop_many([name for name in self.processes if name != "dht"])
+        if "dht" in self.processes:
+            problems += self.stop_many(["dht"])
         self.processes.clear()
         return problems
 
