@@ -15,6 +15,7 @@ from llm_swarm.client.connection import SwarmConnection
 from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.chain_wire import ChainLink, answers_another_step, step_digest
 from llm_swarm.swarm.cost import REWIND_RESERVE
+from llm_swarm.swarm.framing import send_message
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
 from llm_swarm.swarm.wire import (
@@ -198,7 +199,7 @@ class ServerStream:
         if self._writer is None:
             raise StreamFailure(self.hop.peer_id, "the stream is closed")
         try:
-            await asyncio.wait_for(P2P.send_protobuf(request, self._writer), timeout)
+            await send_message(request, self._writer, timeout)
         except Exception as error:  # the daemon's socket is gone, or the server stopped reading
             self.healthy = False
             said = await self._last_words()
@@ -355,9 +356,11 @@ class ServerStream:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                reply = await asyncio.wait_for(
-                    self._replies.get(), max(deadline - asyncio.get_running_loop().time(), 0.0)
-                )
+                if self._replies.empty():  # `asyncio.timeout` bounds the wait without a task of its own
+                    async with asyncio.timeout_at(deadline):
+                        reply = await self._replies.get()
+                else:
+                    reply = self._replies.get_nowait()
             except TimeoutError as error:
                 if quiet_timeout:
                     return None

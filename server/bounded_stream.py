@@ -20,6 +20,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
+from llm_swarm.swarm.framing import send_message
 from llm_swarm.swarm.wire import Error, ErrorCode, encode
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
         async def process() -> None:
             try:
                 async for response in handler(read_requests(), context, limit):
-                    await P2P.send_protobuf(response, writer)
+                    await send_message(response, writer)
             except Exception:  # the caller went away mid-reply: nothing more to tell it
                 logger.debug("inference stream ended while replying", exc_info=True)
 

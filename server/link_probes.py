@@ -26,6 +26,7 @@ from hivemind.proto import runtime_pb2
 
 from llm_swarm.server.bounded_stream import StreamLimit
 from llm_swarm.server.cache_sender import receive_reply
+from llm_swarm.server.roster_rounds import roster_rounds
 from llm_swarm.swarm.dht_records import fetch_servers_async
 from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, ProbeAck, ProbeChunk, ProbeLink
 from llm_swarm.swarm.server_info import ServerInfo
@@ -137,16 +138,7 @@ async def probe_links_forever(
 ) -> None:
     """Every `period` seconds, probe the links to a few servers holding our blocks; `record(peer, rate)`."""
     last_probed: dict[str, float] = {}
-    while True:
-        await asyncio.sleep(period)
-        blocks = span()
-        if blocks is None:
-            continue
-        try:
-            servers = await fetch()
-        except Exception as error:  # the DHT is slow or restarting: try next period
-            logger.info("link probes skipped: could not read the servers: %s", error)
-            continue
+    async for blocks, servers in roster_rounds(period, fetch, span, "link probes"):
         for peer in probe_targets(servers, me, *blocks, last_probed):
             last_probed[peer] = time.monotonic()
             try:

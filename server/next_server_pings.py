@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 
+from llm_swarm.server.roster_rounds import roster_rounds
 from llm_swarm.swarm.server_info import MAX_PING_SECONDS, ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -78,18 +79,8 @@ async def ping_next_servers_forever(
     """Ping the servers after our span every `period` seconds (the first round soon after start,
     when the records of servers that started with us are in the DHT)."""
     last_pinged: dict[str, float] = {}
-    delay = min(period, 2.0)
-    while True:
-        await asyncio.sleep(delay)
-        delay = period
-        blocks = span()
-        if blocks is None:
-            continue
-        try:
-            servers = await fetch()
-        except Exception as error:  # the DHT is slow or restarting: try next period
-            logger.info("next-server pings skipped: could not read the servers: %s", error)
-            continue
+    rounds = roster_rounds(period, fetch, span, "next-server pings", first_delay=min(period, 2.0))
+    async for blocks, servers in rounds:
         candidates = next_servers(servers, me, blocks[1])
         rtts.forget_all_but(set(candidates))
         targets = ping_targets(candidates, last_pinged)

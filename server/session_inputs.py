@@ -22,7 +22,10 @@ class SessionLifetimeOver(TimeoutError):
 class SessionInputs:
     def __init__(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue):
         self.requests, self.inbox = requests, inbox
-        self._request: asyncio.Future | None = None  # the client's next request, read across waits
+        # the client's next request and the next push, each read across waits: a wait per message
+        # costs no new task nor a cancelled one
+        self._request: asyncio.Future | None = None
+        self._pushed: asyncio.Future | None = None
 
     async def next(
         self, idle_timeout: float, ends_at: float, pushes: bool = True
@@ -31,22 +34,22 @@ class SessionInputs:
         ended its side. `pushes`: False waits for the client alone (pushes keep meanwhile).
         Raises SessionIdle or SessionLifetimeOver."""
         left = ends_at - time.monotonic()
-        if pushes and not self.inbox.empty():
-            return "push", self.inbox.get_nowait()
+        if pushes:
+            if self._pushed is not None and self._pushed.done():
+                pushed, self._pushed = self._pushed, None
+                return "push", pushed.result()
+            if self._pushed is None:
+                if not self.inbox.empty():
+                    return "push", self.inbox.get_nowait()
+                self._pushed = asyncio.ensure_future(self.inbox.get())
         if self._request is None:
             self._request = asyncio.ensure_future(anext(self.requests))
-        waits = {self._request}
-        pushed = asyncio.ensure_future(self.inbox.get()) if pushes else None
-        if pushed is not None:
-            waits.add(pushed)
-        try:
-            done, _ = await asyncio.wait(
-                waits, timeout=min(idle_timeout, left), return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            if pushed is not None and not pushed.done():
-                pushed.cancel()
-        if pushed is not None and pushed in done:
+        waits = {self._request, self._pushed} if pushes else {self._request}
+        done, _ = await asyncio.wait(
+            waits, timeout=min(idle_timeout, left), return_when=asyncio.FIRST_COMPLETED
+        )
+        if pushes and self._pushed in done:
+            pushed, self._pushed = self._pushed, None
             return "push", pushed.result()
         if self._request in done:
             request, self._request = self._request, None
@@ -59,8 +62,9 @@ class SessionInputs:
         raise SessionIdle()
 
     def close(self) -> None:
-        if self._request is not None:
-            self._request.cancel()
-            with contextlib.suppress(BaseException):
-                self._request.exception()
-            self._request = None
+        for waiting in (self._request, self._pushed):
+            if waiting is not None:
+                waiting.cancel()
+                with contextlib.suppress(BaseException):
+                    waiting.exception()
+        self._request = self._pushed = None

@@ -20,6 +20,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.swarm.chain_wire import PushedStep, PushSteps
+from llm_swarm.swarm.framing import send_message
 from llm_swarm.swarm.wire import decode_metadata, encode
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,8 @@ class StepPusher:
             )
             self._watching = asyncio.ensure_future(self._watch(reader))
             header = PushSteps(session_id=self.target.session_id, token=self.target.token)
-            await asyncio.wait_for(P2P.send_protobuf(encode(header), self._writer), SEND_TIMEOUT)
-        await asyncio.wait_for(P2P.send_protobuf(encode(step, tensors), self._writer), SEND_TIMEOUT)
+            await send_message(encode(header), self._writer, SEND_TIMEOUT)
+        await send_message(encode(step, tensors), self._writer, SEND_TIMEOUT)
 
     async def _watch(self, reader: asyncio.StreamReader) -> None:
         """The successor answers a push stream only to refuse it, then ends it: either way the

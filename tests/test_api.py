@@ -329,6 +329,7 @@ def assert_top(got: dict, row: torch.Tensor, tokenizer, count: int) -> None:
             assert abs(got[text] - value) < 1e-4, (text, got)
 
 
+@pytest.mark.compat
 def test_echo_logprobs_of_prompts_and_token_batches_equal_local_transformers(api, local):
     """What lm-eval asks for: the prompt's own log-probabilities (echo, max_tokens 0), for a batch
     given as a string and a token-id list."""
@@ -438,12 +439,13 @@ def lm_eval_loglikelihood(local, context: str, continuation: str) -> tuple[float
     return total, greedy
 
 
-@pytest.mark.compat
 def test_lm_eval_scores_a_local_multiple_choice_task_as_local_transformers_does(
     api, llama_dir, local, tmp_path, monkeypatch
 ):
     """lm-evaluation-harness's `local-completions` model against the API, on a task built here: each
-    choice's log-likelihood is what transformers computes on the same checkpoint."""
+    choice's log-likelihood is what transformers computes on the same checkpoint. One leg: under the
+    other transformers major the API's log-probabilities are checked where lm-eval asks for them
+    (`test_echo_logprobs_...`), without lm-eval's own import (17 s there)."""
     for name, value in {
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",

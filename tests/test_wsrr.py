@@ -180,36 +180,43 @@ def test_unreachable_or_uncovered_gives_no_route():
 # -- brute force ---------------------------------------------------------------------------------
 
 
+def room_wait(servers, model, placement, sessions, now, j, needed):
+    """Eq. 20 by hand: how long until server j has `needed` free slots."""
+    free = cache_slots(servers[j], model, placement[j].length) - sum(s for _, s in sessions.get(j, []))
+    if free >= needed:
+        return 0.0
+    for ends_at, slots in sorted(sessions.get(j, [])):
+        free += slots
+        if free >= needed:
+            return max(ends_at - now, 0.0)
+    return math.inf
+
+
+def feasible_chains(model, placement, prev_end=0, used=frozenset()):
+    """Every chain of Lemma 3.1 from boundary `prev_end` on, as lists of (server, blocks it processes)."""
+    if prev_end == model.num_blocks:
+        yield []
+        return
+    for j, span in enumerate(placement):
+        if span is None or j in used or not can_follow(prev_end, span):
+            continue
+        for rest in feasible_chains(model, placement, span.end, used | {j}):
+            yield [(j, blocks_processed(prev_end, span)), *rest]
+
+
 def brute_force_cost(servers, model, placement, sessions, l_out, now):
     """Enumerate every feasible chain (Lemma 3.1) and price it link by link (eq. 20 + eq. 1)."""
 
-    def wait(j, needed):
-        free = cache_slots(servers[j], model, placement[j].length) - sum(s for _, s in sessions.get(j, []))
-        if free >= needed:
-            return 0.0
-        for ends_at, slots in sorted(sessions.get(j, [])):
-            free += slots
-            if free >= needed:
-                return max(ends_at - now, 0.0)
-        return math.inf
-
-    best = math.inf
-
-    def extend(prev_end, cost, used):
-        nonlocal best
-        if prev_end == model.num_blocks:
-            best = min(best, cost)
-            return
-        for j, span in enumerate(placement):
-            if span is None or j in used or not can_follow(prev_end, span):
-                continue
-            q = blocks_processed(prev_end, span)
+    def price(chain):
+        total = 0.0
+        for j, q in chain:
             s = servers[j]
             hop = HopCost(s.rtt["c1"], s.rtt_prefill["c1"], s.tau, s.tau_prefill, q)
-            extend(span.end, cost + wait(j, q) + link_time_all_tokens(hop, l_out), used | {j})
+            wait = room_wait(servers, model, placement, sessions, now, j, q)
+            total += wait + link_time_all_tokens(hop, l_out)
+        return total
 
-    extend(0, 0.0, frozenset())
-    return best
+    return min(map(price, feasible_chains(model, placement)), default=math.inf)
 
 
 @st.composite
@@ -295,40 +302,22 @@ def brute_force_pushed_cost(servers, model, placement, sessions, l_out, now, ser
     """Every feasible chain priced as a chain session: each hop's wait and compute, half the client's
     round trip into the first hop and back from the last, and between hops the faster of the push
     (half the servers' round trip) and the way through the client."""
-    plain = [dataclasses.replace(s, rtt={"c1": 0.0}, rtt_prefill={"c1": 0.0}) for s in servers]
     client = [s.rtt["c1"] for s in servers]
 
-    def wait(j, needed):
-        free = cache_slots(servers[j], model, placement[j].length) - sum(s for _, s in sessions.get(j, []))
-        if free >= needed:
-            return 0.0
-        for ends_at, slots in sorted(sessions.get(j, [])):
-            free += slots
-            if free >= needed:
-                return max(ends_at - now, 0.0)
-        return math.inf
-
-    best = math.inf
-
-    def extend(prev, prev_end, cost, used):
-        nonlocal best
-        if prev_end == model.num_blocks:
-            best = min(best, cost + l_out * client[prev] / 2)
-            return
-        for j, span in enumerate(placement):
-            if span is None or j in used or not can_follow(prev_end, span):
-                continue
-            q = blocks_processed(prev_end, span)
-            s = plain[j]
+    def price(chain):
+        total, previous = l_out * client[chain[-1][0]] / 2, None
+        for j, q in chain:
+            s = servers[j]
             compute = link_time_all_tokens(HopCost(0.0, 0.0, s.tau, s.tau_prefill, q), l_out)
-            if prev is None:
+            if previous is None:
                 carry = client[j] / 2
             else:
-                carry = min(server_rtts[prev][j] / 2, client[prev] / 2 + client[j] / 2)
-            extend(j, span.end, cost + wait(j, q) + compute + l_out * carry, used | {j})
+                carry = min(server_rtts[previous][j] / 2, client[previous] / 2 + client[j] / 2)
+            total += room_wait(servers, model, placement, sessions, now, j, q) + compute + l_out * carry
+            previous = j
+        return total
 
-    extend(None, 0, 0.0, frozenset())
-    return best
+    return min(map(price, feasible_chains(model, placement)), default=math.inf)
 
 
 @settings(max_examples=80, deadline=None)

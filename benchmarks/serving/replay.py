@@ -38,6 +38,7 @@ from benchmarks import common
 LAYERS = 6
 MODES = ("steps", "exact", "prefill")
 PROMPT = [5, 17, 99, 200, 33, 41, 7]
+RERUN_OPTIONS = ("history", "rtt", "compute_delay", "leave", "write")
 
 
 # --- the measuring client (runs in the client's site) ---------------------------------------------------
@@ -168,13 +169,8 @@ def main() -> None:
 
 def benchmark(args: argparse.Namespace) -> None:
     rows = common.run_emulated("bench-replay-", args.keep_logs, lambda work: run(args, work))
-    options = argparse.Namespace(
-        history=args.history,
-        rtt=args.rtt,
-        compute_delay=args.compute_delay,
-        leave=args.leave,
-        write=args.write,
-    )
+    # the options the section's command repeats (not --keep-logs)
+    options = argparse.Namespace(**{name: getattr(args, name) for name in RERUN_OPTIONS})
     if args.leave:
         text = (
             f"netem: the client {args.rtt:.0f} ms (round trip) from each of three server sites, 100 Mbit/s; "
