@@ -406,6 +406,10 @@ class ServerStream:
             return
         try:
             _end_requests(writer)
+            if writer.can_write_eof():
+                # a server whose handler already ended reads what still comes until our side ends:
+                # end it now, or that server keeps the stream (and this wait) open for seconds
+                writer.write_eof()
             await asyncio.wait_for(asyncio.shield(reading), timeout)
         except Exception:  # a server that is gone or slow to answer has nothing more to tell us
             pass

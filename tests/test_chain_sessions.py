@@ -134,12 +134,14 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
         width = reference.config.hidden_size
 
         def session(predecessor: str | None) -> ServerStream:
-            """A session of ours on the server, taking pushes from `predecessor` (None: from nobody)."""
+            """A session of ours on the server, taking pushes from `predecessor` (None: linked, then
+            unlinked by its client, as after a push that lied: from nobody)."""
             stream = ServerStream(hop, uuid.uuid4().hex, shape)
             run_sync(stream.open(connection))
-            if predecessor is not None:
-                named = ServerStream(RouteHop(predecessor, 0, 1), uuid.uuid4().hex, shape)
-                run_sync(stream.link(named, None, 20.0))
+            named = ServerStream(RouteHop(predecessor or me, 0, 1), uuid.uuid4().hex, shape)
+            run_sync(stream.link(named, None, 20.0))
+            if predecessor is None:
+                run_sync(stream.link(None, None, 20.0))
             return stream
 
         def push(stream: ServerStream, token: str, *steps) -> list[str]:
