@@ -282,8 +282,9 @@ def main() -> None:
     text = (
         "One host, loopback, every echo server in a process of its own; float32 hidden states. `step`: "
         "our session step through a real server whose span returns its input "
-        "(`benchmarks.serving.identity_server`), the client's own `ServerStream` driven from another "
-        f"thread as `generate` drives it; {args.count} round trips of each after 20 of warm-up."
+        "(`benchmarks.serving.identity_server`), the client's own `ServerStream` driven on its event "
+        "loop (`generate` adds one hand-off between threads per step); "
+        f"{args.count} round trips of each after 20 of warm-up."
     )
     publish_table(__file__, args, table(rows), "## Where a hop's time goes on one host", text)
 
