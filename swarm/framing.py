@@ -27,8 +27,9 @@ async def send_message(
     """`message` in hivemind's framing; waits (at most `timeout` seconds, None: no limit) only while
     the socket has not taken all of it."""
     data = message.SerializeToString()
-    if len(data) > JOIN_LIMIT:
-        sending = P2P.send_protobuf(message, writer)
+    if len(data) > JOIN_LIMIT:  # the message serialized once: hivemind's chunked writes of its bytes
+        writer.write(P2P.MESSAGE_MARKER)
+        sending = P2P.send_raw_data(data, writer)
         await (asyncio.wait_for(sending, timeout) if timeout is not None else sending)
         return
     writer.write(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)

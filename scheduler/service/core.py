@@ -102,6 +102,8 @@ class SchedulerCore:
         self.settings = settings
         self.view = SwarmView(shape, settings.l_in, settings.l_out)
         self.book = SessionBook(settings.lease, settings.l_in + settings.l_out, settings.plan.policy)
+        # the book's servers' announced round trips to each other (`_refresh_book`)
+        self._server_rtts = announced_server_rtts([], {})
         self.rate = ArrivalRate(settings.plan.rate_window, now)
         self.requests = RequestStats()
         # learns answer lengths from ended sessions (always: cheap; used with --l-out-prediction)
@@ -141,6 +143,8 @@ class SchedulerCore:
         self.book.set_servers(
             live, self.view.routing_specs(live), model, self.view.live_spans(live), announced
         )
+        # what chain sessions are priced with: read from the records once per roster, not per route
+        self._server_rtts = announced_server_rtts(self.book.peers, self.view.records)
 
     def _adopt_live(self, members: frozenset[str]) -> None:
         """After a (re)start: the servers' current spans are the assignment, if every one has one."""
@@ -290,7 +294,7 @@ class SchedulerCore:
         routed_l_out = l_out
         if self.settings.l_out_prediction:
             routed_l_out = self.lengths.l_out_for(max(shape.l_in, 1), l_out, request.task or None)
-        server_rtts = announced_server_rtts(self.book.peers, self.view.records) if request.pushed else None
+        server_rtts = self._server_rtts if request.pushed else None
         decision = self.book.route(
             uuid.uuid4().hex, client_id, rtts, routed_l_out, units, now, prefill_scale, server_rtts
         )
