@@ -117,6 +117,13 @@ class SchedulerLink:
         metadata = self.swarm_secret.scheduler_metadata() if self.swarm_secret else None
         try:
             reply = await getattr(stub, method)(request, timeout=timeout or self.timeout, metadata=metadata)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # not our cancellation: another call's failure closed the channel this call was on
+            self.last_error = f"scheduler at {self.address}: the call's channel closed under it"
+            return None
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise SchedulerRejected(f"the scheduler rejected {method}: {error.details()}") from error
