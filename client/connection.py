@@ -25,10 +25,12 @@ from llm_swarm.client.server_probes import ServerProbes
 from llm_swarm.client.server_roster import ServerRoster, log_failed_read
 from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.closed_swarm import SwarmSecret
-from llm_swarm.swarm.dht_peer import start_dht
+from llm_swarm.swarm.dht_peer import PeerIdentity, forget_identity, open_identity, start_dht
+from llm_swarm.swarm.direct_dialer import DirectDialer
 from llm_swarm.swarm.errors import SwarmUnavailable, SwarmUserError
 from llm_swarm.swarm.model_limits import ModelLimits
 from llm_swarm.swarm.scheduler_link import SchedulerLink
+from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import InfoRequest, Report, encode
 
 logger = logging.getLogger(__name__)
@@ -41,9 +43,12 @@ def run_sync(coroutine):
     return RemoteExpertWorker.run_coroutine(coroutine)
 
 
-def start_client_dht(initial_peers: list[str], swarm_secret: SwarmSecret | None = None) -> DHT:
-    """A client-mode DHT peer that validates what it reads, ready (bounded, retried)."""
-    return start_dht(initial_peers, secret=swarm_secret)
+def start_client_dht(
+    initial_peers: list[str], identity: PeerIdentity, swarm_secret: SwarmSecret | None = None
+) -> DHT:
+    """A client-mode DHT peer that validates what it reads, ready (bounded, retried). Its key is ours
+    (not only its p2p daemon's), so that direct streams can prove the same peer id libp2p does."""
+    return start_dht(initial_peers, identity=identity, secret=swarm_secret)
 
 
 class SwarmConnection:
@@ -60,7 +65,12 @@ class SwarmConnection:
         self.prefix, self.num_blocks = prefix, self.limits.num_blocks
         self.client_id = uuid.uuid4().hex  # how the scheduler tells this client's RTT reports apart
         self.options = options = options or ClientOptions()
-        self.dht = start_client_dht(initial_peers, options.swarm_secret)
+        self.identity = open_identity(None)  # a key of this run, deleted at shutdown
+        try:
+            self.dht = start_client_dht(initial_peers, self.identity, options.swarm_secret)
+        except BaseException:
+            forget_identity(self.identity)
+            raise
         self._closed = False
         atexit.register(self._shutdown_at_exit)
         self.p2p = run_sync(self.dht.replicate_p2p())
@@ -68,6 +78,11 @@ class SwarmConnection:
         self.roster = ServerRoster(self.dht, prefix, self.limits, options, read_id=self.client_id)
         self.probes = ServerProbes(self._ping, options)
         self.bans = ServerBans(options)
+        self.streams = StreamOpener(
+            self.p2p,
+            DirectDialer(self.identity.private_key) if options.direct_streams else None,
+            self._direct_address,
+        )
         self.chains = ChainSearch(
             self.roster, self.probes, self.bans, options, self.num_blocks, self.limits.block_windows
         )
@@ -104,6 +119,15 @@ class SwarmConnection:
         model asks first (a route in the meantime shares both instead of repeating them)."""
         await first_read
         await self.chains.candidates()
+
+    def _direct_address(self, peer_id: str) -> str | None:
+        """Where to open streams to `peer_id` directly: announced, and the server near (its measured
+        round trip within `direct_max_rtt`); None: over libp2p."""
+        info = self.roster.known.get(peer_id)
+        if info is None or not info.direct_address:
+            return None
+        rtt = self.probes.measured().get(peer_id)
+        return info.direct_address if rtt is not None and rtt <= self.options.direct_max_rtt else None
 
     def stub(self, peer_id: str):
         return BlockRpc.get_stub(self.p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
@@ -186,6 +210,7 @@ class SwarmConnection:
             run_sync(self.p2p.shutdown())
         finally:
             self.dht.shutdown()
+            forget_identity(self.identity)
 
     async def _stop_reading(self) -> None:
         if self._warming is not None:

@@ -54,6 +54,11 @@ class ClientOptions:
     # pushed before it sends its own copy of the step's input: None sends it at once (a failed push
     # costs nothing), a delay saves the client's upload while pushes work (a failed one costs it)
     push_copy_after: float | None = None
+    # streams to servers that announce a direct address and answered a ping within `direct_max_rtt`
+    # seconds go over TLS straight to the server (swarm/direct_listener.py), skipping both p2p daemons;
+    # farther servers, and any whose direct address fails, are reached over libp2p
+    direct_streams: bool = True
+    direct_max_rtt: float = 0.02
     # this client's upload bandwidth (Mbit/s): what a replay costs against a server-to-server hand-off
     uplink_mbps: float = 20.0
     # a session on a server that leaves: "auto" moves its cache by hand-off when that is expected to
@@ -87,6 +92,7 @@ class ClientOptions:
             "ping_timeout",
             "request_timeout",
             "uplink_mbps",
+            "direct_max_rtt",
         ):
             if not getattr(self, name) > 0:
                 raise SwarmUserError(f"ClientOptions.{name} must be positive, got {getattr(self, name)}")

@@ -20,6 +20,7 @@ import torch
 from llm_swarm.client.connection import SwarmConnection, SwarmUnavailable, run_sync
 from llm_swarm.client.stream import FATAL_CODES, StreamFailure
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.tensor_wire import all_finite
 from llm_swarm.swarm.wire import (
     Backward,
     Computed,
@@ -215,7 +216,7 @@ def _outputs_problem(outputs: list[torch.Tensor], expected: list[torch.Tensor]) 
         if output.shape != like.shape or output.dtype != like.dtype:
             got = f"{output.dtype} {tuple(output.shape)}"
             return f"a {got} tensor for a {like.dtype} {tuple(like.shape)}"
-        if not bool(torch.isfinite(output).all()):
+        if not all_finite(output):
             return "NaN or infinity"
     return None
 

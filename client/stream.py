@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.client.connection import SwarmConnection
@@ -18,6 +18,7 @@ from llm_swarm.swarm.cost import REWIND_RESERVE
 from llm_swarm.swarm.framing import send_message
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.tensor_wire import all_finite
 from llm_swarm.swarm.wire import (
     Error,
     ErrorCode,
@@ -123,10 +124,7 @@ class ServerStream:
         cache_token = secrets.token_hex(16) if cache_from is not None else None
         name = BlockRpc._get_handle_name(connection.prefix, "rpc_inference")
         try:
-            peer = PeerID.from_base58(self.hop.peer_id)
-            _, reader, self._writer = await asyncio.wait_for(
-                connection.p2p.call_binary_stream_handler(peer, name), timeout
-            )
+            reader, self._writer = await connection.streams.open(self.hop.peer_id, name, timeout)
         except Exception as error:
             raise StreamFailure(self.hop.peer_id, error) from error
         self._replies = asyncio.Queue()
@@ -473,7 +471,7 @@ def output_problem(
     output = outputs[0]
     if output.shape != sent.shape or output.dtype != sent.dtype:
         return f"a {output.dtype} tensor of shape {tuple(output.shape)} to a {sent.dtype} {tuple(sent.shape)}"
-    if not bool(torch.isfinite(output).all()):
+    if not all_finite(output):
         return "hidden states with NaN or infinity"
     return None
 

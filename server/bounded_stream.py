@@ -20,6 +20,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
+from llm_swarm.swarm.direct_listener import DirectListener
 from llm_swarm.swarm.framing import send_message
 from llm_swarm.swarm.wire import Error, ErrorCode, encode
 
@@ -43,7 +44,11 @@ Handler = Callable[
 ]
 
 
-async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_prefetch: int = 5) -> None:
+async def add_bounded_stream_handler(
+    p2p: P2P, name: str, handler: Handler, max_prefetch: int = 5, direct: DirectListener | None = None
+) -> None:
+    """Serve `handler` under `name` over libp2p and, with `direct`, over its direct streams too."""
+
     async def handle_stream(
         stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
@@ -70,45 +75,55 @@ async def add_bounded_stream_handler(p2p: P2P, name: str, handler: Handler, max_
             except Exception:  # the caller went away mid-reply: nothing more to tell it
                 logger.debug("inference stream ended while replying", exc_info=True)
 
+        client_ended = False  # the client sent its end-of-stream marker: nothing more will come
+
+        async def receive_all() -> None:
+            """Queue every message as it arrives, for as long as the stream lasts (one task for the
+            stream, not one per message)."""
+            nonlocal client_ended
+            while True:
+                request = await _receive(reader, limit, waiting)
+                waiting.clear()  # set again only once the handler asks for what follows this one
+                client_ended = client_ended or request is None
+                await requests.put(request)  # None: the client ended its side of the stream
+
         with closing(writer):
             processing = asyncio.create_task(process())
-            client_ended = False  # the client sent its end-of-stream marker: nothing more will come
+            receiving = asyncio.create_task(receive_all())
             try:
-                while True:
-                    receiving = asyncio.create_task(_receive(reader, limit, waiting))
-                    await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
-                    if processing.done():
-                        receiving.cancel()
-                        await asyncio.gather(receiving, return_exceptions=True)
-                        if not client_ended:
-                            # the handler ended first (an error, a refused push): the client may still
-                            # be sending, and closing on unread data resets the stream, which can
-                            # overtake the reply just written; let the client read it, as below
-                            with suppress(Exception):
-                                await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-                        return
-                    try:
-                        request = await receiving
-                    except asyncio.IncompleteReadError:  # the client closed the connection
-                        return
-                    except _Refused as error:
-                        logger.warning("peer %s: %s; stream closed", str(stream_info.peer_id)[-8:], error)
-                        reply = encode(Error(code=ErrorCode.BAD_REQUEST, message=str(error)), request=False)
+                await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                if processing.done():
+                    receiving.cancel()
+                    await asyncio.gather(receiving, return_exceptions=True)
+                    if not client_ended:
+                        # the handler ended first (an error, a refused push): the client may still be
+                        # sending, and closing on unread data resets the stream, which can overtake
+                        # the reply just written; let the client read it, as below
                         with suppress(Exception):
-                            await P2P.send_protobuf(reply, writer)
-                            # closing now would reset the stream under the client, losing the reply:
-                            # let it see the reply first, dropping (not keeping) what it still sends
                             await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-                        return
-                    waiting.clear()  # set again only once the handler asks for what follows this one
-                    client_ended = request is None
-                    await requests.put(request)  # None: the client ended its side of the stream
+                    return
+                try:
+                    await receiving
+                except asyncio.IncompleteReadError:  # the client closed the connection
+                    return
+                except _Refused as error:
+                    logger.warning("peer %s: %s; stream closed", str(stream_info.peer_id)[-8:], error)
+                    reply = encode(Error(code=ErrorCode.BAD_REQUEST, message=str(error)), request=False)
+                    with suppress(Exception):
+                        await P2P.send_protobuf(reply, writer)
+                        # closing now would reset the stream under the client, losing the reply: let
+                        # it see the reply first, dropping (not keeping) what it still sends
+                        await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+                    return
             except Exception:
                 logger.warning("inference stream failed while receiving", exc_info=True)
             finally:
+                receiving.cancel()
                 processing.cancel()
 
     await p2p.add_binary_stream_handler(name, handle_stream)
+    if direct is not None:
+        direct.add_handler(name, handle_stream)
 
 
 class _Refused(Exception):

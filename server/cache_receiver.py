@@ -26,6 +26,7 @@ from hivemind.proto import runtime_pb2
 from llm_swarm.server.bounded_stream import StreamLimit
 from llm_swarm.server.session import FLOAT_DTYPES, Session
 from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, CacheAccepted, CacheChunk, PushCache
+from llm_swarm.swarm.tensor_wire import all_finite
 from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class _CacheWriter:
                 ErrorCode.BAD_REQUEST,
                 f"chunk of {count} positions at {self.position} passes the pushed length {self.length}",
             )
-        if not bool(torch.isfinite(keys).all() and torch.isfinite(values).all()):
+        if not (all_finite(keys) and all_finite(values)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "a chunk holds NaN or infinite values")
         cache = self.session.cache
         if cache is None:

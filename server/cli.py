@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
             "(4 MB each; announced, for clients' cache hand-off decisions; 0: only from hand-offs)",
             "--next-ping-period": "seconds between pinging the servers that hold the block after ours "
             "(announced, for pricing chain sessions; 0: never)",
+            "--direct-port": "port of the direct streams: TLS under this server's identity key, for peers "
+            "that can reach it, so that their messages skip both p2p daemons (0: any free port)",
+            "--no-direct-streams": "serve streams over libp2p only",
         },
         field_names={"--session-timeout": "session_idle_timeout"},
     )

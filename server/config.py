@@ -83,6 +83,11 @@ class ServerConfig:
     # seconds between pinging the servers that hold the block after ours (their round trips are
     # announced, for pricing chain sessions; server/next_server_pings.py); 0: never
     next_ping_period: float = 60.0
+    # streams served directly too (TLS on a port of their own, swarm/direct_listener.py), for peers that
+    # can reach it; 0: any free port; they are announced at `--announce-host`, else at `host`
+    direct_port: int = 0
+    no_direct_streams: bool = False
+    announce_host: str | None = None
 
     def __post_init__(self) -> None:
         """Every value checked where the config is made, whoever makes it (messages name the CLI flags)."""
@@ -122,6 +127,8 @@ class ServerConfig:
             raise SwarmUserError(f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise SwarmUserError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if not 0 <= self.direct_port < 65536:
+            raise SwarmUserError(f"--direct-port must be in 0..65535, got {self.direct_port}")
         if not 0 <= self.port < 65536 or self.memory_bytes <= 0:
             raise SwarmUserError(
                 f"--port must be in 0..65535 and --memory positive, got {self.port} and {self.memory_bytes}"

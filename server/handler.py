@@ -52,6 +52,7 @@ from llm_swarm.server.training import parse_sequence_call, run_backward, run_for
 from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.chain_wire import ChainLink, PushedStep, step_digest
 from llm_swarm.swarm.closed_swarm import SwarmSecret
+from llm_swarm.swarm.direct_listener import DirectListener
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.models.adapters import adapter_rows
 from llm_swarm.swarm.models.span import TransformerSpan
@@ -116,8 +117,10 @@ class BlockServicer(BlockRpc):
         limits: PeerLimits | None = None,
         swarm_secret: SwarmSecret | None = None,
         local_peer_id: str = "",
+        direct: DirectListener | None = None,
     ):
         self.span, self.budget = span, budget
+        self.direct = direct  # serves the stream handlers over direct TLS streams too, when set
         self.max_length, self.max_batch_size = max_length, max_batch_size
         self.session_idle_timeout = session_idle_timeout
         # emulation: seconds added per block per step (docs/reference.md section 8). By default the
@@ -628,12 +631,15 @@ class BlockServicer(BlockRpc):
                 for handler in unary
             ),
             add_bounded_stream_handler(
-                p2p, self._get_handle_name(namespace, "rpc_inference"), self._inference
+                p2p, self._get_handle_name(namespace, "rpc_inference"), self._inference, direct=self.direct
             ),
             self.add_handoff_handler(p2p, namespace),
         )
 
     async def remove_p2p_handlers(self, p2p, *, namespace=None) -> None:
+        if self.direct is not None:
+            for name in self._stream_handles(namespace):
+                self.direct.remove_handler(name)
         await asyncio.gather(
             super().remove_p2p_handlers(p2p, namespace=namespace), self.remove_handoff_handler(p2p, namespace)
         )
@@ -821,7 +827,7 @@ class BlockServicer(BlockRpc):
             ):
                 yield response
 
-        await add_bounded_stream_handler(p2p, self._push_handle(namespace), handler)
+        await add_bounded_stream_handler(p2p, self._push_handle(namespace), handler, direct=self.direct)
 
         async def step_handler(requests, context, limit):
             async for response in receive_steps(
@@ -836,7 +842,7 @@ class BlockServicer(BlockRpc):
                 yield response
 
         await add_bounded_stream_handler(
-            p2p, self._get_handle_name(namespace, STEP_PUSH_HANDLE), step_handler
+            p2p, self._get_handle_name(namespace, STEP_PUSH_HANDLE), step_handler, direct=self.direct
         )
         probing = asyncio.Lock()  # one probe at a time: others are refused, never queued
 
@@ -844,7 +850,16 @@ class BlockServicer(BlockRpc):
             async for response in receive_probe(requests, context, limit, probing):
                 yield response
 
-        await add_bounded_stream_handler(p2p, self.probe_handle(namespace), probe_handler)
+        await add_bounded_stream_handler(p2p, self.probe_handle(namespace), probe_handler, direct=self.direct)
+
+    def _stream_handles(self, namespace: str | None) -> tuple[str, ...]:
+        """The names of the handlers served on the bounded transport (and direct streams)."""
+        return (
+            self._get_handle_name(namespace, "rpc_inference"),
+            self._push_handle(namespace),
+            self._get_handle_name(namespace, STEP_PUSH_HANDLE),
+            self.probe_handle(namespace),
+        )
 
     async def remove_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
         await p2p.remove_binary_stream_handler(self._push_handle(namespace))

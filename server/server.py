@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import time
 from functools import partial
@@ -35,6 +36,7 @@ from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.cli.signals import stop_on_signals
 from llm_swarm.swarm.dht_peer import PeerIdentity, forget_identity, open_identity
 from llm_swarm.swarm.dht_records import announce, fetch_servers_async
+from llm_swarm.swarm.direct_listener import DirectListener
 from llm_swarm.swarm.model_limits import ModelLimits
 from llm_swarm.swarm.models.adapters import attach_adapters
 from llm_swarm.swarm.models.checkpoint import load_config
@@ -83,6 +85,8 @@ class SwarmServer:
         self.limits = ModelLimits.from_config(self.model_config)
         self.role = AssignedRole(config.role)  # managed: the scheduler may assign one (--roles auto)
         self.next_rtts = NextServerRtts()  # round trips to the servers after our span, announced
+        self.direct: DirectListener | None = None  # our streams over TLS without the p2p daemons
+        self.direct_address = ""  # where peers dial `direct` (announced); "" when not served
 
     # --- what we announce -----------------------------------------------------------------------
     @property
@@ -134,6 +138,7 @@ class SwarmServer:
             chain_push=True,
             links=served.link_rates if served is not None else {},
             next_rtts=self.next_rtts.announced(),
+            direct_address=self.direct_address,
         )
 
     def _announce(self, wait: bool = True):
@@ -328,6 +333,7 @@ class SwarmServer:
 
     async def _serve_span(self) -> None:
         p2p = await self.dht.replicate_p2p()
+        await self._start_direct_streams()
         await self.served.install(p2p, self.config.dht_prefix, self._new_servicer)
         if self.reachability == Reachability.DIRECT:
             await DialBackService(p2p).add_p2p_handlers(p2p)  # check other servers' reachability too
@@ -347,6 +353,27 @@ class SwarmServer:
             if follower is not None:
                 await stop_follower(follower)
             await self._leave(p2p)
+
+    async def _start_direct_streams(self) -> None:
+        """Listen for direct streams, unless turned off or there is no address to announce for them."""
+        config = self.config
+        if config.no_direct_streams or self.direct is not None:
+            return
+        announced = config.announce_host or config.host
+        if ipaddress.ip_address(announced).is_unspecified:
+            logger.info("direct streams off: --host %s needs an --announce-host peers can dial", announced)
+            return
+        self.direct = DirectListener(self.identity.private_key, self.peer_id, config.host, config.direct_port)
+        try:
+            await self.direct.start()
+        except OSError as error:  # a taken --direct-port: libp2p still serves every stream
+            logger.warning(
+                "direct streams off: cannot listen on %s:%d: %s", config.host, config.direct_port, error
+            )
+            self.direct = None
+            return
+        host = f"[{announced}]" if ":" in announced else announced
+        self.direct_address = f"{host}:{self.direct.port}"
 
     def _start_next_server_pings(self, p2p: P2P) -> asyncio.Task | None:
         """The task that measures our round trips to the servers after our span (None when
@@ -426,6 +453,7 @@ class SwarmServer:
             ),
             swarm_secret=self.config.swarm_secret,
             local_peer_id=self.peer_id,
+            direct=self.direct,
         )
 
     async def _announce_until_stopped(self) -> None:
@@ -484,6 +512,8 @@ class SwarmServer:
         if await served.drain(self.config.drain_timeout):
             logger.info("drain time is over: closing %d sessions", served.open_sessions)
         await served.uninstall(p2p, self.config.dht_prefix)
+        if self.direct is not None:
+            await self.direct.close()
 
     async def move_to(self, p2p, start: int, end: int, why: str) -> bool:
         """Serve blocks `start:end` instead: refuse new sessions (MOVING), drain open ones for up to

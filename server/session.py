@@ -12,6 +12,7 @@ import torch
 from llm_swarm.server.cache_progress import CacheProgress
 from llm_swarm.server.step_pusher import StepPusher
 from llm_swarm.swarm.models.cache import SpanCache
+from llm_swarm.swarm.tensor_wire import all_finite
 from llm_swarm.swarm.wire import ErrorCode, ProtocolError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -131,7 +132,7 @@ def check_hidden(hidden: torch.Tensor, hidden_size: int, what: str) -> torch.Ten
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"hidden size {hidden.shape[2]} differs from the model's {hidden_size}"
         )
-    if not bool(torch.isfinite(hidden).all()):
+    if not all_finite(hidden):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} contain NaN or infinity")
     return hidden
 
@@ -166,6 +167,6 @@ def check_prompts(
         )
     if not 1 <= prefix <= max_length:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"a prompt of {prefix} positions exceeds {max_length}")
-    if not bool(torch.isfinite(prompts).all()):
+    if not all_finite(prompts):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "prompts contain NaN or infinity")
     return prompts

@@ -112,6 +112,9 @@ class ServerInfo(VersionedRecord):
     next_rtts: dict[
         Annotated[str, Field(max_length=128)], Annotated[float, Field(gt=0, le=MAX_PING_SECONDS)]
     ] = Field(default_factory=dict, max_length=16)
+    # where the server serves its streams directly ("host:port", swarm/direct_listener.py): TLS under
+    # its identity key; "" when it serves them over libp2p only (and from servers that predate them)
+    direct_address: str = Field(default="", max_length=64, pattern=r"^$|^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$")
     # LoRA adapters a session may name (swarm.models.adapters): at most 16 names of at most 64 characters
     adapters: tuple[Annotated[str, Field(pattern=ADAPTER_NAME, max_length=64)], ...] = Field(
         default=(), max_length=16

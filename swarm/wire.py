@@ -20,10 +20,11 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llm_swarm.swarm.tensor_wire import tensor_from_proto, tensor_to_proto
 
 PROTOCOL_VERSION = 1
 OPTIONAL_ADAPTER_NAME = r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"  # "" or an adapter's name
@@ -237,7 +238,7 @@ def _same(value: object, empty: object) -> bool:
 
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
     # hivemind serializes host memory only: a server on a GPU sends its caches' chunks (hand-offs)
-    serialized = [serialize_torch_tensor(t.cpu()) for t in tensors]
+    serialized = [tensor_to_proto(t.cpu()) for t in tensors]
     # optional fields left empty are left out, so servers that predate them accept the message
     unused = {
         name
@@ -283,7 +284,7 @@ def parse(raw: bytes, *allowed: type[Message]) -> Message:
 
 def decode_tensors(message) -> list[torch.Tensor]:
     try:
-        return [deserialize_torch_tensor(t) for t in message.tensors]
+        return [tensor_from_proto(t) for t in message.tensors]
     except Exception as error:  # unknown dtype, buffer of the wrong size, bad compression id...
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"cannot decode tensors: {error}") from None
 

@@ -37,7 +37,7 @@ from benchmarks.common import publish_table
 
 ECHO_METHOD = "/floor.Echo/Stream"
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 1 << 28), ("grpc.max_send_message_length", 1 << 28)]
-KINDS = ("tcp", "grpc", "libp2p", "step")
+KINDS = ("tcp", "grpc", "libp2p", "step", "direct")
 
 
 # --- echo servers, each in a process of its own ----------------------------------------------------
@@ -172,11 +172,13 @@ async def libp2p_round_trips(maddrs: list[str], payload: bytes, count: int) -> l
         await p2p.shutdown()
 
 
-def step_round_trips(work: Path, width: int, tokens: int, count: int) -> list[float]:
-    """Our session step, `tokens` x `width` float32 hidden states, through an identity server."""
+def step_round_trips(work: Path, width: int, tokens: int, count: int) -> dict[str, list[float]]:
+    """Our session step, `tokens` x `width` float32 hidden states, through an identity server: over
+    libp2p (`step`) and over a direct stream (`direct`)."""
     from harness.local_swarm import LocalSwarm
     from llm_swarm.client import AutoDistributedModelForCausalLM
     from llm_swarm.client.connection import run_sync
+    from llm_swarm.client.options import ClientOptions
     from llm_swarm.client.stream import ServerStream, StepInput
     from llm_swarm.swarm.dht_keys import default_prefix
     from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
@@ -198,23 +200,34 @@ def step_round_trips(work: Path, width: int, tokens: int, count: int) -> list[fl
             "identity", model_dir, "0:1", "4GB", "--max-length", str(max_length), module=module
         )
         swarm.wait_online(default_prefix(str(model_dir)), 1, ["identity"])
-        model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, swarm.initial_peers)
-        connection = model.backend.connection
-        servers = run_sync(connection.roster.servers(refresh=True))
-        (peer,) = list(servers)
-        stream = ServerStream(RouteHop(peer, 0, 1), uuid.uuid4().hex, SessionShape(1, max_length, tokens, 1))
-        run_sync(stream.open(connection))
         hidden = torch.randn(1, tokens, width)
-        position = 0
+        samples = {}
+        for kind in ("step", "direct"):  # a client with direct streams off, then one with them on
+            options = ClientOptions(direct_streams=kind == "direct")
+            model = AutoDistributedModelForCausalLM.from_pretrained(
+                model_dir, swarm.initial_peers, options=options
+            )
+            connection = model.backend.connection
+            (peer,) = list(run_sync(connection.roster.servers(refresh=True)))
+            run_sync(connection.probes.rtt(peer))  # a near server: its streams go direct when allowed
+            stream = ServerStream(
+                RouteHop(peer, 0, 1), uuid.uuid4().hex, SessionShape(1, max_length, tokens, 1)
+            )
+            run_sync(stream.open(connection))
+            path = "direct" if kind == "direct" else "libp2p"
+            assert connection.streams.opened[path] == 1, f"{kind}: not opened over {path}"
+            position = 0
 
-        async def round_trip() -> None:
-            nonlocal position
-            await stream.step(StepInput(hidden, position, None, None, None, 0), 60.0)
-            stream.history.clear()  # what a failover would replay: not what this measures
-            position = position + tokens if decode else 0
+            async def round_trip(stream=stream) -> None:
+                nonlocal position
+                await stream.step(StepInput(hidden, position, None, None, None, 0), 60.0)
+                stream.history.clear()  # what a failover would replay: not what this measures
+                position = position + tokens if decode else 0
 
-        samples = run_sync(_timed(count, round_trip))
-        run_sync(stream.close_and_wait(5.0))
+            samples[kind] = run_sync(_timed(count, round_trip))
+            run_sync(stream.close_and_wait(5.0))
+            model.shutdown()
+            model = None
         return samples
     finally:
         if model is not None:
@@ -236,7 +249,7 @@ def measure(sizes: list[tuple[int, int]], count: int) -> list[dict]:
                     "tcp": asyncio.run(tcp_round_trips(tcp_port, payload, count)),
                     "grpc": asyncio.run(grpc_round_trips(grpc_port, payload, count)),
                     "libp2p": asyncio.run(libp2p_round_trips(maddrs, payload, count)),
-                    "step": step_round_trips(Path(work), width, tokens, count),
+                    **step_round_trips(Path(work), width, tokens, count),
                 }
                 row = {"width": width, "tokens": tokens, "bytes": len(payload)}
                 for kind, values in samples.items():

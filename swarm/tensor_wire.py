@@ -1,0 +1,74 @@
+"""Tensors on the wire: hivemind's uncompressed `runtime_pb2.Tensor` (raw bytes, shape, dtype name),
+written and read without its compression framework, and the finiteness check every receiver makes.
+
+The bytes are hivemind's own, so peers that use `hivemind.compression` read what we write and the
+other way round; a tensor in another compression, or bfloat16 in hivemind's legacy float32 form, is
+left to hivemind. The framework costs a dozen Python calls and three torch operations per tensor;
+a one-token step sends one small tensor each way per hop, where those calls cost more than its bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.proto import runtime_pb2
+
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)  # numpy checks these without torch
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    """A host tensor in hivemind's uncompressed format (bfloat16 as its raw 16-bit words)."""
+    raw = tensor.detach()
+    if raw.dtype == torch.bfloat16:
+        raw = raw.view(torch.int16)  # numpy has no bfloat16: the same bits under a 2-byte type
+    return runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.NONE,
+        buffer=raw.numpy().tobytes(),
+        size=tensor.shape,
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        requires_grad=tensor.requires_grad,
+    )
+
+
+def tensor_from_proto(message: runtime_pb2.Tensor) -> torch.Tensor:
+    """The tensor a `runtime_pb2.Tensor` holds, in memory of its own; ValueError if the bytes do not
+    make the shape."""
+    dtype = _DTYPES.get(message.dtype)
+    if message.compression != runtime_pb2.CompressionType.NONE or dtype is None:
+        return deserialize_torch_tensor(message)  # hivemind's other formats (it raises on garbage)
+    shape = tuple(message.size)
+    numel = math.prod(shape)
+    if len(message.buffer) != numel * dtype.itemsize:
+        if dtype == torch.bfloat16:
+            return deserialize_torch_tensor(message)  # bfloat16 sent as float32 (hivemind's legacy mode)
+        raise ValueError(f"{len(message.buffer)} bytes do not make a {message.dtype} tensor of {shape}")
+    if numel == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    else:  # a writable copy: the message's bytes are immutable
+        tensor = torch.frombuffer(bytearray(message.buffer), dtype=dtype).view(shape)
+    return tensor.requires_grad_(True) if message.requires_grad and dtype.is_floating_point else tensor
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no infinity in `tensor` (numpy for host floats it can view: one call, not three)."""
+    if tensor.dtype in _NUMPY_FLOATS and tensor.device.type == "cpu":
+        return bool(np.isfinite(tensor.detach().numpy()).all())
+    return bool(torch.isfinite(tensor).all())
