@@ -56,6 +56,7 @@ from llm_swarm.swarm.direct_listener import DirectListener
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.models.adapters import adapter_rows
 from llm_swarm.swarm.models.span import TransformerSpan
+from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import (
     PEER_LIMIT_PREFIX,
     Ack,
@@ -118,9 +119,11 @@ class BlockServicer(BlockRpc):
         swarm_secret: SwarmSecret | None = None,
         local_peer_id: str = "",
         direct: DirectListener | None = None,
+        streams: StreamOpener | None = None,
     ):
         self.span, self.budget = span, budget
         self.direct = direct  # serves the stream handlers over direct TLS streams too, when set
+        self.streams = streams  # opens our pushes to other servers (libp2p only when None)
         self.max_length, self.max_batch_size = max_length, max_batch_size
         self.session_idle_timeout = session_idle_timeout
         # emulation: seconds added per block per step (docs/reference.md section 8). By default the
@@ -457,9 +460,9 @@ class BlockServicer(BlockRpc):
         if session.pusher is not None and session.pusher.target != target:
             session.pusher.close()
             session.pusher = None
-        if target is not None and session.pusher is None and self._p2p is not None:
+        if target is not None and session.pusher is None and self.streams is not None:
             handle = self._get_handle_name(self._namespace, STEP_PUSH_HANDLE)
-            session.pusher = StepPusher(self._p2p, handle, target, session.session_id[:8])
+            session.pusher = StepPusher(self.streams, handle, target, session.session_id[:8])
         return None
 
     def _push_on(
@@ -816,6 +819,8 @@ class BlockServicer(BlockRpc):
 
     async def add_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
         self._p2p, self._namespace = p2p, namespace
+        if self.streams is None:
+            self.streams = StreamOpener(p2p, None, lambda _peer: None)
         self.link_rates = OrderedDict()
 
         def find_session(session_id: str) -> Session | None:

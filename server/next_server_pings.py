@@ -29,10 +29,12 @@ PING_TIMEOUT = 5.0
 
 
 class NextServerRtts:
-    """The round trips measured to the servers after our span, newest first to be kept."""
+    """The round trips measured to the servers after our span, newest first to be kept, and the
+    direct addresses those servers announce (where our pushes to a near one go)."""
 
     def __init__(self) -> None:
         self._samples: OrderedDict[str, deque[float]] = OrderedDict()
+        self._addresses: dict[str, str] = {}
 
     def record(self, peer: str, rtt: float) -> None:
         samples = self._samples.pop(peer, None) or deque(maxlen=SAMPLES)
@@ -45,6 +47,18 @@ class NextServerRtts:
         """Keep only `peers` (those holding the block after our span now: a move changes which)."""
         for peer in [peer for peer in self._samples if peer not in peers]:
             del self._samples[peer]
+
+    def learn_addresses(self, servers: dict[str, ServerInfo], peers: list[str]) -> None:
+        """The direct addresses `peers` announce now (servers move and restart: read every round)."""
+        self._addresses = {
+            peer: servers[peer].direct_address for peer in peers if servers[peer].direct_address
+        }
+
+    def direct_address(self, peer: str, max_rtt: float) -> str | None:
+        """Where to push to `peer` directly: it announces an address and answered within `max_rtt`."""
+        samples = self._samples.get(peer)
+        address = self._addresses.get(peer)
+        return address if address and samples and min(samples) <= max_rtt else None
 
     def announced(self) -> dict[str, float]:
         return {peer: min(samples) for peer, samples in self._samples.items()}
@@ -83,6 +97,7 @@ async def ping_next_servers_forever(
     async for blocks, servers in rounds:
         candidates = next_servers(servers, me, blocks[1])
         rtts.forget_all_but(set(candidates))
+        rtts.learn_addresses(servers, candidates)
         targets = ping_targets(candidates, last_pinged)
         results = await asyncio.gather(*(_timed(ping, peer) for peer in targets))
         now = time.monotonic()

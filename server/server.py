@@ -36,6 +36,7 @@ from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.cli.signals import stop_on_signals
 from llm_swarm.swarm.dht_peer import PeerIdentity, forget_identity, open_identity
 from llm_swarm.swarm.dht_records import announce, fetch_servers_async
+from llm_swarm.swarm.direct_dialer import DirectDialer
 from llm_swarm.swarm.direct_listener import DirectListener
 from llm_swarm.swarm.model_limits import ModelLimits
 from llm_swarm.swarm.models.adapters import attach_adapters
@@ -45,9 +46,14 @@ from llm_swarm.swarm.models.span import TransformerSpan, load_span, rebuild_span
 from llm_swarm.swarm.reachability import DialBackService
 from llm_swarm.swarm.server_info import Reachability, ServerInfo, ServerState
 from llm_swarm.swarm.stop_deadline import STOP_DEADLINE
+from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import InfoRequest, encode
 
 logger = logging.getLogger(__name__)
+
+# pushes to a next server whose measured round trip is within this go over its direct stream: on a
+# LAN the p2p daemons cost as much as the network; farther, libp2p's connection is already open
+DIRECT_MAX_RTT = 0.02
 
 try:
     PACKAGE_VERSION = version("llm-swarm")
@@ -87,6 +93,7 @@ class SwarmServer:
         self.next_rtts = NextServerRtts()  # round trips to the servers after our span, announced
         self.direct: DirectListener | None = None  # our streams over TLS without the p2p daemons
         self.direct_address = ""  # where peers dial `direct` (announced); "" when not served
+        self.streams: StreamOpener | None = None  # how our pushes reach the next servers
 
     # --- what we announce -----------------------------------------------------------------------
     @property
@@ -334,6 +341,11 @@ class SwarmServer:
     async def _serve_span(self) -> None:
         p2p = await self.dht.replicate_p2p()
         await self._start_direct_streams()
+        self.streams = StreamOpener(
+            p2p,
+            DirectDialer(self.identity.private_key) if self.direct is not None else None,
+            lambda peer: self.next_rtts.direct_address(peer, DIRECT_MAX_RTT),
+        )
         await self.served.install(p2p, self.config.dht_prefix, self._new_servicer)
         if self.reachability == Reachability.DIRECT:
             await DialBackService(p2p).add_p2p_handlers(p2p)  # check other servers' reachability too
@@ -454,6 +466,7 @@ class SwarmServer:
             swarm_secret=self.config.swarm_secret,
             local_peer_id=self.peer_id,
             direct=self.direct,
+            streams=self.streams,
         )
 
     async def _announce_until_stopped(self) -> None:

@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.swarm.chain_wire import PushedStep, PushSteps
 from llm_swarm.swarm.framing import send_message
+from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import decode_metadata, encode
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ class PushTarget:
 
 
 class StepPusher:
-    def __init__(self, p2p: P2P, handle_name: str, target: PushTarget, session_label: str):
-        self.p2p, self.handle_name, self.target = p2p, handle_name, target
+    def __init__(self, streams: StreamOpener, handle_name: str, target: PushTarget, session_label: str):
+        self.streams, self.handle_name, self.target = streams, handle_name, target
         self.session_label = session_label  # for the log
         self.pushed = self.dropped = 0
         self._queue: asyncio.Queue = asyncio.Queue(QUEUED_PUSHES)
@@ -96,10 +97,7 @@ class StepPusher:
     async def _send(self, step: PushedStep, tensors: list[torch.Tensor]) -> None:
         if self._writer is None or self._writer.is_closing():
             self._close_stream()
-            peer = PeerID.from_base58(self.target.peer)
-            _, reader, self._writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(peer, self.handle_name), OPEN_TIMEOUT
-            )
+            reader, self._writer = await self.streams.open(self.target.peer, self.handle_name, OPEN_TIMEOUT)
             self._watching = asyncio.ensure_future(self._watch(reader))
             header = PushSteps(session_id=self.target.session_id, token=self.target.token)
             await send_message(encode(header), self._writer, SEND_TIMEOUT)

@@ -79,6 +79,8 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
             streams = session.blocks.streams
             assert len(streams) == 3 and pushed_answers(streams)[0] == 0
             assert pushed_answers(streams) == [0, 12, 12]  # the prompt's step and 11 decode steps
+        # near servers that announce direct streams get the client's streams over them
+        assert model.backend.connection.streams.opened["direct"] >= 3
         with hub.inference_session(max_length=PROMPT.shape[1] + 12) as session:
             assert torch.equal(
                 hub.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session), expected

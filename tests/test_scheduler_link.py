@@ -7,6 +7,7 @@ import threading
 from concurrent import futures
 
 import grpc
+import pytest
 
 from harness.local_swarm import LocalSwarm
 from llm_swarm.swarm.dht_records import publish_scheduler
@@ -14,6 +15,8 @@ from llm_swarm.swarm.identity import owner_subkey
 from llm_swarm.swarm.scheduler_api import scheduler_pb2 as pb
 from llm_swarm.swarm.scheduler_api import scheduler_pb2_grpc as pb_grpc
 from llm_swarm.swarm.scheduler_link import SchedulerLink
+
+pytestmark = pytest.mark.version_neutral
 
 
 class SlowAdmission(pb_grpc.SchedulerServicer):
