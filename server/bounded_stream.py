@@ -93,14 +93,14 @@ async def add_bounded_stream_handler(
             try:
                 await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 if processing.done():
-                    receiving.cancel()
-                    await asyncio.gather(receiving, return_exceptions=True)
                     if not client_ended:
                         # the handler ended first (an error, a refused push): the client may still be
                         # sending, and closing on unread data resets the stream, which can overtake
-                        # the reply just written; let the client read it, as below
+                        # the reply just written; let the client read it, dropping what it still
+                        # sends until its end-of-stream marker (a TLS stream has no half-close to
+                        # wait for instead) or the end of the connection
                         with suppress(Exception):
-                            await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+                            await asyncio.wait_for(_drop_until_end(requests, receiving), DISCARD_SECONDS)
                     return
                 try:
                     await receiving
@@ -157,6 +157,20 @@ async def _receive(
     request = runtime_pb2.ExpertRequest()
     request.ParseFromString(data)
     return request
+
+
+async def _drop_until_end(requests: asyncio.Queue, receiving: asyncio.Task) -> None:
+    """Take and drop what `receiving` queues until the end-of-stream marker; raises what ended
+    `receiving` (the connection's end, a refused message) if that comes first."""
+    while True:
+        getting = asyncio.ensure_future(requests.get())
+        await asyncio.wait({getting, receiving}, return_when=asyncio.FIRST_COMPLETED)
+        if not getting.done():
+            getting.cancel()
+            receiving.result()
+            return
+        if getting.result() is None:
+            return
 
 
 async def _discard(reader: asyncio.StreamReader) -> None:

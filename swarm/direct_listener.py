@@ -102,7 +102,7 @@ class DirectListener:
         finally:
             self._handshaking -= 1
         write_frame(writer, {"ok": True})
-        host, port = writer.get_extra_info("peername")[:2]
+        host, port = (writer.get_extra_info("peername") or ("0.0.0.0", 0))[:2]
         address = Multiaddr(f"/ip{6 if ':' in host else 4}/{host}/tcp/{port}")
         await handler(StreamInfo(PeerID.from_base58(peer_id), address, handle), reader, writer)
 
