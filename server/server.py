@@ -149,7 +149,9 @@ class SwarmServer:
             direct_address=self.direct_address,
         )
 
-    def _announce(self, wait: bool = True):
+    def _announce(self, wait: bool = True, legacy: bool = True):
+        """Store our record; `legacy=False` leaves out the keys only older readers look under (a store
+        per block of the span), for announcements whose news is only the free cache."""
         ttl = 2 * self.config.announce_period * self.config.idle_announce_factor + 1
         return announce(
             self.dht,
@@ -158,7 +160,7 @@ class SwarmServer:
             self.info(),
             ttl=ttl,
             wait=wait,
-            legacy=self.config.legacy_records,
+            legacy=self.config.legacy_records and legacy,
         )
 
     @property
@@ -486,14 +488,15 @@ class SwarmServer:
             changed.cancel()
             if self.stopped.is_set():
                 return
-            if self._sessions_changed.is_set():
+            periodic = not self._sessions_changed.is_set()
+            if not periodic:
                 await asyncio.sleep(0.2)  # coalesce bursts of opens/closes into one announcement
                 self._sessions_changed.clear()
                 next_periodic = min(next_periodic, loop.time() + self._heartbeat_period())
             else:
                 next_periodic = loop.time() + self._heartbeat_period()
                 await self._follow_relay_state()
-            await self.announce_quietly()
+            await self.announce_quietly(legacy=periodic)
 
     def _heartbeat_period(self) -> float:
         """Seconds until the next periodic announcement: shorter while sessions are open (their free
@@ -501,9 +504,9 @@ class SwarmServer:
         busy = self.served is not None and self.served.open_sessions > 0
         return self.config.announce_period * (1 if busy else self.config.idle_announce_factor)
 
-    async def announce_quietly(self) -> None:
+    async def announce_quietly(self, legacy: bool = True) -> None:
         try:
-            await self._announce(wait=False)
+            await self._announce(wait=False, legacy=legacy)
         except Exception as error:  # a flaky DHT must not take the server down; retry next period
             logger.warning("announcement failed: %s", error)
 
