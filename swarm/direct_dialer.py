@@ -16,6 +16,7 @@ from llm_swarm.swarm.direct_hello import (
     read_frame,
     write_frame,
 )
+from llm_swarm.swarm.direct_listener import READ_BUFFER
 from llm_swarm.swarm.direct_tls import certificate_peer_id, client_context
 
 MAX_ADDRESS_CHARS = 64
@@ -50,7 +51,12 @@ class DirectDialer:
             host, port = split_address(address)
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(
-                    host, port, ssl=self._context, server_hostname=None, ssl_handshake_timeout=timeout
+                    host,
+                    port,
+                    ssl=self._context,
+                    server_hostname=None,
+                    ssl_handshake_timeout=timeout,
+                    limit=READ_BUFFER,
                 )
                 certificate = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
                 if certificate_peer_id(certificate) != peer_id:

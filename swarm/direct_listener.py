@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 5.0  # seconds for TLS and the hello together
 MAX_HANDSHAKES = 64  # connections still in their handshake at once
+# bytes a stream's reader buffers before it stops reading the socket until they are consumed: asyncio's
+# default (64 KiB) stops and restarts reading every 128 KiB of a prompt's megabytes
+READ_BUFFER = 1 << 20
 REFUSAL_LOG_PERIOD = 60.0  # refused handshakes are logged at most once per period, with a count
 
 StreamHandler = Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -65,6 +68,7 @@ class DirectListener:
             self.port,
             ssl=server_context(self.private_key),
             ssl_handshake_timeout=self.handshake_timeout,
+            limit=READ_BUFFER,
         )
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("direct streams on %s:%d (TLS)", self.host, self.port)

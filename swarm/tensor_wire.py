@@ -34,18 +34,18 @@ _DTYPES = {
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)  # numpy checks these without torch
 
 
-def tensor_to_proto(tensor: torch.Tensor) -> runtime_pb2.Tensor:
-    """A host tensor in hivemind's uncompressed format (bfloat16 as its raw 16-bit words)."""
+def write_tensor(proto: runtime_pb2.Tensor, tensor: torch.Tensor) -> None:
+    """Fill `proto` (a message's own field, so that the bytes are copied into it once, not into a
+    tensor message and again into the message) with a host tensor in hivemind's uncompressed format
+    (bfloat16 as its raw 16-bit words)."""
     raw = tensor.detach()
     if raw.dtype == torch.bfloat16:
         raw = raw.view(torch.int16)  # numpy has no bfloat16: the same bits under a 2-byte type
-    return runtime_pb2.Tensor(
-        compression=runtime_pb2.CompressionType.NONE,
-        buffer=raw.numpy().tobytes(),
-        size=tensor.shape,
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        requires_grad=tensor.requires_grad,
-    )
+    proto.compression = runtime_pb2.CompressionType.NONE
+    proto.buffer = raw.numpy().tobytes()
+    proto.size.extend(tensor.shape)
+    proto.dtype = str(tensor.dtype).removeprefix("torch.")
+    proto.requires_grad = tensor.requires_grad
 
 
 def tensor_from_proto(message: runtime_pb2.Tensor) -> torch.Tensor:

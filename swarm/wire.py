@@ -24,7 +24,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llm_swarm.swarm.tensor_wire import tensor_from_proto, tensor_to_proto
+from llm_swarm.swarm.tensor_wire import tensor_from_proto, write_tensor
 
 PROTOCOL_VERSION = 1
 OPTIONAL_ADAPTER_NAME = r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"  # "" or an adapter's name
@@ -237,8 +237,6 @@ def _same(value: object, empty: object) -> bool:
 
 
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
-    # hivemind serializes host memory only: a server on a GPU sends its caches' chunks (hand-offs)
-    serialized = [tensor_to_proto(t.cpu()) for t in tensors]
     # optional fields left empty are left out, so servers that predate them accept the message
     unused = {
         name
@@ -246,9 +244,15 @@ def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = T
         if name in type(message).model_fields and _same(getattr(message, name), empty)
     }
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))
-    if request:
-        return runtime_pb2.ExpertRequest(uid="", tensors=serialized, metadata=metadata)
-    return runtime_pb2.ExpertResponse(tensors=serialized, metadata=metadata)
+    encoded = (
+        runtime_pb2.ExpertRequest(uid="", metadata=metadata)
+        if request
+        else runtime_pb2.ExpertResponse(metadata=metadata)
+    )
+    for tensor in tensors:
+        # host memory only on the wire: a server on a GPU sends its caches' chunks (hand-offs)
+        write_tensor(encoded.tensors.add(), tensor.cpu())
+    return encoded
 
 
 def decode_metadata(raw: bytes) -> dict:

@@ -11,10 +11,11 @@ median and the 99th percentile round trip of:
   path every message of ours takes today;
 - `step`: our session step through a real `swarm-server` whose span returns its input
   (`benchmarks.serving.identity_server`): the client's serialization and event loop, both daemons,
-  the server's checks, batching engine and reply.
+  the server's checks, batching engine and reply;
+- `direct`: the same step over a direct stream (TLS straight to the server, no daemon).
 
 `step - libp2p` is what our protocol adds to its transport; `libp2p - tcp` is what the transport
-adds to the socket.
+adds to the socket; `direct - tcp` is what a hop costs us over the socket on a direct stream.
 
     .venv/bin/python -m benchmarks.serving.hop_floor [--sizes 4096x1,8192x1,4096x512] [--count 300]
 """
@@ -268,16 +269,17 @@ def table(rows: list[dict]) -> list[str]:
     lines = [
         "| message | bytes | "
         + " | ".join(f"{kind} p50 / p99 (ms)" for kind in KINDS)
-        + " | step - libp2p (p50) | libp2p - tcp (p50) |",
-        "|---|---:|" + "---:|" * len(KINDS) + "---:|---:|",
+        + " | step - libp2p (p50) | libp2p - tcp (p50) | direct - tcp (p50) |",
+        "|---|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|",
     ]
     for row in rows:
         cells = [f"{row[kind][0] * 1e3:.3f} / {row[kind][1] * 1e3:.3f}" for kind in KINDS]
         protocol, transport = row["step"][0] - row["libp2p"][0], row["libp2p"][0] - row["tcp"][0]
+        direct = row["direct"][0] - row["tcp"][0]
         lines.append(
             f"| {row['tokens']} x {row['width']} | {row['bytes']:,} | "
             + " | ".join(cells)
-            + f" | {protocol * 1e3:.3f} | {transport * 1e3:.3f} |"
+            + f" | {protocol * 1e3:.3f} | {transport * 1e3:.3f} | {direct * 1e3:.3f} |"
         )
     return lines
 
@@ -296,7 +298,8 @@ def main() -> None:
         "One host, loopback, every echo server in a process of its own; float32 hidden states. `step`: "
         "our session step through a real server whose span returns its input "
         "(`benchmarks.serving.identity_server`), the client's own `ServerStream` driven on its event "
-        "loop (`generate` adds one hand-off between threads per step); "
+        "loop (`generate` adds one hand-off between threads per step), over libp2p by a client with "
+        "direct streams off, and `direct` over a direct stream (TLS, the server's key checked); "
         f"{args.count} round trips of each after 20 of warm-up."
     )
     publish_table(__file__, args, table(rows), "## Where a hop's time goes on one host", text)
