@@ -61,6 +61,20 @@ class ServerMetrics:
             "them not run again (copy_dropped)",
             ["how"],
         )
+        self.streams_opened = gauge(
+            "swarm_server_streams_opened",
+            "Streams this server opened to other servers (chain pushes), by path: direct or libp2p",
+            ["path"],
+        )
+        self.direct_streams_served = gauge(
+            "swarm_server_direct_streams_served", "Streams peers opened to this server directly (TLS)"
+        )
+
+    def watch_streams(self, opened: Callable[[str], int], served_directly: Callable[[], int]) -> None:
+        """Read the stream counts when scraped: `opened(path)`, and the direct streams served."""
+        for path in ("direct", "libp2p"):
+            self.streams_opened.labels(path=path).set_function(partial(opened, path))
+        self.direct_streams_served.set_function(served_directly)
 
     def watch_cache(
         self, free_slots: Callable[[], int], total_slots: Callable[[], int], free_bytes: Callable[[], int]

@@ -81,6 +81,10 @@ class SwarmServer:
             total_slots=lambda: self._budget.total_bytes // self.slot_bytes if self._budget else 0,
             free_bytes=lambda: self._budget.bytes_left if self._budget else 0,
         )
+        self.metrics.watch_streams(
+            opened=lambda path: self.streams.opened[path] if self.streams is not None else 0,
+            served_directly=lambda: self.direct.served if self.direct is not None else 0,
+        )
         self.metrics.tau_per_session.set_function(
             lambda: (self.served.tau_per_session or 0.0) if self.served is not None else 0.0
         )

@@ -55,6 +55,7 @@ class DirectListener:
         self.host, self.port = host, port
         self.handshake_timeout, self.max_handshakes = handshake_timeout, max_handshakes
         self.refused = 0  # handshakes refused since the start (tests and the log read it)
+        self.served = 0  # streams handed to their handler (the server's metrics read it)
         self._handlers: dict[str, StreamHandler] = {}
         self._server: asyncio.Server | None = None
         self._handshaking = 0
@@ -106,6 +107,7 @@ class DirectListener:
         finally:
             self._handshaking -= 1
         write_frame(writer, {"ok": True})
+        self.served += 1
         host, port = (writer.get_extra_info("peername") or ("0.0.0.0", 0))[:2]
         address = Multiaddr(f"/ip{6 if ':' in host else 4}/{host}/tcp/{port}")
         await handler(StreamInfo(PeerID.from_base58(peer_id), address, handle), reader, writer)

@@ -38,6 +38,12 @@ def info_peer(swarm, prefix: str, name: str) -> str:
     return next(peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items() if info.public_name == name)
 
 
+def metric(text: str, name: str) -> float:
+    """The value of metric `name` (with its labels, as Prometheus writes them) in a scrape."""
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[-1])
+
+
 def pushed_answers(streams: list[ServerStream]) -> list[int]:
     return [stream.pushed_answers for stream in streams]
 
@@ -46,7 +52,7 @@ def pushed_answers(streams: list[ServerStream]) -> list[int]:
 def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir, local_reference):
     prefix = default_prefix(str(llama_dir))
     for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6"), ("b2", "2:4")):
-        swarm.start_server(name, llama_dir, blocks, "1GB", "--next-ping-period", "1")
+        swarm.start_server(name, llama_dir, blocks, "1GB", "--next-ping-period", "1", "--metrics-port", "0")
     online = swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c", "b2"])
     peers = {name: info_peer(swarm, prefix, name) for name in online}
     # each server measures and announces its round trips to the servers holding the block after its
@@ -79,8 +85,19 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
             streams = session.blocks.streams
             assert len(streams) == 3 and pushed_answers(streams)[0] == 0
             assert pushed_answers(streams) == [0, 12, 12]  # the prompt's step and 11 decode steps
-        # near servers that announce direct streams get the client's streams over them
+        # near servers that announce direct streams get the client's streams and their predecessors'
+        # pushes over them
         assert model.backend.connection.streams.opened["direct"] >= 3
+        counts = {
+            (name, kind): metric(swarm.metrics(name), kind)
+            for name in online
+            for kind in (
+                'swarm_server_streams_opened{path="direct"}',
+                'swarm_server_streams_opened{path="libp2p"}',
+            )
+        }
+        assert sum(v for (_, kind), v in counts.items() if "direct" in kind) >= 2, counts  # a -> b, b -> c
+        assert sum(v for (_, kind), v in counts.items() if "libp2p" in kind) == 0, counts
         with hub.inference_session(max_length=PROMPT.shape[1] + 12) as session:
             assert torch.equal(
                 hub.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session), expected
