@@ -380,7 +380,11 @@ class SwarmServer:
         if config.no_direct_streams or self.direct is not None:
             return
         announced = config.announce_host or config.host
-        if ipaddress.ip_address(announced).is_unspecified:
+        try:
+            unspecified = ipaddress.ip_address(announced).is_unspecified
+        except ValueError:  # a host name: peers resolve it
+            unspecified = False
+        if unspecified:
             logger.info("direct streams off: --host %s needs an --announce-host peers can dial", announced)
             return
         self.direct = DirectListener(self.identity.private_key, self.peer_id, config.host, config.direct_port)
@@ -562,6 +566,7 @@ class SwarmServer:
             return False
         switch_began = loop.time()
         await old.uninstall(p2p, config.dht_prefix)
+        gc.unfreeze()  # the blocks this move drops must be collectable again
         span, reused, loaded = await asyncio.to_thread(rebuild_span, old.span, config.model_dir, start, end)
         self.served = self._activate(span, start, end)
         await self.served.install(p2p, config.dht_prefix, self._new_servicer)
@@ -595,7 +600,8 @@ class SwarmServer:
 
 def freeze_start_up_objects() -> None:
     """Leave what loading made (torch, transformers, the blocks' modules: about 400,000 objects) out
-    of garbage collection from now on. A full collection walks every tracked object: 80-200 ms with
-    them, in the middle of whatever step is running; without them, what serving allocates."""
+    of garbage collection until the next move (which unfreezes them first). A full collection walks
+    every tracked object: 80-200 ms with them, in the middle of whatever step is running; without
+    them, what serving allocates."""
     gc.collect()
     gc.freeze()
