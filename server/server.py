@@ -602,6 +602,6 @@ def freeze_start_up_objects() -> None:
     """Leave what loading made (torch, transformers, the blocks' modules: about 400,000 objects) out
     of garbage collection until the next move (which unfreezes them first). A full collection walks
     every tracked object: 80-200 ms with them, in the middle of whatever step is running; without
-    them, what serving allocates."""
-    gc.collect()
+    them, what serving allocates. (No collection first: one costs those same 80-200 ms at every
+    start, and loading leaves little garbage in cycles.)"""
     gc.freeze()
