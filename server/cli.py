@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--direct-port": "port of the direct streams: TLS under this server's identity key, for peers "
             "that can reach it, so that their messages skip both p2p daemons (0: any free port)",
             "--no-direct-streams": "serve streams over libp2p only",
+            "--direct-max-rtt": "push to a next server over its direct stream when its measured round "
+            "trip is at most this many seconds",
         },
         field_names={"--session-timeout": "session_idle_timeout"},
     )

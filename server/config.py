@@ -87,6 +87,10 @@ class ServerConfig:
     # can reach it; 0: any free port; they are announced at `--announce-host`, else at `host`
     direct_port: int = 0
     no_direct_streams: bool = False
+    # chain pushes go over a next server's direct stream when our ping to it took at most this long
+    # (seconds): on a LAN the p2p daemons cost as much as the network; farther, libp2p's connection
+    # is already open
+    direct_max_rtt: float = 0.02
     announce_host: str | None = None
 
     def __post_init__(self) -> None:
@@ -127,6 +131,8 @@ class ServerConfig:
             raise SwarmUserError(f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise SwarmUserError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if not self.direct_max_rtt >= 0:
+            raise SwarmUserError(f"--direct-max-rtt must be >= 0, got {self.direct_max_rtt}")
         if not 0 <= self.direct_port < 65536:
             raise SwarmUserError(f"--direct-port must be in 0..65535, got {self.direct_port}")
         if not 0 <= self.port < 65536 or self.memory_bytes <= 0:

@@ -52,10 +52,6 @@ from llm_swarm.swarm.wire import InfoRequest, encode
 
 logger = logging.getLogger(__name__)
 
-# pushes to a next server whose measured round trip is within this go over its direct stream: on a
-# LAN the p2p daemons cost as much as the network; farther, libp2p's connection is already open
-DIRECT_MAX_RTT = 0.02
-
 try:
     PACKAGE_VERSION = version("llm-swarm")
 except PackageNotFoundError:  # running from a source tree without installing
@@ -351,7 +347,7 @@ class SwarmServer:
         self.streams = StreamOpener(
             p2p,
             DirectDialer(self.identity.private_key) if self.direct is not None else None,
-            lambda peer: self.next_rtts.direct_address(peer, DIRECT_MAX_RTT),
+            lambda peer: self.next_rtts.direct_address(peer, self.config.direct_max_rtt),
         )
         await self.served.install(p2p, self.config.dht_prefix, self._new_servicer)
         freeze_start_up_objects()

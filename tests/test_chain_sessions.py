@@ -52,7 +52,11 @@ def pushed_answers(streams: list[ServerStream]) -> list[int]:
 def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir, local_reference):
     prefix = default_prefix(str(llama_dir))
     for name, blocks in (("a", "0:2"), ("b", "2:4"), ("c", "4:6"), ("b2", "2:4")):
-        swarm.start_server(name, llama_dir, blocks, "1GB", "--next-ping-period", "1", "--metrics-port", "0")
+        # every peer counts as near (a loaded machine's loopback pings can take tens of ms)
+        near = ("--direct-max-rtt", "10")
+        swarm.start_server(
+            name, llama_dir, blocks, "1GB", "--next-ping-period", "1", "--metrics-port", "0", *near
+        )
     online = swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c", "b2"])
     peers = {name: info_peer(swarm, prefix, name) for name in online}
     # each server measures and announces its round trips to the servers holding the block after its
@@ -70,7 +74,7 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
     reference, tokenizer = local_reference(llama_dir)
     # the client sends its copy of a pushed step only if no answer came within 20 s: every step after
     # the first hop runs from a push (on loopback the copy would otherwise race the push)
-    options = ClientOptions(request_timeout=20.0, ban_base=60.0, push_copy_after=20.0)
+    options = ClientOptions(request_timeout=20.0, ban_base=60.0, push_copy_after=20.0, direct_max_rtt=10.0)
     model = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=options)
     hub = AutoDistributedModelForCausalLM.from_pretrained(
         llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0, chain_push=False)

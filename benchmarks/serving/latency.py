@@ -25,6 +25,7 @@ import torch
 from benchmarks.common import parse_bench_args, publish_table
 from benchmarks.serving.timing import TokenClock, percentile
 from harness.local_swarm import LocalSwarm
+from llm_swarm.client import ClientOptions
 from llm_swarm.client.backend import LocalSpans
 from llm_swarm.client.model import DistributedModelForCausalLM
 from llm_swarm.swarm.dht_keys import default_prefix
@@ -32,7 +33,8 @@ from llm_swarm.swarm.models import load_span
 from llm_swarm.swarm.models.tiny import TinyModelSpec, build_tiny_model
 
 CHAINS = {2: ["0:3", "3:6"], 3: ["0:2", "2:4", "4:6"]}
-PATHS = {"libp2p": ("--no-direct-streams",), "direct": ()}
+# a loaded machine's loopback pings may take tens of ms: in the direct swarm every peer counts as near
+PATHS = {"libp2p": ("--no-direct-streams",), "direct": ("--direct-max-rtt", "1")}
 PING_ROUND_WAIT = 3.0  # servers learn the next servers' direct addresses in a ping round 2 s after start
 
 
@@ -78,7 +80,7 @@ def main() -> None:
                 for path in PATHS:
                     swarms[path] = start_swarm(Path(scratch), model_dir, args.layers, hops, path)
                     models[path] = DistributedModelForCausalLM.from_pretrained(
-                        model_dir, swarms[path].initial_peers
+                        model_dir, swarms[path].initial_peers, options=ClientOptions(direct_max_rtt=1.0)
                     )
                     generation_intervals(models[path], 4)  # warm-up: connections, routing, caches
                 time.sleep(PING_ROUND_WAIT)
