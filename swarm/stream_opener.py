@@ -57,7 +57,12 @@ class StreamOpener:
                 self.opened["direct"] += 1
                 return reader, writer
             except DirectUnavailable as error:
-                self._failed_at[peer_id, address] = time.monotonic()
+                now = time.monotonic()
+                # forget failures older than the retry window: the table stays as small as its peers
+                self._failed_at = {
+                    key: at for key, at in self._failed_at.items() if now - at < self.retry_after
+                }
+                self._failed_at[peer_id, address] = now
                 logger.info("no direct stream to %s; libp2p for %.0f s", error, self.retry_after)
         _, reader, writer = await asyncio.wait_for(
             self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), handle), timeout

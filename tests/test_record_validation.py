@@ -135,6 +135,10 @@ def test_only_owned_entries_are_stored(validator, key, subkey):
         {"next_rtts": {"x": 1e6}},
         {"next_rtts": {f"peer{k}": 0.01 for k in range(17)}},
         {"next_rtts": {"x" * 200: 0.01}},
+        {"direct_address": "10.0.0.1"},  # no port
+        {"direct_address": "10.0.0.1:123456"},
+        {"direct_address": "evil host:80"},
+        {"direct_address": "a" * 70 + ":80"},
     ],
     ids=str,
 )
