@@ -19,6 +19,11 @@ overflow its `max_length`) is run alone and fails alone, and if a batched forwar
 other reason every step of the batch is rerun individually, so each session gets exactly the
 result or error it would have got without batching.
 
+A decode step that would run alone anyway (the compute thread is idle, nothing is queued and no
+other session decodes on its blocks) and whose measured cost is below `inline_below` runs on the
+event loop that asked for it (`run`), with the same bookkeeping: for the tiny or cheap steps where
+the two thread hand-offs cost more than the step, a hop then costs what its messages cost.
+
 `compute_delay` (emulating a slower accelerator, seconds per block per step) is paid once per
 block per *iteration*: a batched decode of 16 sessions sleeps as long as one session's step, like a
 GPU whose step time hardly depends on the batch size for small batches.
@@ -31,10 +36,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -50,18 +54,10 @@ logger = logging.getLogger(__name__)
 # 004 measured 0.21 vs 0.13 ms per token); only the ratio matters to the decision.
 DEFAULT_PRIOR = step_scheduler.LinearCost(fixed=0.0, per_unit=1e-3)
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
-
-def _awaiting(submit: Callable[_P, Future[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
-    """A coroutine method taking `submit`'s arguments that waits for the result of its future (`run`)."""
-
-    async def awaited(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        """What `submit` with these arguments computes, awaited (or its exception, raised)."""
-        return await asyncio.wrap_future(submit(*args, **kwargs))
-
-    return awaited
+# A lone decode step predicted to cost at most this runs on the caller's event loop instead of the
+# compute thread: handing it to the thread and back costs two thread wake-ups (0.1-0.4 ms on a busy
+# host), more than such a step itself, and blocking the loop this long delays nothing noticeably.
+INLINE_BELOW = 0.0003
 
 
 @dataclass(eq=False)
@@ -155,6 +151,7 @@ class BatchingEngine:
         clock: Callable[[], float] = time.monotonic,
         active_horizon: float = 0.25,
         on_decode_batch: Callable[[int], None] = lambda steps: None,
+        inline_below: float = INLINE_BELOW,
     ):
         self.policy = policy or step_scheduler.SchedulerPolicy(
             batch_wait=batch_wait, max_batch_rows=max_batch_rows
@@ -166,6 +163,10 @@ class BatchingEngine:
         self.prefill_fit = step_scheduler.LinearFit(prefill_prior)
         self.stats = EngineStats()
         self.on_decode_batch = on_decode_batch  # session steps of each decode iteration (server metrics)
+        self.inline_below = inline_below  # seconds; 0 turns inline steps off
+        # moving average of what a lone decode step took (None until one ran): the inline rule's
+        # prediction; the decode fit's line, pulled by its prior at many rows, overestimates one row
+        self.lone_decode_seconds: float | None = None
         self._clock = clock
         self._condition = threading.Condition()
         self._decodes: list[_Step] = []  # in arrival order
@@ -175,6 +176,7 @@ class BatchingEngine:
         self._decoders: dict[tuple, dict[int, float]] = {}
         self.active_horizon = active_horizon
         self._stopped = False
+        self._busy = False  # an iteration runs (on the compute thread, or inline on the caller's loop)
         self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
         self._thread.start()
 
@@ -229,7 +231,58 @@ class BatchingEngine:
                     del self._decoders[group]
             self._condition.notify()  # a batch waiting for this session may now be complete
 
-    run = _awaiting(submit)
+    async def run(
+        self,
+        span: TransformerSpan,
+        cache: SpanCache,
+        hidden: torch.Tensor,
+        position: int,
+        padding_mask: torch.Tensor | None = None,
+        adapter: str | None = None,
+        ahead: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """`submit`'s result, awaited; a cheap lone decode step runs here instead (module docstring)."""
+        step = _Step(
+            span,
+            cache,
+            hidden,
+            position,
+            padding_mask,
+            self._clock(),
+            adapter,
+            expected_ahead=ahead,
+            progress=progress,
+        )
+        if self._claim_inline(step):
+            try:
+                self._run_decode([step])
+            finally:
+                with self._condition:
+                    self._busy = False
+                    self._condition.notify()
+            return step.future.result()
+        return await asyncio.wrap_future(
+            self.submit(span, cache, hidden, position, padding_mask, adapter, ahead, progress)
+        )
+
+    def _claim_inline(self, step: _Step) -> bool:
+        """Whether `step` runs on the caller's thread; if so, the compute thread is held off until it ends."""
+        if not step.decode or self.inline_below <= 0 or self.compute_delay or self.compute_delay_per_token:
+            return False
+        with self._condition:
+            if self._stopped or self._busy or self._decodes or self._prefills:
+                return False
+            others = set(self._recent_decoders(step.arrived).get(step.group, {})) - {id(step.cache)}
+            lone = self.lone_decode_seconds
+            if others or lone is None or lone > self.inline_below:
+                return False
+            self._decoders.setdefault(step.group, {})[id(step.cache)] = step.arrived
+            self._busy = True
+            step.started = True
+            step.future.set_running_or_notify_cancel()
+            self.stats.decisions["inline"] = self.stats.decisions.get("inline", 0) + 1
+        return True
 
     def shutdown(self, wait: bool = False) -> None:
         """Stop the thread; steps not started yet are cancelled (like `executor.shutdown(cancel_futures)`)."""
@@ -254,6 +307,9 @@ class BatchingEngine:
                 while True:
                     if self._stopped:
                         return
+                    if self._busy:  # a step runs inline on the caller's loop
+                        self._condition.wait()
+                        continue
                     view, batch = self._view()
                     decision = step_scheduler.decide(view, self.costs(), self.policy)
                     if decision.action is step_scheduler.Action.IDLE:
@@ -271,6 +327,7 @@ class BatchingEngine:
                 work = [step for step in work if step.started or step.future.set_running_or_notify_cancel()]
                 for step in work:
                     step.started = True
+                self._busy = True
             try:
                 if decision.action is step_scheduler.Action.DECODE:
                     self._run_decode(work)
@@ -281,6 +338,9 @@ class BatchingEngine:
                 for step in work:
                     if not step.future.done():
                         step.future.set_exception(error)
+            finally:
+                with self._condition:
+                    self._busy = False
 
     def costs(self) -> step_scheduler.CostModel:
         return step_scheduler.CostModel(decode=self.decode_fit.cost(), prefill=self.prefill_fit.cost())
@@ -410,7 +470,11 @@ class BatchingEngine:
                 self._delay(batchable[0].cache, sum(step.rows for step in batchable))
                 for step, output in zip(batchable, outputs, strict=True):
                     step.future.set_result(output.to(step.hidden.device, step.hidden.dtype))
-        self.decode_fit.observe(sum(step.rows for step in work), time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.decode_fit.observe(sum(step.rows for step in work), elapsed)
+        if len(work) == 1:
+            last = self.lone_decode_seconds
+            self.lone_decode_seconds = elapsed if last is None else 0.8 * last + 0.2 * elapsed
         self.stats.decode_iterations += 1
         self.stats.decode_steps += len(work)
         self.stats.max_batch = max(self.stats.max_batch, len(work))

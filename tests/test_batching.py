@@ -272,6 +272,41 @@ def test_an_ended_session_is_not_waited_for(span_and_client):
         engine.shutdown(wait=True)
 
 
+def test_a_lone_cheap_session_decodes_on_its_loop_and_others_still_batch(span_and_client):
+    """A session decoding alone, once its measured steps are cheap, runs them on the caller's loop
+    (no thread hand-off), with outputs equal to the span's own, and errors raised as before; as soon
+    as a second session decodes on the same blocks, steps go back to the compute thread and batch."""
+    span, _client = span_and_client
+    generator = torch.Generator().manual_seed(5)
+    engine = BatchingEngine(batch_wait=0.05, active_horizon=30.0, inline_below=10.0)
+    first, reference = span.new_cache(1, 16), span.new_cache(1, 16)
+    tokens = torch.randn(1, 8, span.hidden_size, generator=generator)
+
+    async def decode_alone() -> None:
+        for position in range(4):
+            token = tokens[:, position : position + 1]
+            output = await engine.run(span, first, token, position)
+            assert torch.equal(output, span(token, reference, position))
+        with pytest.raises(ValueError, match="position"):  # a step the cache refuses fails as before
+            await engine.run(span, first, tokens[:, :1], 9)
+
+    async def decode_together() -> None:
+        second = span.new_cache(1, 16)
+        await engine.run(span, second, tokens[:, :1], 0)  # joins while the first is still decoding
+        steps = [engine.run(span, cache, tokens[:, 5:6], cache.length) for cache in (first, second)]
+        await asyncio.gather(*steps)
+
+    try:
+        asyncio.run(decode_alone())
+        assert engine.stats.decisions.get("inline") == 4, engine.stats.decisions  # the first step measured
+        inline = engine.stats.decisions["inline"]
+        asyncio.run(decode_together())
+        assert engine.stats.decisions["inline"] == inline, engine.stats.decisions
+        assert engine.stats.max_batch == 2, engine.stats.summary()
+    finally:
+        engine.shutdown(wait=True)
+
+
 # --- the pure prefill/decode rule, on hand-computed cases ------------------------------------------
 POLICY = SchedulerPolicy(
     batch_wait=0.002, max_batch_rows=16, max_prefill_skips=4, max_prefill_wait=0.5, max_decode_wait=0.5

@@ -10,12 +10,15 @@
     # removes every namespace; `teardown_report` says whether anything was left behind.
 
 Processes run as `ip netns exec <site namespace> <argv>`, each in its own session (process group),
-logging to `<run_dir>/<name>.log`. Stopping is SIGTERM to the group (servers drain and announce
-OFFLINE), SIGKILL to whatever is left, then a sweep of every PID still inside our namespaces.
+logging to `<run_dir>/<name>.log`. Stopping is SIGTERM to our own Python programs (servers drain,
+announce OFFLINE through their DHT process, then stop it and its daemon) and to the whole group of any
+other command, SIGKILL to whatever is left of each group, then a sweep of every PID still inside our
+namespaces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -59,6 +62,7 @@ class Emulation:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.network = Network(scenario, self.run_dir, delay_mode)
         self.processes: dict[str, tuple[str, subprocess.Popen]] = {}
+        self.python_programs: set[str] = set()  # names whose program is ours (it stops its own children)
         self.initial_peers: list[str] = []
         self.teardown_report: list[str] = []
         self._previous_handlers: dict[int, object] = {}
@@ -121,6 +125,10 @@ class Emulation:
         )
         log.close()
         self.processes[name] = (site, process)
+        if argv[0] == sys.executable:
+            self.python_programs.add(name)
+        else:
+            self.python_programs.discard(name)
         return process
 
     def stop(self, name: str, timeout: float = 20.0) -> list[str]:
@@ -130,7 +138,13 @@ class Emulation:
         """SIGTERM every group at once (servers drain and announce OFFLINE in parallel), wait up to
         `timeout`, then SIGKILL what is left of each group."""
         processes = [(name, self.processes[name][1]) for name in names]
-        stop_groups([process for _, process in processes], signal.SIGTERM, timeout, whole_group=True)
+        for name, process in processes:
+            # a group SIGTERM would also end our programs' DHT processes and daemons, which their
+            # orderly stop still needs; another command may not pass the signal on to its children
+            if name not in self.python_programs and process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+        stop_groups([process for _, process in processes], signal.SIGTERM, timeout)
         deadline = time.monotonic() + 10
         while any(_group_alive(p) for _, p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
