@@ -260,7 +260,8 @@ class BatchingEngine:
             finally:
                 with self._condition:
                     self._busy = False
-                    self._condition.notify()
+                    if self._decodes or self._prefills:  # queued meanwhile (another thread's step)
+                        self._condition.notify()
             return step.future.result()
         return await asyncio.wrap_future(
             self.submit(span, cache, hidden, position, padding_mask, adapter, ahead, progress)
