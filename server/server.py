@@ -9,6 +9,7 @@ out. What is served right now is one `server.active_span.ActiveSpan`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import ipaddress
@@ -51,6 +52,9 @@ from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import InfoRequest, encode
 
 logger = logging.getLogger(__name__)
+
+# sessions unchanged this long (s) make their count worth announcing (`SwarmServer._sessions_settled`)
+SESSIONS_SETTLE = 1.0
 
 try:
     PACKAGE_VERSION = version("llm-swarm")
@@ -480,7 +484,7 @@ class SwarmServer:
     async def _announce_until_stopped(self) -> None:
         """Re-announce every period while sessions are open, every `idle_announce_factor` periods while
         none is (an idle server costs the swarm little: each announcement is a DHT store that other
-        servers check), and soon after sessions open or close (so free slots stay current)."""
+        servers check), and once the open sessions settle after a change (`_sessions_settled`)."""
         loop = asyncio.get_running_loop()
         next_periodic = loop.time() + self._heartbeat_period()
         while not self.stopped.is_set():
@@ -494,13 +498,33 @@ class SwarmServer:
                 return
             periodic = not self._sessions_changed.is_set()
             if not periodic:
-                await asyncio.sleep(0.2)  # coalesce bursts of opens/closes into one announcement
-                self._sessions_changed.clear()
+                await self._sessions_settled()
+                if self.stopped.is_set():
+                    return
                 next_periodic = min(next_periodic, loop.time() + self._heartbeat_period())
             else:
                 next_periodic = loop.time() + self._heartbeat_period()
                 await self._follow_relay_state()
             await self.announce_quietly(legacy=periodic)
+
+    async def _sessions_settled(self) -> None:
+        """Wait until the open sessions stayed the same for `SESSIONS_SETTLE` s, at most one heartbeat
+        period after the first unannounced change; 0.2 s when the cache is full (clients must stop
+        choosing us soon). Every announcement is a signed DHT store that the swarm's DHT peers handle:
+        one per opened and closed session would put that work next to each generation's first and
+        last tokens, while the settled count costs one store per burst of clients."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._heartbeat_period()
+        while not self.stopped.is_set():
+            self._sessions_changed.clear()
+            full = self._budget is not None and self._budget.slots_left(self.slot_bytes) == 0
+            wait = min(0.2 if full else SESSIONS_SETTLE, give_up - loop.time())
+            if wait <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sessions_changed.wait(), wait)
+            if not self._sessions_changed.is_set():
+                return
 
     def _heartbeat_period(self) -> float:
         """Seconds until the next periodic announcement: shorter while sessions are open (their free
