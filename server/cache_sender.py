@@ -1,4 +1,5 @@
-"""Server A's side of a cache hand-off: push a session's cache to server B over the P2P transport.
+"""Server A's side of a cache hand-off: push a session's cache to server B (over a direct stream where B
+announces one, else over libp2p: `swarm.stream_opener`).
 
 Chunks go block by block, at most `CHUNK_BYTES` each, with at most `WINDOW` unacknowledged: B's
 acknowledgements measure the link while the push runs (bytes B holds, not bytes our daemon buffered),
@@ -15,13 +16,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.server.cache_progress import CacheProgress
 from llm_swarm.server.cache_receiver import ChunkAck
 from llm_swarm.server.session import Session
 from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, CacheAccepted, CacheChunk, HandOff, PushCache
+from llm_swarm.swarm.stream_opener import StreamOpener, stream_path
 from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_metadata, encode, parse
 
 WINDOW = 2  # chunks in flight: keeps the link busy while acknowledgements measure it
@@ -34,6 +36,7 @@ FOLLOW_TIMEOUT = 120.0  # seconds a push following a prompt waits for its next c
 class PushResult:
     bytes: int
     seconds: float
+    path: str  # "direct" or "libp2p" (`swarm.stream_opener.stream_path`)
 
 
 class HandOffTooSlow(ProtocolError):
@@ -46,7 +49,11 @@ class HandOffTooSlow(ProtocolError):
 
 
 async def push_cache(
-    p2p: P2P, handle_name: str, session: Session, order: HandOff, progress: CacheProgress | None = None
+    streams: StreamOpener,
+    handle_name: str,
+    session: Session,
+    order: HandOff,
+    progress: CacheProgress | None = None,
 ) -> PushResult:
     """Push positions `[0, order.length)` of `session`'s cache to `order.target_session` on
     `order.target_peer`; raises ProtocolError (B refused, or too slow) or a transport error.
@@ -71,14 +78,11 @@ async def push_cache(
     per_position = cache.position_bytes
     positions = max(1, CHUNK_BYTES // per_position)
     total = per_position * sum(order.length - first for first in firsts)
-    peer = PeerID.from_base58(order.target_peer)
     if progress is not None:
         # B waits at most its idle timeout between messages: a prompt queued behind others here must
         # not use that up before its first chunk exists, so the stream opens once one does
         await progress.wait_beyond(0, FOLLOW_TIMEOUT)
-    _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(peer, handle_name), REPLY_TIMEOUT
-    )
+    reader, writer = await streams.open(order.target_peer, handle_name, REPLY_TIMEOUT)
     started = time.monotonic()
     pace = _Pace(total, order.max_seconds)
     in_flight: deque[int] = deque()  # bytes of each chunk sent and not yet acknowledged
@@ -116,7 +120,7 @@ async def push_cache(
         for _ in range(len(in_flight)):
             await receive_reply(reader, ChunkAck)
         await receive_reply(reader, CacheAccepted)
-        return PushResult(total, time.monotonic() - started)
+        return PushResult(total, time.monotonic() - started, stream_path(writer))
     finally:
         with contextlib.suppress(Exception):
             writer.write(P2P.ERROR_MARKER + len(b"").to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))

@@ -120,10 +120,12 @@ class BlockServicer(BlockRpc):
         local_peer_id: str = "",
         direct: DirectListener | None = None,
         streams: StreamOpener | None = None,
+        bulk_streams: StreamOpener | None = None,
     ):
         self.span, self.budget = span, budget
         self.direct = direct  # serves the stream handlers over direct TLS streams too, when set
         self.streams = streams  # opens our pushes to other servers (libp2p only when None)
+        self.bulk_streams = bulk_streams  # opens our cache hand-offs (libp2p only when None)
         self.max_length, self.max_batch_size = max_length, max_batch_size
         self.session_idle_timeout = session_idle_timeout
         # emulation: seconds added per block per step (docs/reference.md section 8). By default the
@@ -821,6 +823,8 @@ class BlockServicer(BlockRpc):
         self._p2p, self._namespace = p2p, namespace
         if self.streams is None:
             self.streams = StreamOpener(p2p, None, lambda _peer: None)
+        if self.bulk_streams is None:
+            self.bulk_streams = StreamOpener(p2p, None, lambda _peer: None)
         self.link_rates = OrderedDict()
 
         def find_session(session_id: str) -> Session | None:
@@ -901,7 +905,7 @@ class BlockServicer(BlockRpc):
         except ProtocolError as error:
             logger.info("session %s: hand-off not done: %s", session.session_id[:8], error)
             return self._error(error.code, str(error))
-        push = push_cache(self._p2p, self._push_handle(self._namespace), session, order)
+        push = push_cache(self.bulk_streams, self._push_handle(self._namespace), session, order)
         return await self._pushed(session, order, push)
 
     def _begin_follow(self, session: Session, request: runtime_pb2.ExpertRequest) -> FollowingPush | None:
@@ -930,7 +934,7 @@ class BlockServicer(BlockRpc):
             return FollowingPush(order, None, refusal)
         progress = session.progress = CacheProgress(asyncio.get_running_loop())
         progress.advance(session.cache.length)
-        push = push_cache(self._p2p, self._push_handle(self._namespace), session, order, progress)
+        push = push_cache(self.bulk_streams, self._push_handle(self._namespace), session, order, progress)
         return FollowingPush(order, asyncio.create_task(push))
 
     async def _end_follow(self, session: Session, following: FollowingPush, stepped: bool):
@@ -980,7 +984,7 @@ class BlockServicer(BlockRpc):
             )
             return self._error(ErrorCode.NOT_SERVING, f"hand-off failed: {type(error).__name__}: {error}")
         logger.info(
-            "session %s: handed %d positions to %s%s: %d bytes in %.0f ms (%.1f MB/s)",
+            "session %s: handed %d positions to %s%s: %d bytes in %.0f ms (%.1f MB/s, %s)",
             session.session_id[:8],
             order.length,
             order.target_peer[-8:],
@@ -988,6 +992,7 @@ class BlockServicer(BlockRpc):
             result.bytes,
             result.seconds * 1e3,
             result.bytes / max(result.seconds, 1e-9) / 1e6,
+            result.path,
         )
         self.metrics.handoffs.inc()
         self.record_link_rate(order.target_peer, result.bytes / max(result.seconds, 1e-6))

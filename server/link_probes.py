@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.server.bounded_stream import StreamLimit
@@ -30,6 +30,7 @@ from llm_swarm.server.roster_rounds import roster_rounds
 from llm_swarm.swarm.dht_records import fetch_servers_async
 from llm_swarm.swarm.handoff_wire import CHUNK_BYTES, ProbeAck, ProbeChunk, ProbeLink
 from llm_swarm.swarm.server_info import ServerInfo
+from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
 
 logger = logging.getLogger(__name__)
@@ -83,13 +84,13 @@ async def receive_probe(
             logger.info("link probe from %s abandoned by the sender", str(context.remote_id)[-8:])
 
 
-async def probe_link(p2p: P2P, handle_name: str, peer_id: str, chunks: int = PROBE_CHUNKS) -> float:
-    """Bytes per second from us to `peer_id`, measured on its acknowledgements of `chunks` chunks."""
-    peer = PeerID.from_base58(peer_id)
+async def probe_link(
+    streams: StreamOpener, handle_name: str, peer_id: str, chunks: int = PROBE_CHUNKS
+) -> float:
+    """Bytes per second from us to `peer_id`, measured on its acknowledgements of `chunks` chunks,
+    over the path a cache hand-off there takes."""
     filler = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
-    _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(peer, handle_name), PROBE_IDLE_TIMEOUT
-    )
+    reader, writer = await streams.open(peer_id, handle_name, PROBE_IDLE_TIMEOUT)
     try:
         await P2P.send_protobuf(encode(ProbeLink(chunks=chunks)), writer)
         started = time.monotonic()
@@ -128,7 +129,7 @@ def probe_targets(
 
 
 async def probe_links_forever(
-    p2p: P2P,
+    streams: StreamOpener,
     handle_name: str,
     period: float,
     fetch: Callable[[], Awaitable[dict[str, ServerInfo]]],
@@ -142,7 +143,7 @@ async def probe_links_forever(
         for peer in probe_targets(servers, me, *blocks, last_probed):
             last_probed[peer] = time.monotonic()
             try:
-                rate = await asyncio.wait_for(probe_link(p2p, handle_name, peer), PROBE_TOTAL_TIMEOUT)
+                rate = await asyncio.wait_for(probe_link(streams, handle_name, peer), PROBE_TOTAL_TIMEOUT)
             except Exception as error:
                 logger.info("link probe to %s failed: %s", peer[-8:], error or type(error).__name__)
                 continue
@@ -153,7 +154,7 @@ async def probe_links_forever(
                 del last_probed[peer]
 
 
-def start_link_probes(server, p2p: P2P) -> asyncio.Task | None:
+def start_link_probes(server, streams: StreamOpener) -> asyncio.Task | None:
     """The probing task of a serving `server.server.Server` (None when `--link-probe-period 0`); it
     always probes for the span served now, which a move may change."""
     config = server.config
@@ -171,5 +172,5 @@ def start_link_probes(server, p2p: P2P) -> asyncio.Task | None:
     handle = server.served.servicer.probe_handle(config.dht_prefix)
     fetch = partial(fetch_servers_async, server.dht, config.dht_prefix, server.limits)
     return asyncio.create_task(
-        probe_links_forever(p2p, handle, config.link_probe_period, fetch, server.peer_id, span, record)
+        probe_links_forever(streams, handle, config.link_probe_period, fetch, server.peer_id, span, record)
     )

@@ -63,7 +63,7 @@ class ServerMetrics:
         )
         self.streams_opened = gauge(
             "swarm_server_streams_opened",
-            "Streams this server opened to other servers (chain pushes), by path: direct or libp2p",
+            "Streams this server opened to other servers (pushes, hand-offs, link probes), by path",
             ["path"],
         )
         self.direct_streams_served = gauge(

@@ -30,11 +30,13 @@ PING_TIMEOUT = 5.0
 
 class NextServerRtts:
     """The round trips measured to the servers after our span, newest first to be kept, and the
-    direct addresses those servers announce (where our pushes to a near one go)."""
+    direct addresses those servers announce (where our pushes to a near one go); also the address
+    every server announced in the last round, which bulk transfers dial (`announced_address`)."""
 
     def __init__(self) -> None:
         self._samples: OrderedDict[str, deque[float]] = OrderedDict()
         self._addresses: dict[str, str] = {}
+        self._announced: dict[str, str] = {}
 
     def record(self, peer: str, rtt: float) -> None:
         samples = self._samples.pop(peer, None) or deque(maxlen=SAMPLES)
@@ -49,10 +51,15 @@ class NextServerRtts:
             del self._samples[peer]
 
     def learn_addresses(self, servers: dict[str, ServerInfo], peers: list[str]) -> None:
-        """The direct addresses `peers` announce now (servers move and restart: read every round)."""
-        self._addresses = {
-            peer: servers[peer].direct_address for peer in peers if servers[peer].direct_address
-        }
+        """The direct addresses `servers` announce now, `peers` (the next servers) among them
+        (servers move and restart: read every round)."""
+        self._announced = {peer: info.direct_address for peer, info in servers.items() if info.direct_address}
+        self._addresses = {peer: self._announced[peer] for peer in peers if peer in self._announced}
+
+    def announced_address(self, peer: str) -> str | None:
+        """Where `peer` takes direct streams, near or far: for cache hand-offs and link probes, whose
+        megabytes outweigh the two round trips a direct stream costs to open more than libp2p's."""
+        return self._announced.get(peer)
 
     def direct_address(self, peer: str, max_rtt: float) -> str | None:
         """Where to push to `peer` directly: it announces an address and answered within `max_rtt`."""

@@ -82,7 +82,9 @@ class SwarmServer:
             free_bytes=lambda: self._budget.bytes_left if self._budget else 0,
         )
         self.metrics.watch_streams(
-            opened=lambda path: self.streams.opened[path] if self.streams is not None else 0,
+            opened=lambda path: sum(
+                opener.opened[path] for opener in (self.streams, self.bulk_streams) if opener is not None
+            ),
             served_directly=lambda: self.direct.served if self.direct is not None else 0,
         )
         self.metrics.tau_per_session.set_function(
@@ -99,6 +101,7 @@ class SwarmServer:
         self.direct: DirectListener | None = None  # our streams over TLS without the p2p daemons
         self.direct_address = ""  # where peers dial `direct` (announced); "" when not served
         self.streams: StreamOpener | None = None  # how our pushes reach the next servers
+        self.bulk_streams: StreamOpener | None = None  # how our cache hand-offs and link probes go
 
     # --- what we announce -----------------------------------------------------------------------
     @property
@@ -348,11 +351,11 @@ class SwarmServer:
     async def _serve_span(self) -> None:
         p2p = await self.dht.replicate_p2p()
         await self._start_direct_streams()
+        dialer = DirectDialer(self.identity.private_key) if self.direct is not None else None
         self.streams = StreamOpener(
-            p2p,
-            DirectDialer(self.identity.private_key) if self.direct is not None else None,
-            lambda peer: self.next_rtts.direct_address(peer, self.config.direct_max_rtt),
+            p2p, dialer, lambda peer: self.next_rtts.direct_address(peer, self.config.direct_max_rtt)
         )
+        self.bulk_streams = StreamOpener(p2p, dialer, self.next_rtts.announced_address)
         await self.served.install(p2p, self.config.dht_prefix, self._new_servicer)
         freeze_start_up_objects()
         if self.reachability == Reachability.DIRECT:
@@ -361,7 +364,7 @@ class SwarmServer:
         await self._announce(wait=False)
         logger.info("online: serving blocks %s as %s", self.span_text, self.peer_id)
         follower = asyncio.create_task(self.manager.follow(p2p)) if self.manager is not None else None
-        prober = start_link_probes(self, p2p)
+        prober = start_link_probes(self, self.bulk_streams)
         pinger = self._start_next_server_pings(p2p)
         try:
             await self._announce_until_stopped()
@@ -479,6 +482,7 @@ class SwarmServer:
             local_peer_id=self.peer_id,
             direct=self.direct,
             streams=self.streams,
+            bulk_streams=self.bulk_streams,
         )
 
     async def _announce_until_stopped(self) -> None:

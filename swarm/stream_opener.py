@@ -28,6 +28,11 @@ RETRY_AFTER = 300.0  # seconds an address that failed is left alone
 DirectAddress = Callable[[str], str | None]
 
 
+def stream_path(writer: asyncio.StreamWriter) -> str:
+    """Which path a stream `StreamOpener.open` gave takes: direct streams are TLS, libp2p's are not."""
+    return "direct" if writer.get_extra_info("ssl_object") is not None else "libp2p"
+
+
 class StreamOpener:
     def __init__(
         self,

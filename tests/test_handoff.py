@@ -77,6 +77,10 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
             assert torch.equal(torch.cat([first, rest], dim=1), expected)
             _wait_for_log(swarm, victim, "handed")
             assert swarm.processes[victim].wait(30) == 0  # its drain ended when the session left
+        # by the second drain every server has read the others' direct addresses (its first roster
+        # round runs 2 s after it went online): the cache went over a direct stream
+        (handed,) = [line for line in swarm.log(victim).splitlines() if "handed" in line]
+        assert handed.endswith(", direct)"), handed
     finally:
         model.shutdown()
 
