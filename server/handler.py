@@ -216,7 +216,7 @@ class BlockServicer(BlockRpc):
                 [],
             )
             ends_at = time.monotonic() + self.limits.max_session_lifetime
-            inputs = SessionInputs(requests, session.inbox)
+            inputs = SessionInputs(requests, session.inbox, lambda: bool(session.push_from))
             while True:
                 # a session receiving a cache takes no pushed steps meanwhile; one whose prompt's cache
                 # follows to a decode server takes its prompt from a push as from its client

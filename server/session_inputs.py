@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from hivemind.proto import runtime_pb2
 
@@ -20,8 +20,14 @@ class SessionLifetimeOver(TimeoutError):
 
 
 class SessionInputs:
-    def __init__(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue):
+    def __init__(
+        self,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        inbox: asyncio.Queue,
+        may_push: Callable[[], bool],
+    ):
         self.requests, self.inbox = requests, inbox
+        self.may_push = may_push  # whether a predecessor may push steps now (the session is linked)
         # the client's next request and the next push, each read across waits: a wait per message
         # costs no new task nor a cancelled one
         self._request: asyncio.Future | None = None
@@ -34,6 +40,16 @@ class SessionInputs:
         ended its side. `pushes`: False waits for the client alone (pushes keep meanwhile).
         Raises SessionIdle or SessionLifetimeOver."""
         left = ends_at - time.monotonic()
+        if self._request is None and self._pushed is None and not (pushes and self._push_possible()):
+            # nothing but the client's request can come: await it here, without a task of its own
+            # and a wait on two (each costs the event loop iterations of a hand-off per message)
+            try:
+                async with asyncio.timeout(min(idle_timeout, left)):
+                    return "request", await anext(self.requests)
+            except StopAsyncIteration:
+                return None
+            except TimeoutError:
+                raise SessionLifetimeOver() if left <= idle_timeout else SessionIdle() from None
         if pushes:
             if self._pushed is not None and self._pushed.done():
                 pushed, self._pushed = self._pushed, None
@@ -60,6 +76,9 @@ class SessionInputs:
         if left <= idle_timeout:
             raise SessionLifetimeOver()
         raise SessionIdle()
+
+    def _push_possible(self) -> bool:
+        return not self.inbox.empty() or self.may_push()
 
     def close(self) -> None:
         for waiting in (self._request, self._pushed):

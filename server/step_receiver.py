@@ -56,7 +56,8 @@ async def receive_steps(
         limit.max_bytes = message_limit(session)
         while True:
             try:
-                request = await asyncio.wait_for(anext(requests), idle_timeout)
+                async with asyncio.timeout(idle_timeout):  # no task per pushed step, as wait_for makes
+                    request = await anext(requests)
             except StopAsyncIteration:
                 return  # the pusher is done (its session ended)
             if session.cache is None or find_session(session.session_id) is not session:
