@@ -21,8 +21,9 @@ result or error it would have got without batching.
 
 A decode step that would run alone anyway (the compute thread is idle, nothing is queued and no
 other session decodes on its blocks) and whose measured cost is below `inline_below` runs on the
-event loop that asked for it (`run`), with the same bookkeeping: for the tiny or cheap steps where
-the two thread hand-offs cost more than the step, a hop then costs what its messages cost.
+thread that asked for it (the server's event loop, through `run`), with the same bookkeeping: for
+the tiny or cheap steps where the two thread hand-offs cost more than the step, a hop then costs
+what its messages cost.
 
 `compute_delay` (emulating a slower accelerator, seconds per block per step) is paid once per
 block per *iteration*: a batched decode of 16 sessions sleeps as long as one session's step, like a
@@ -36,9 +37,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -58,6 +60,23 @@ DEFAULT_PRIOR = step_scheduler.LinearCost(fixed=0.0, per_unit=1e-3)
 # compute thread: handing it to the thread and back costs two thread wake-ups (0.1-0.4 ms on a busy
 # host), more than such a step itself, and blocking the loop this long delays nothing noticeably.
 INLINE_BELOW = 0.0003
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _awaiting(submit: Callable[_P, Future[_T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """A coroutine method taking `submit`'s arguments that waits for the result of its future (`run`)."""
+
+    async def awaited(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """What `submit` with these arguments computes, awaited (or its exception, raised); a future
+        done on return (an inline step) is read at once, without a trip through the event loop."""
+        future = submit(*args, **kwargs)
+        if future.done():
+            return future.result()
+        return await asyncio.wrap_future(future)
+
+    return awaited
 
 
 @dataclass(eq=False)
@@ -196,18 +215,21 @@ class BatchingEngine:
         future gets its output (in `hidden`'s dtype) or its exception. `ahead`: the tokens this
         session is expected to decode still, this one included (`server.session_lengths`; None: its
         cache room). `progress`: called on the compute thread with the end position of each finished
-        chunk of a prefill (`server.cache_progress`)."""
+        chunk of a prefill (`server.cache_progress`). A cheap lone decode step runs on the caller's
+        thread instead (module docstring): its future is done on return."""
         step = _Step(
-            span,
-            cache,
-            hidden,
-            position,
-            padding_mask,
-            self._clock(),
-            adapter,
-            expected_ahead=ahead,
-            progress=progress,
+            span, cache, hidden, position, padding_mask, self._clock(), adapter, expected_ahead=ahead
         )
+        step.progress = progress
+        if self._claim_inline(step):
+            try:
+                self._run_decode([step])
+            finally:
+                with self._condition:
+                    self._busy = False
+                    if self._decodes or self._prefills:  # queued meanwhile (another thread's step)
+                        self._condition.notify()
+            return step.future
         if not step.decode:
             step.chunk = self.prefill_chunk
         with self._condition:
@@ -231,41 +253,7 @@ class BatchingEngine:
                     del self._decoders[group]
             self._condition.notify()  # a batch waiting for this session may now be complete
 
-    async def run(
-        self,
-        span: TransformerSpan,
-        cache: SpanCache,
-        hidden: torch.Tensor,
-        position: int,
-        padding_mask: torch.Tensor | None = None,
-        adapter: str | None = None,
-        ahead: int | None = None,
-        progress: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """`submit`'s result, awaited; a cheap lone decode step runs here instead (module docstring)."""
-        step = _Step(
-            span,
-            cache,
-            hidden,
-            position,
-            padding_mask,
-            self._clock(),
-            adapter,
-            expected_ahead=ahead,
-            progress=progress,
-        )
-        if self._claim_inline(step):
-            try:
-                self._run_decode([step])
-            finally:
-                with self._condition:
-                    self._busy = False
-                    if self._decodes or self._prefills:  # queued meanwhile (another thread's step)
-                        self._condition.notify()
-            return step.future.result()
-        return await asyncio.wrap_future(
-            self.submit(span, cache, hidden, position, padding_mask, adapter, ahead, progress)
-        )
+    run = _awaiting(submit)
 
     def _claim_inline(self, step: _Step) -> bool:
         """Whether `step` runs on the caller's thread; if so, the compute thread is held off until it ends."""
