@@ -9,7 +9,6 @@ out. What is served right now is one `server.active_span.ActiveSpan`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import ipaddress
@@ -525,8 +524,11 @@ class SwarmServer:
             wait = min(0.2 if full else SESSIONS_SETTLE, give_up - loop.time())
             if wait <= 0:
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sessions_changed.wait(), wait)
+            changed = asyncio.ensure_future(self._sessions_changed.wait())
+            stop = asyncio.ensure_future(self.stopped.wait())  # a stop does not wait for the settling
+            await asyncio.wait([changed, stop], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            stop.cancel()
             if not self._sessions_changed.is_set():
                 return
 
