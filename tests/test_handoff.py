@@ -52,7 +52,11 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
     model_dir = llama_dir
     prefix = default_prefix(str(model_dir))
     for name in ("a", "b", "c"):  # each round drains the one serving the session
-        swarm.start_server(name, model_dir, f"0:{NUM_BLOCKS}", "1GB", "--drain-timeout", "60")
+        # roster rounds every second: each server learns the others' direct addresses soon after
+        # their records appear, whatever order they came online in
+        swarm.start_server(
+            name, model_dir, f"0:{NUM_BLOCKS}", "1GB", "--drain-timeout", "60", "--next-ping-period", "1"
+        )
     swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -77,8 +81,8 @@ def test_a_draining_server_hands_its_sessions_off_exactly(swarm, llama_dir):
             assert torch.equal(torch.cat([first, rest], dim=1), expected)
             _wait_for_log(swarm, victim, "handed")
             assert swarm.processes[victim].wait(30) == 0  # its drain ended when the session left
-        # by the second drain every server has read the others' direct addresses (its first roster
-        # round runs 2 s after it went online): the cache went over a direct stream
+        # by the second drain every server has read the others' direct addresses: the cache went
+        # over a direct stream
         (handed,) = [line for line in swarm.log(victim).splitlines() if "handed" in line]
         assert handed.endswith(", direct)"), handed
     finally:

@@ -44,8 +44,9 @@ def test_servers_measure_and_announce_their_links_and_refuse_hostile_probes(swar
     prefix = default_prefix(str(llama_dir))
     for name in ("a", "b"):  # the same blocks: each could take the other's sessions, so each probes
         swarm.start_server(
-            name, llama_dir, f"0:{HALF}", "1GB", "--link-probe-period", "1", "--metrics-port", "0"
-        )
+            name, llama_dir, f"0:{HALF}", "1GB", "--link-probe-period", "1", "--metrics-port", "0",
+            "--next-ping-period", "1",  # roster rounds every second: the other's address soon known
+        )  # fmt: skip
     swarm.start_server("c", llama_dir, f"{HALF}:{NUM_BLOCKS}", "1GB", "--link-probe-period", "0")
     swarm.wait_online(prefix, NUM_BLOCKS, ["a", "b", "c"])
     peers = {info.public_name: peer for peer, info in swarm.servers(prefix, NUM_BLOCKS).items()}
@@ -60,8 +61,8 @@ def test_servers_measure_and_announce_their_links_and_refuse_hostile_probes(swar
         time.sleep(0.5)
     assert set(links["a"]) == {peers["b"]} and set(links["b"]) == {peers["a"]}  # c holds other blocks
     assert links["c"] == {}
-    # once a server has read the others' addresses (its first roster round, 2 s after it went
-    # online), its probes take direct streams, the path its hand-offs would take
+    # once a server has read the other's address (a roster round), its probes take direct streams,
+    # the path its hand-offs would take
     while prometheus_sample(swarm.metrics("a"), "swarm_server_streams_opened", 'path="direct"') < 1:
         assert time.monotonic() < deadline, swarm.metrics("a")
         time.sleep(0.5)
