@@ -16,6 +16,7 @@ overwrites the cache: the same step id at the same position is answered from the
 
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -236,13 +237,15 @@ def _same(value: object, empty: object) -> bool:
     return type(value) is type(empty) and value == empty
 
 
+@functools.cache
+def _optional_fields(kind: type[Message]) -> tuple[tuple[str, object], ...]:
+    """`OPTIONAL_FIELDS` that messages of `kind` have (looked up once per kind, not per message)."""
+    return tuple((name, empty) for name, empty in OPTIONAL_FIELDS.items() if name in kind.model_fields)
+
+
 def encode(message: Message, tensors: list[torch.Tensor] = (), request: bool = True):
     # optional fields left empty are left out, so servers that predate them accept the message
-    unused = {
-        name
-        for name, empty in OPTIONAL_FIELDS.items()
-        if name in type(message).model_fields and _same(getattr(message, name), empty)
-    }
+    unused = {name for name, empty in _optional_fields(type(message)) if _same(getattr(message, name), empty)}
     metadata = MSGPackSerializer.dumps(message.model_dump(mode="json", exclude=unused))
     encoded = (
         runtime_pb2.ExpertRequest(uid="", metadata=metadata)
