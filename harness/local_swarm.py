@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from hivemind.dht import DHT
@@ -95,14 +95,15 @@ def stop_groups(
     processes: list[Process],
     sig: int = signal.SIGTERM,
     timeout: float = 20.0,
-    whole_group: bool = False,
+    whole_groups: Collection[Process] = (),
 ) -> None:
     """Signal every process at once (servers drain and announce OFFLINE in parallel), wait up to
-    `timeout`, then SIGKILL what is left of each one's process group. `whole_group`: signal every
-    member, not only the leader (a leader that does not pass signals on)."""
+    `timeout`, then SIGKILL what is left of each one's process group. `whole_groups`: those whose
+    every group member gets the signal, not only the leader (a leader that does not pass signals
+    on; ours stop their own children, whose orderly stop they may still need)."""
     for process in processes:
         if process.poll() is None:
-            if whole_group:
+            if process in whole_groups:
                 _signal_group(process, sig)
             else:
                 process.send_signal(sig)

@@ -821,10 +821,10 @@ class BlockServicer(BlockRpc):
 
     async def add_handoff_handler(self, p2p: P2P, namespace: str | None) -> None:
         self._p2p, self._namespace = p2p, namespace
-        if self.streams is None:
-            self.streams = StreamOpener(p2p, None, lambda _peer: None)
-        if self.bulk_streams is None:
-            self.bulk_streams = StreamOpener(p2p, None, lambda _peer: None)
+        if self.streams is None or self.bulk_streams is None:
+            libp2p_only = StreamOpener(p2p, None, lambda _peer: None)
+            self.streams = self.streams or libp2p_only
+            self.bulk_streams = self.bulk_streams or libp2p_only
         self.link_rates = OrderedDict()
 
         def find_session(session_id: str) -> Session | None:

@@ -35,7 +35,6 @@ class NextServerRtts:
 
     def __init__(self) -> None:
         self._samples: OrderedDict[str, deque[float]] = OrderedDict()
-        self._addresses: dict[str, str] = {}
         self._announced: dict[str, str] = {}
 
     def record(self, peer: str, rtt: float) -> None:
@@ -50,11 +49,9 @@ class NextServerRtts:
         for peer in [peer for peer in self._samples if peer not in peers]:
             del self._samples[peer]
 
-    def learn_addresses(self, servers: dict[str, ServerInfo], peers: list[str]) -> None:
-        """The direct addresses `servers` announce now, `peers` (the next servers) among them
-        (servers move and restart: read every round)."""
+    def learn_addresses(self, servers: dict[str, ServerInfo]) -> None:
+        """The direct addresses `servers` announce now (servers move and restart: read every round)."""
         self._announced = {peer: info.direct_address for peer, info in servers.items() if info.direct_address}
-        self._addresses = {peer: self._announced[peer] for peer in peers if peer in self._announced}
 
     def announced_address(self, peer: str) -> str | None:
         """Where `peer` takes direct streams, near or far: for cache hand-offs and link probes, whose
@@ -62,9 +59,10 @@ class NextServerRtts:
         return self._announced.get(peer)
 
     def direct_address(self, peer: str, max_rtt: float) -> str | None:
-        """Where to push to `peer` directly: it announces an address and answered within `max_rtt`."""
+        """Where to push to `peer` directly: it announces an address and answered within `max_rtt`
+        (only the next servers have round trips)."""
         samples = self._samples.get(peer)
-        address = self._addresses.get(peer)
+        address = self._announced.get(peer)
         return address if address and samples and min(samples) <= max_rtt else None
 
     def announced(self) -> dict[str, float]:
@@ -104,7 +102,7 @@ async def ping_next_servers_forever(
     async for blocks, servers in rounds:
         candidates = next_servers(servers, me, blocks[1])
         rtts.forget_all_but(set(candidates))
-        rtts.learn_addresses(servers, candidates)
+        rtts.learn_addresses(servers)
         targets = ping_targets(candidates, last_pinged)
         results = await asyncio.gather(*(_timed(ping, peer) for peer in targets))
         now = time.monotonic()

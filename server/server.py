@@ -492,11 +492,7 @@ class SwarmServer:
         next_periodic = loop.time() + self._heartbeat_period()
         while not self.stopped.is_set():
             timeout = max(next_periodic - loop.time(), 0)
-            stop = asyncio.ensure_future(self.stopped.wait())
-            changed = asyncio.ensure_future(self._sessions_changed.wait())
-            await asyncio.wait([stop, changed], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            changed.cancel()
+            await self._sessions_change_or_stop(timeout)
             if self.stopped.is_set():
                 return
             periodic = not self._sessions_changed.is_set()
@@ -524,13 +520,17 @@ class SwarmServer:
             wait = min(0.2 if full else SESSIONS_SETTLE, give_up - loop.time())
             if wait <= 0:
                 return
-            changed = asyncio.ensure_future(self._sessions_changed.wait())
-            stop = asyncio.ensure_future(self.stopped.wait())  # a stop does not wait for the settling
-            await asyncio.wait([changed, stop], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            changed.cancel()
-            stop.cancel()
+            await self._sessions_change_or_stop(wait)  # a stop does not wait for the settling
             if not self._sessions_changed.is_set():
                 return
+
+    async def _sessions_change_or_stop(self, timeout: float) -> None:
+        """Return once the open sessions change or the server stops, at most after `timeout` s."""
+        changed = asyncio.ensure_future(self._sessions_changed.wait())
+        stop = asyncio.ensure_future(self.stopped.wait())
+        await asyncio.wait([changed, stop], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        changed.cancel()
+        stop.cancel()
 
     def _heartbeat_period(self) -> float:
         """Seconds until the next periodic announcement: shorter while sessions are open (their free

@@ -18,7 +18,6 @@ namespaces.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -138,13 +137,10 @@ class Emulation:
         """SIGTERM every group at once (servers drain and announce OFFLINE in parallel), wait up to
         `timeout`, then SIGKILL what is left of each group."""
         processes = [(name, self.processes[name][1]) for name in names]
-        for name, process in processes:
-            # a group SIGTERM would also end our programs' DHT processes and daemons, which their
-            # orderly stop still needs; another command may not pass the signal on to its children
-            if name not in self.python_programs and process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGTERM)
-        stop_groups([process for _, process in processes], signal.SIGTERM, timeout)
+        # our programs get the signal alone: a group SIGTERM would also end their DHT processes and
+        # daemons, which their orderly stop still needs; another command may not pass it on
+        others = [process for name, process in processes if name not in self.python_programs]
+        stop_groups([process for _, process in processes], signal.SIGTERM, timeout, whole_groups=others)
         deadline = time.monotonic() + 10
         while any(_group_alive(p) for _, p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
