@@ -369,19 +369,19 @@ class RemoteBlockSession(BlockSession):
             both = all(getattr(known.get(s.hop.peer_id), "chain_push", False) for s in (first, second))
             return both and (first.hop.peer_id, second.hop.peer_id) not in self.unpushed
 
-        links = []
+        changed = []
         for index, stream in enumerate(self.streams):
             before = self.streams[index - 1] if index > 0 else None
             after = self.streams[index + 1] if index + 1 < len(self.streams) else None
-            links.append(
-                stream.link(
-                    before if before is not None and linked(before, stream) else None,
-                    after if after is not None and linked(stream, after) else None,
-                    timeout,
-                )
+            link = stream.chain_link(
+                before if before is not None and linked(before, stream) else None,
+                after if after is not None and linked(stream, after) else None,
             )
-        # a link that cannot be sent means a broken stream: the step finds it and fails over
-        await asyncio.gather(*links, return_exceptions=True)
+            if link is not None:
+                changed.append(stream.link(link, timeout))
+        if changed:  # most steps change nothing: no task to make
+            # a link that cannot be sent means a broken stream: the step finds it and fails over
+            await asyncio.gather(*changed, return_exceptions=True)
         self.chain_steps += 1
         return f"chain#{self.chain_steps}"
 

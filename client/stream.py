@@ -212,9 +212,11 @@ class ServerStream:
             return None
         return RemoteError(message.code, message.message, self.hop.peer_id)
 
-    async def link(self, predecessor: ServerStream | None, successor: ServerStream | None, timeout: float):
-        """Tell the server whom it accepts pushed steps from and where it pushes its outputs (chain
-        sessions), if that changed; no reply comes."""
+    def chain_link(
+        self, predecessor: ServerStream | None, successor: ServerStream | None
+    ) -> ChainLink | None:
+        """What tells the server whom it accepts pushed steps from and where it pushes its outputs
+        (chain sessions); None when the server already holds it."""
         link = ChainLink(
             accept_token=self.push_token if predecessor is not None else "",
             accept_from=predecessor.hop.peer_id if predecessor is not None else "",
@@ -222,9 +224,12 @@ class ServerStream:
             next_session=successor.session_id if successor is not None else "",
             next_token=successor.push_token if successor is not None else "",
         )
-        if link != (self.linked or ChainLink()):  # a server never linked holds the empty link
-            await self._send(encode(link), timeout)
-            self.linked = link
+        return None if link == (self.linked or ChainLink()) else link  # never linked: the empty link
+
+    async def link(self, link: ChainLink, timeout: float) -> None:
+        """Send `link` (from `chain_link`); no reply comes."""
+        await self._send(encode(link), timeout)
+        self.linked = link
 
     async def step(
         self,

@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 OPEN_MESSAGE_LIMIT = 64 * 1024  # before a session is open, only an Open message is expected
 DISCARD_SECONDS = 5.0  # after refusing a message, how long the client may keep sending into the void
-CATCH_UP_SECONDS = 10.0  # how long an oversized message waits, unread, for the handler to ask for it
 
 
 @dataclass
@@ -45,81 +44,59 @@ Handler = Callable[
 
 
 async def add_bounded_stream_handler(
-    p2p: P2P, name: str, handler: Handler, max_prefetch: int = 5, direct: DirectListener | None = None
+    p2p: P2P, name: str, handler: Handler, direct: DirectListener | None = None
 ) -> None:
-    """Serve `handler` under `name` over libp2p and, with `direct`, over its direct streams too."""
+    """Serve `handler` under `name` over libp2p and, with `direct`, over its direct streams too.
+
+    A message is read when the handler asks for the next one, on the handler's own task: a step costs
+    no hand-off from a reading task through a queue (an event loop iteration each), and the limit a
+    header is checked against is the one the handler set after the messages before it (a cache push's
+    or a link probe's sender writes its header and its first 1 MiB chunk back to back). The socket's
+    and the stream reader's buffers hold what arrives meanwhile. A closed connection or a refused
+    message raises out of the handler's read, as the end of its task: its cleanup runs, and a refused
+    message gets its `Error` reply after it."""
 
     async def handle_stream(
         stream_info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
         limit = StreamLimit()
-        requests: asyncio.Queue = asyncio.Queue(max_prefetch)
-        waiting = asyncio.Event()  # set while the handler waits for a message and none is queued
+        client_ended = False  # the client sent its end-of-stream marker: nothing more will come
 
         async def read_requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            while True:
-                waiting.set()
-                try:
-                    request = await requests.get()
-                finally:
-                    waiting.clear()
-                if request is None:
-                    return
+            nonlocal client_ended
+            while (request := await _receive(reader, limit)) is not None:
                 yield request
+            client_ended = True
 
-        async def process() -> None:
+        with closing(writer):
             try:
                 async for response in handler(read_requests(), context, limit):
                     await send_message(response, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):  # the client closed the connection
+                return
+            except _Refused as error:
+                logger.warning("peer %s: %s; stream closed", str(stream_info.peer_id)[-8:], error)
+                reply = encode(Error(code=ErrorCode.BAD_REQUEST, message=str(error)), request=False)
+                with suppress(Exception):
+                    await P2P.send_protobuf(reply, writer)
+                    # closing now would reset the stream under the client, losing the reply: let it
+                    # see the reply first, dropping (not keeping) what it still sends
+                    await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+                return
             except Exception:  # the caller went away mid-reply: nothing more to tell it
-                logger.debug("inference stream ended while replying", exc_info=True)
-
-        client_ended = False  # the client sent its end-of-stream marker: nothing more will come
-
-        async def receive_all() -> None:
-            """Queue every message as it arrives, for as long as the stream lasts (one task for the
-            stream, not one per message)."""
-            nonlocal client_ended
-            while True:
-                request = await _receive(reader, limit, waiting)
-                waiting.clear()  # set again only once the handler asks for what follows this one
-                client_ended = client_ended or request is None
-                await requests.put(request)  # None: the client ended its side of the stream
-
-        with closing(writer):
-            processing = asyncio.create_task(process())
-            receiving = asyncio.create_task(receive_all())
-            try:
-                await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
-                if processing.done():
-                    if not client_ended:
-                        # the handler ended first (an error, a refused push): the client may still be
-                        # sending, and closing on unread data resets the stream, which can overtake
-                        # the reply just written; let the client read it, dropping what it still
-                        # sends until its end-of-stream marker (a TLS stream has no half-close to
-                        # wait for instead) or the end of the connection
-                        with suppress(Exception):
-                            await asyncio.wait_for(_drop_until_end(requests, receiving), DISCARD_SECONDS)
-                    return
-                try:
-                    await receiving
-                except asyncio.IncompleteReadError:  # the client closed the connection
-                    return
-                except _Refused as error:
-                    logger.warning("peer %s: %s; stream closed", str(stream_info.peer_id)[-8:], error)
-                    reply = encode(Error(code=ErrorCode.BAD_REQUEST, message=str(error)), request=False)
-                    with suppress(Exception):
-                        await P2P.send_protobuf(reply, writer)
-                        # closing now would reset the stream under the client, losing the reply: let
-                        # it see the reply first, dropping (not keeping) what it still sends
-                        await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-                    return
-            except Exception:
-                logger.warning("inference stream failed while receiving", exc_info=True)
-            finally:
-                receiving.cancel()
-                processing.cancel()
+                logger.debug("stream %s ended while replying", name, exc_info=True)
+                return
+            if not client_ended:
+                # the handler ended first (an error, a refused push): the client may still be sending,
+                # and closing on unread data resets the stream, which can overtake the reply just
+                # written; let the client read it, dropping what it still sends until its
+                # end-of-stream marker (a TLS stream has no half-close to wait for instead) or the end
+                # of the connection
+                with suppress(Exception):
+                    async with asyncio.timeout(DISCARD_SECONDS):
+                        while await _receive(reader, limit) is not None:
+                            pass
 
     await p2p.add_binary_stream_handler(name, handle_stream)
     if direct is not None:
@@ -130,23 +107,10 @@ class _Refused(Exception):
     pass
 
 
-async def _receive(
-    reader: asyncio.StreamReader, limit: StreamLimit, waiting: asyncio.Event | None = None
-) -> runtime_pb2.ExpertRequest | None:
-    """One framed message (None for the end-of-stream marker), refused unread if over the limit.
-
-    The limit is read when the header arrives, not when waiting starts: the wait for a session's first
-    step begins while its open message is still being handled, before the limit is raised to the
-    session's size (a first prompt larger than the open limit would otherwise be refused). A message
-    over the limit is checked again, still unread, once the handler asks for the next message
-    (`waiting`, at most CATCH_UP_SECONDS): a sender that does not wait for a reply between messages
-    (a cache push's or a link probe's header, then its first 1 MiB chunk at once) must not be refused
-    because the handler, on a busy machine, has not yet read the header that raises the limit."""
+async def _receive(reader: asyncio.StreamReader, limit: StreamLimit) -> runtime_pb2.ExpertRequest | None:
+    """One framed message (None for the end-of-stream marker), refused unread if over the limit."""
     marker = await reader.readexactly(1)
     length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-    if length > limit.max_bytes and waiting is not None:
-        with suppress(TimeoutError):
-            await asyncio.wait_for(waiting.wait(), CATCH_UP_SECONDS)
     if length > limit.max_bytes:
         raise _Refused(f"message of {length:,} bytes exceeds this session's limit of {limit.max_bytes:,}")
     data = await reader.readexactly(length)
@@ -157,20 +121,6 @@ async def _receive(
     request = runtime_pb2.ExpertRequest()
     request.ParseFromString(data)
     return request
-
-
-async def _drop_until_end(requests: asyncio.Queue, receiving: asyncio.Task) -> None:
-    """Take and drop what `receiving` queues until the end-of-stream marker; raises what ended
-    `receiving` (the connection's end, a refused message) if that comes first."""
-    while True:
-        getting = asyncio.ensure_future(requests.get())
-        await asyncio.wait({getting, receiving}, return_when=asyncio.FIRST_COMPLETED)
-        if not getting.done():
-            getting.cancel()
-            receiving.result()
-            return
-        if getting.result() is None:
-            return
 
 
 async def _discard(reader: asyncio.StreamReader) -> None:

@@ -22,8 +22,8 @@ result or error it would have got without batching.
 A decode step that would run alone anyway (the compute thread is idle, nothing is queued and no
 other session decodes on its blocks) and whose measured cost is below `inline_below` runs on the
 thread that asked for it (the server's event loop, through `run`), with the same bookkeeping: for
-the tiny or cheap steps where the two thread hand-offs cost more than the step, a hop then costs
-what its messages cost.
+the cheap steps where the two thread hand-offs cost a fifth of the step or more, a hop then costs
+what its messages and its compute cost.
 
 `compute_delay` (emulating a slower accelerator, seconds per block per step) is paid once per
 block per *iteration*: a batched decode of 16 sessions sleeps as long as one session's step, like a
@@ -56,10 +56,11 @@ logger = logging.getLogger(__name__)
 # 004 measured 0.21 vs 0.13 ms per token); only the ratio matters to the decision.
 DEFAULT_PRIOR = step_scheduler.LinearCost(fixed=0.0, per_unit=1e-3)
 
-# A lone decode step predicted to cost at most this runs on the caller's event loop instead of the
+# A lone decode step measured to cost at most this runs on the caller's event loop instead of the
 # compute thread: handing it to the thread and back costs two thread wake-ups (0.1-0.4 ms on a busy
-# host), more than such a step itself, and blocking the loop this long delays nothing noticeably.
-INLINE_BELOW = 0.0003
+# host, a fifth or more of such a step), and what else the loop serves meanwhile (a ping, another
+# session's message, whose step would wait for the compute thread's step anyway) waits at most this.
+INLINE_BELOW = 0.002
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")

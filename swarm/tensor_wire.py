@@ -32,6 +32,7 @@ _DTYPES = {
     )
 }
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)  # numpy checks these without torch
+_all_true = np.logical_and.reduce
 
 
 def write_tensor(proto: runtime_pb2.Tensor, tensor: torch.Tensor) -> None:
@@ -68,7 +69,8 @@ def tensor_from_proto(message: runtime_pb2.Tensor) -> torch.Tensor:
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN and no infinity in `tensor` (numpy for host floats it can view: one call, not three)."""
+    """No NaN and no infinity in `tensor` (numpy for host floats it can view: one call, not three;
+    the reduction called directly, not through `ndarray.all`'s Python wrapper)."""
     if tensor.dtype in _NUMPY_FLOATS and tensor.device.type == "cpu":
-        return bool(np.isfinite(tensor.detach().numpy()).all())
+        return bool(_all_true(np.isfinite(tensor.detach().numpy()), axis=None))
     return bool(torch.isfinite(tensor).all())

@@ -1,10 +1,9 @@
 """The size-bounded stream transport (server/bounded_stream.py) over real libp2p daemons.
 
-A cache push or a link probe sends its header and its first 1 MiB chunk back to back. On a busy
-server the transport used to read the chunk's length before the handler had read the header and
-raised the stream's limit, and refused the chunk (found on netem: 8 of 12 hand-offs fell back to
-replay). Now an oversized message waits, unread, until the handler asks for the next message, and is
-checked then; one still over the limit is refused as before.
+A cache push or a link probe sends its header and its first 1 MiB chunk back to back. The transport
+reads a message only when the handler asks for it, so the chunk's length is checked against the limit
+the handler set on reading the header, however busy the server is; a message still over the limit is
+refused unread.
 """
 
 from __future__ import annotations

@@ -162,9 +162,9 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
             stream = ServerStream(hop, uuid.uuid4().hex, shape)
             run_sync(stream.open(connection))
             named = ServerStream(RouteHop(predecessor or me, 0, 1), uuid.uuid4().hex, shape)
-            run_sync(stream.link(named, None, 20.0))
+            run_sync(stream.link(stream.chain_link(named, None), 20.0))
             if predecessor is None:
-                run_sync(stream.link(None, None, 20.0))
+                run_sync(stream.link(stream.chain_link(None, None), 20.0))
             return stream
 
         def push(stream: ServerStream, token: str, *steps) -> list[str]:
