@@ -52,8 +52,10 @@ class ClientOptions:
     chain_push: bool = True
     # in a chain session, seconds the client waits for a server's answer to a step its predecessor
     # pushed before it sends its own copy of the step's input: None sends it at once (a failed push
-    # costs nothing), a delay saves the client's upload while pushes work (a failed one costs it)
-    push_copy_after: float | None = None
+    # costs nothing), a delay saves the client's upload and the server's work while pushes work (a
+    # failed one costs it); "auto" waits a few times as long as that server's pushed answers took
+    # (`client.push_copies`), and sends the copy at once while pushes to it fail
+    push_copy_after: float | str | None = "auto"
     # streams to servers that announce a direct address and answered a ping within `direct_max_rtt`
     # seconds go over TLS straight to the server (swarm/direct_listener.py), skipping both p2p daemons;
     # farther servers, and any whose direct address fails, are reached over libp2p
@@ -102,10 +104,15 @@ class ClientOptions:
             )
         if self.probe_per_block < 1:
             raise SwarmUserError(f"ClientOptions.probe_per_block must be >= 1, got {self.probe_per_block}")
-        if self.push_copy_after is not None and not 0 <= self.push_copy_after <= self.request_timeout:
+        copy_after = self.push_copy_after
+        if copy_after not in (None, "auto") and not (
+            isinstance(copy_after, int | float)
+            and not isinstance(copy_after, bool)
+            and 0 <= copy_after <= self.request_timeout
+        ):
             raise SwarmUserError(
-                "ClientOptions.push_copy_after must be None or in [0, request_timeout], got "
-                f"{self.push_copy_after}"
+                "ClientOptions.push_copy_after must be None, 'auto' or in [0, request_timeout], got "
+                f"{copy_after!r}"
             )
         if self.replay_mode not in ("exact", "prefill", "steps"):
             raise SwarmUserError(

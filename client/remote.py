@@ -315,14 +315,18 @@ class RemoteBlockSession(BlockSession):
                 and stream.linked is not None
                 and stream.linked.accept_from == before.hop.peer_id
             )
-            copy_after = self.connection.options.push_copy_after if pushed_here else None
+            copy_after = self._copy_after(stream) if pushed_here else None
             try:
                 if self.verify_plan.verify_now():
                     output = await self._verified_step(index, step, timeout, step_id, push_hops)
                 else:
+                    pushed_before, asked_at = stream.pushed_answers, time.monotonic()
                     output = await stream.step(
                         step, timeout, step_id=step_id, push_hops=push_hops, copy_after=copy_after
                     )
+                    if pushed_here:
+                        pushed = stream.pushed_answers > pushed_before
+                        stream.push_copies.answered(time.monotonic() - asked_at, pushed)
             except PushMismatch as mismatch:
                 logger.warning(
                     "session %s: %s; its predecessor %s pushes to it no more",
@@ -354,6 +358,11 @@ class RemoteBlockSession(BlockSession):
         if any(stream.leaving for stream in self.streams):
             await self._move_leavers()  # this step's output is safe; the next one goes to the new server
         return step.hidden
+
+    def _copy_after(self, stream: ServerStream) -> float | None:
+        """Seconds the client's copy of a step pushed to `stream`'s server waits for its answer."""
+        option = self.connection.options.push_copy_after
+        return stream.push_copies.copy_after() if option == "auto" else option
 
     async def _next_chain_step(self) -> str | None:
         """The next chain step's id, every server told whom it takes pushes from and where it pushes

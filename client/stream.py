@@ -12,6 +12,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.client.connection import SwarmConnection
+from llm_swarm.client.push_copies import PushCopies
 from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.chain_wire import ChainLink, answers_another_step, step_digest
 from llm_swarm.swarm.cost import REWIND_RESERVE
@@ -105,6 +106,7 @@ class ServerStream:
     push_token: str = field(default_factory=lambda: secrets.token_hex(16))
     linked: ChainLink | None = None
     pushed_answers: int = 0  # steps the server ran from its predecessor's push and answered unasked
+    push_copies: PushCopies = field(default_factory=PushCopies)  # when our copies of pushed steps go
     # the stream through our p2p daemon, read and written directly (not hivemind's stream iterator,
     # which after the server's side closes waits for our request stream to end and so never returns)
     _writer: asyncio.StreamWriter | None = None

@@ -24,9 +24,11 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from llm_swarm.client import AutoDistributedModelForCausalLM, ClientOptions
 from llm_swarm.client.connection import run_sync
+from llm_swarm.client.push_copies import COPY_FACTOR, MIN_WAIT, PushCopies
 from llm_swarm.client.stream import ServerStream, StepInput
 from llm_swarm.swarm.chain_wire import ChainLink, PushedStep, PushSteps, step_digest
 from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.errors import SwarmUserError
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
 from llm_swarm.swarm.wire import Open, Step, decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
@@ -79,6 +81,9 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
     hub = AutoDistributedModelForCausalLM.from_pretrained(
         llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0, chain_push=False)
     )
+    auto = AutoDistributedModelForCausalLM.from_pretrained(
+        llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0, direct_max_rtt=10.0)
+    )
     try:
         # every step of a session through three hops: the second and third answer from pushes
         expected = reference.generate(PROMPT, max_new_tokens=12, do_sample=False)
@@ -102,6 +107,23 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
         }
         assert sum(v for (_, kind), v in counts.items() if "direct" in kind) >= 2, counts  # a -> b, b -> c
         assert sum(v for (_, kind), v in counts.items() if "libp2p" in kind) == 0, counts
+
+        # the default client waits a few times a pushed answer's usual delay before sending its own
+        # copy: after the first steps, pushes answer and no copy is sent (each dropped copy is one
+        # the server parsed for nothing)
+        def dropped_copies() -> float:
+            name = 'swarm_server_chained_steps{how="copy_dropped"}'
+            scrapes = [swarm.metrics(server) for server in ("b", "c")]
+            return sum(metric(text, name) for text in scrapes if name + " " in text)  # none yet: absent
+
+        dropped_before = dropped_copies()
+        with auto.inference_session(max_length=PROMPT.shape[1] + 12) as session:
+            assert torch.equal(
+                auto.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session), expected
+            )
+            streams = session.blocks.streams
+            assert all(stream.push_copies.answer_seconds is not None for stream in streams[1:])
+        assert dropped_copies() - dropped_before < 12
         with hub.inference_session(max_length=PROMPT.shape[1] + 12) as session:
             assert torch.equal(
                 hub.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session), expected
@@ -134,6 +156,7 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
     finally:
         model.shutdown()
         hub.shutdown()
+        auto.shutdown()
 
 
 @pytest.mark.swarm
@@ -288,6 +311,26 @@ def test_a_server_that_pushes_one_thing_and_answers_another_and_one_that_lies_ab
             assert pushed_answers(session.blocks.streams) == [0, 0, 0]
     finally:
         model.shutdown()
+
+
+@pytest.mark.version_neutral
+def test_the_client_s_copy_of_a_pushed_step_waits_while_pushes_answer_and_goes_at_once_after_one_did_not():
+    copies = PushCopies()
+    assert copies.copy_after() is None  # nothing timed yet: at once
+    copies.answered(0.001, pushed=True)
+    assert copies.copy_after() == pytest.approx(max(MIN_WAIT, COPY_FACTOR * 0.001))
+    copies.answered(0.011, pushed=True)  # a moving average: one slow answer moves it a fifth of the way
+    assert copies.answer_seconds == pytest.approx(0.003)
+    assert copies.copy_after() == pytest.approx(COPY_FACTOR * 0.003)
+    copies.answered(0.5, pushed=False)  # the push failed (the copy answered): the next copy goes at once
+    assert copies.copy_after() is None and copies.answer_seconds == pytest.approx(0.003)
+    copies.answered(0.002, pushed=True)  # pushes answer again
+    assert copies.copy_after() == pytest.approx(COPY_FACTOR * (0.8 * 0.003 + 0.2 * 0.002))
+    with pytest.raises(SwarmUserError):
+        ClientOptions(push_copy_after="soon")
+    with pytest.raises(SwarmUserError):
+        ClientOptions(push_copy_after=-1.0)
+    assert ClientOptions(push_copy_after=None).push_copy_after is None
 
 
 @pytest.mark.version_neutral
