@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import closing, suppress
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
@@ -108,7 +109,8 @@ class _Refused(Exception):
 
 
 async def _receive(reader: asyncio.StreamReader, limit: StreamLimit) -> runtime_pb2.ExpertRequest | None:
-    """One framed message (None for the end-of-stream marker), refused unread if over the limit."""
+    """One framed message (None for the end-of-stream marker), refused unread if over the limit and
+    refused if its bytes are no request."""
     marker = await reader.readexactly(1)
     length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
     if length > limit.max_bytes:
@@ -119,7 +121,10 @@ async def _receive(reader: asyncio.StreamReader, limit: StreamLimit) -> runtime_
     if marker != P2P.MESSAGE_MARKER:
         raise _Refused(f"invalid message marker {marker!r}")
     request = runtime_pb2.ExpertRequest()
-    request.ParseFromString(data)
+    try:
+        request.ParseFromString(data)
+    except DecodeError:
+        raise _Refused(f"a message of {length:,} bytes that is not a request") from None
     return request
 
 

@@ -107,3 +107,31 @@ def test_a_handler_that_ends_first_still_gets_its_reply_to_a_client_that_is_stil
     """A refused cache push lost its error (CI, once): the server closed the stream while the sender's
     chunk was unread, and the stream's reset overtook the reply. The server now lets the client read."""
     assert asyncio.run(reply_while_client_still_sends(10)) == [b"refused"] * 10
+
+
+async def echo_handler(requests, context, limit):
+    """Answers each request with its metadata."""
+    async for request in requests:
+        yield runtime_pb2.ExpertResponse(metadata=request.metadata)
+
+
+async def send_garbage_after_a_request() -> list[bytes]:
+    async with serving(echo_handler) as (server, client):
+        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLE)
+        await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=b"fine"), writer)
+        garbage = b"\x0a\xff\xff\xff\xff\x0f"  # a field whose length runs past the message
+        writer.write(P2P.MESSAGE_MARKER + len(garbage).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + garbage)
+        replies = []
+        for _ in range(2):
+            reply, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
+            replies.append(reply.metadata)
+        writer.close()
+        return replies
+
+
+def test_a_message_that_is_no_request_gets_a_clear_refusal_after_the_answers_before_it():
+    answer, refusal = asyncio.run(send_garbage_after_a_request())
+    assert answer == b"fine"
+    error = decode_metadata(refusal)
+    assert error["type"] == "error" and error["code"] == "bad_request"
+    assert "not a request" in error["message"]
