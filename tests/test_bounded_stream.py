@@ -50,17 +50,28 @@ async def serving(handler) -> AsyncIterator[tuple[P2P, P2P]]:
         await server.shutdown()
 
 
-async def send_back_to_back(header: bytes) -> list[bytes]:
-    async with serving(slow_handler) as (server, client):
+def request(metadata: bytes) -> bytes:
+    return runtime_pb2.ExpertRequest(metadata=metadata).SerializeToString()
+
+
+async def two_replies(handler, *messages: bytes) -> list[bytes]:
+    """The metadata of `handler`'s first two replies to `messages` (serialized, whatever their bytes),
+    sent back to back in the stream's framing."""
+    async with serving(handler) as (server, client):
         _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLE)
-        await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=header), writer)
-        await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=b"x" * CHUNK), writer)
+        for message in messages:
+            writer.write(P2P.MESSAGE_MARKER + len(message).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + message)
+        await writer.drain()
         replies = []
         for _ in range(2):
             reply, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
             replies.append(reply.metadata)
         writer.close()
         return replies
+
+
+async def send_back_to_back(header: bytes) -> list[bytes]:
+    return await two_replies(slow_handler, request(header), request(b"x" * CHUNK))
 
 
 def test_a_chunk_sent_right_after_its_header_waits_for_the_handler_to_raise_the_limit():
@@ -111,26 +122,13 @@ def test_a_handler_that_ends_first_still_gets_its_reply_to_a_client_that_is_stil
 
 async def echo_handler(requests, context, limit):
     """Answers each request with its metadata."""
-    async for request in requests:
-        yield runtime_pb2.ExpertResponse(metadata=request.metadata)
-
-
-async def send_garbage_after_a_request() -> list[bytes]:
-    async with serving(echo_handler) as (server, client):
-        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLE)
-        await P2P.send_protobuf(runtime_pb2.ExpertRequest(metadata=b"fine"), writer)
-        garbage = b"\x0a\xff\xff\xff\xff\x0f"  # a field whose length runs past the message
-        writer.write(P2P.MESSAGE_MARKER + len(garbage).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + garbage)
-        replies = []
-        for _ in range(2):
-            reply, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
-            replies.append(reply.metadata)
-        writer.close()
-        return replies
+    async for message in requests:
+        yield runtime_pb2.ExpertResponse(metadata=message.metadata)
 
 
 def test_a_message_that_is_no_request_gets_a_clear_refusal_after_the_answers_before_it():
-    answer, refusal = asyncio.run(send_garbage_after_a_request())
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"  # a field whose length runs past the message
+    answer, refusal = asyncio.run(two_replies(echo_handler, request(b"fine"), garbage))
     assert answer == b"fine"
     error = decode_metadata(refusal)
     assert error["type"] == "error" and error["code"] == "bad_request"
