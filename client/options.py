@@ -61,6 +61,10 @@ class ClientOptions:
     # farther servers, and any whose direct address fails, are reached over libp2p
     direct_streams: bool = True
     direct_max_rtt: float = 0.02
+    # a session's steps and their answers go as compact binary frames (swarm/step_frame.py) to
+    # servers that announce them, over either path; False: as protobuf messages, as to servers that
+    # predate frames
+    step_frames: bool = True
     # this client's upload bandwidth (Mbit/s): what a replay costs against a server-to-server hand-off
     uplink_mbps: float = 20.0
     # a session on a server that leaves: "auto" moves its cache by hand-off when that is expected to

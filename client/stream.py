@@ -9,16 +9,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from hivemind.p2p import P2P
-from hivemind.proto import runtime_pb2
 
 from llm_swarm.client.connection import SwarmConnection
 from llm_swarm.client.push_copies import PushCopies
 from llm_swarm.swarm.block_rpc import BlockRpc
 from llm_swarm.swarm.chain_wire import ChainLink, answers_another_step, step_digest
 from llm_swarm.swarm.cost import REWIND_RESERVE
-from llm_swarm.swarm.framing import send_message
+from llm_swarm.swarm.framing import receive_reply, send_message
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.step_frame import StepFrame, decode_frame, encode_frame, framable, pushed_answer_id
 from llm_swarm.swarm.tensor_wire import all_finite
 from llm_swarm.swarm.wire import (
     Error,
@@ -107,6 +107,7 @@ class ServerStream:
     linked: ChainLink | None = None
     pushed_answers: int = 0  # steps the server ran from its predecessor's push and answered unasked
     push_copies: PushCopies = field(default_factory=PushCopies)  # when our copies of pushed steps go
+    step_frames: bool = False  # steps go as frames (swarm.step_frame): the server announces them
     # the stream through our p2p daemon, read and written directly (not hivemind's stream iterator,
     # which after the server's side closes waits for our request stream to end and so never returns)
     _writer: asyncio.StreamWriter | None = None
@@ -131,6 +132,8 @@ class ServerStream:
             raise StreamFailure(self.hop.peer_id, error) from error
         self._replies = asyncio.Queue()
         self._reading = asyncio.ensure_future(_read_replies(reader, self._replies))
+        info = connection.roster.known.get(self.hop.peer_id)
+        self.step_frames = connection.options.step_frames and info is not None and info.step_frames
         open_message = Open(
             session_id=self.session_id,
             max_length=self.shape.max_length,
@@ -225,6 +228,8 @@ class ServerStream:
             next_peer=successor.hop.peer_id if successor is not None else "",
             next_session=successor.session_id if successor is not None else "",
             next_token=successor.push_token if successor is not None else "",
+            # a server that takes no frames itself predates the field
+            next_frames=self.step_frames and successor is not None and successor.step_frames,
         )
         return None if link == (self.linked or ChainLink()) else link  # never linked: the empty link
 
@@ -270,7 +275,8 @@ class ServerStream:
             # the server's answer to a push within `copy_after` seconds, else none: send the copy
             answered = await self._receive(copy_after, StepDone, True, step_id, quiet_timeout=True)
         if answered is None:
-            await self._send(encode(message, tensors), timeout)
+            framed = self.step_frames and framable(message, tensors)
+            await self._send(encode_frame(message, tensors) if framed else encode(message, tensors), timeout)
         reply, outputs = answered or await self._receive(
             timeout, StepDone, with_tensors=True, step_id=step_id
         )
@@ -385,6 +391,9 @@ class ServerStream:
         if failure is not None:  # the p2p layer's own error: the server's handler broke off
             self.healthy = False
             raise StreamFailure(self.hop.peer_id, f"the server's handler failed: {failure.message}")
+        if isinstance(response, StepFrame):
+            message, tensors = decode_frame(response, expected)
+            return (message, tensors) if with_tensors else message
         message = parse(response.metadata, expected, Error)
         if isinstance(message, Error):
             self.healthy = False
@@ -429,14 +438,18 @@ _CLOSED = object()  # what `_read_replies` queues when the server ends its side
 def _stale(reply, step_id: str | None) -> bool:
     """`reply` (as `_read_replies` queues it) is a server's unasked answer to a step other than
     `step_id` (see `ServerStream._receive`)."""
-    return isinstance(reply, tuple) and reply[1] is None and answers_another_step(reply[0], step_id)
+    if not isinstance(reply, tuple) or reply[1] is not None:
+        return False
+    if isinstance(reply[0], StepFrame):
+        return pushed_answer_id(reply[0]) not in (None, step_id)
+    return answers_another_step(reply[0], step_id)
 
 
 async def _read_replies(reader: asyncio.StreamReader, replies: asyncio.Queue) -> None:
     """Queue every reply of the stream as `(response, p2p error)`, then `_CLOSED` (or what broke it)."""
     try:
         while True:
-            replies.put_nowait(await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader))
+            replies.put_nowait(await receive_reply(reader))
     except asyncio.IncompleteReadError:
         replies.put_nowait(_CLOSED)
     except asyncio.CancelledError:

@@ -23,6 +23,8 @@ from hivemind.proto import runtime_pb2
 
 from llm_swarm.swarm.direct_listener import DirectListener
 from llm_swarm.swarm.framing import send_message
+from llm_swarm.swarm.step_frame import MARKER as FRAME_MARKER
+from llm_swarm.swarm.step_frame import StepFrame
 from llm_swarm.swarm.wire import Error, ErrorCode, encode
 
 logger = logging.getLogger(__name__)
@@ -38,16 +40,19 @@ class StreamLimit:
     max_bytes: int = OPEN_MESSAGE_LIMIT
 
 
+Request = runtime_pb2.ExpertRequest | StepFrame
 Handler = Callable[
-    [AsyncIterator[runtime_pb2.ExpertRequest], P2PContext, StreamLimit],
-    AsyncIterator[runtime_pb2.ExpertResponse],
+    [AsyncIterator[Request], P2PContext, StreamLimit],
+    AsyncIterator[runtime_pb2.ExpertResponse | StepFrame],
 ]
 
 
 async def add_bounded_stream_handler(
-    p2p: P2P, name: str, handler: Handler, direct: DirectListener | None = None
+    p2p: P2P, name: str, handler: Handler, direct: DirectListener | None = None, step_frames: bool = False
 ) -> None:
     """Serve `handler` under `name` over libp2p and, with `direct`, over its direct streams too.
+    `step_frames`: the handler takes step frames (`swarm.step_frame`) besides protobuf requests;
+    without it a frame is refused as any unknown marker is.
 
     A message is read when the handler asks for the next one, on the handler's own task: a step costs
     no hand-off from a reading task through a queue (an event loop iteration each), and the limit a
@@ -66,7 +71,7 @@ async def add_bounded_stream_handler(
 
         async def read_requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
             nonlocal client_ended
-            while (request := await _receive(reader, limit)) is not None:
+            while (request := await _receive(reader, limit, step_frames)) is not None:
                 yield request
             client_ended = True
 
@@ -96,7 +101,7 @@ async def add_bounded_stream_handler(
                 # of the connection
                 with suppress(Exception):
                     async with asyncio.timeout(DISCARD_SECONDS):
-                        while await _receive(reader, limit) is not None:
+                        while await _receive(reader, limit, step_frames) is not None:
                             pass
 
     await p2p.add_binary_stream_handler(name, handle_stream)
@@ -108,16 +113,20 @@ class _Refused(Exception):
     pass
 
 
-async def _receive(reader: asyncio.StreamReader, limit: StreamLimit) -> runtime_pb2.ExpertRequest | None:
+async def _receive(
+    reader: asyncio.StreamReader, limit: StreamLimit, step_frames: bool = False
+) -> Request | None:
     """One framed message (None for the end-of-stream marker), refused unread if over the limit and
-    refused if its bytes are no request."""
-    marker = await reader.readexactly(1)
-    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    refused if its bytes are no request; a step frame as it came, when the stream takes them."""
+    header = await reader.readexactly(1 + P2P.HEADER_LEN)
+    marker, length = header[:1], int.from_bytes(header[1:], P2P.BYTEORDER)
     if length > limit.max_bytes:
         raise _Refused(f"message of {length:,} bytes exceeds this session's limit of {limit.max_bytes:,}")
     data = await reader.readexactly(length)
     if marker == P2P.ERROR_MARKER:
         return None  # hivemind's stub ends its request stream with an (empty) error message
+    if marker == FRAME_MARKER and step_frames:
+        return StepFrame.received(data)
     if marker != P2P.MESSAGE_MARKER:
         raise _Refused(f"invalid message marker {marker!r}")
     request = runtime_pb2.ExpertRequest()

@@ -56,6 +56,7 @@ from llm_swarm.swarm.direct_listener import DirectListener
 from llm_swarm.swarm.handoff_wire import HandedOff, HandOff
 from llm_swarm.swarm.models.adapters import adapter_rows
 from llm_swarm.swarm.models.span import TransformerSpan
+from llm_swarm.swarm.step_frame import StepFrame, decode_frame, encode_frame, framable
 from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import (
     PEER_LIMIT_PREFIX,
@@ -196,6 +197,8 @@ class BlockServicer(BlockRpc):
             if first is None:
                 return
             try:
+                if isinstance(first, StepFrame):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, "expected an open message, got a step frame")
                 message = parse(first.metadata, Open)
                 self._check_proof(message.swarm_proof, context)
                 session = self._open(message, peer)
@@ -232,8 +235,12 @@ class BlockServicer(BlockRpc):
                             yield await self._end_follow(session, following, True)
                             following = None
                     continue
-                self.metrics.received.inc(request.ByteSize())
-                kind = _message_type(request)
+                if isinstance(request, StepFrame):
+                    self.metrics.received.inc(request.nbytes)
+                    kind = "step"
+                else:
+                    self.metrics.received.inc(request.ByteSize())
+                    kind = _message_type(request)
                 if kind == "chain_link":
                     refusal = self._link(session, request)
                     if refusal is not None:
@@ -298,7 +305,7 @@ class BlockServicer(BlockRpc):
             return None
         except TimeoutError:
             raise SessionIdle() from None
-        self.metrics.received.inc(request.ByteSize())
+        self.metrics.received.inc(request.nbytes if isinstance(request, StepFrame) else request.ByteSize())
         return request
 
     def _open(self, message: Open, peer: str) -> Session:
@@ -370,13 +377,21 @@ class BlockServicer(BlockRpc):
         self.on_sessions_changed()
 
     async def _step(
-        self, session: Session, request: runtime_pb2.ExpertRequest
-    ) -> runtime_pb2.ExpertResponse | None:
-        """The client's step, answered; None for its copy of a step that already ran from a push
-        (answered then)."""
+        self, session: Session, request: runtime_pb2.ExpertRequest | StepFrame
+    ) -> runtime_pb2.ExpertResponse | StepFrame | None:
+        """The client's step, answered (a frame answers a frame); None for its copy of a step that
+        already ran from a push (answered then)."""
+        framed = isinstance(request, StepFrame)
         try:
-            _check_size(request, self._session_message_limit(session), "message")
-            message = parse(request.metadata, Step)
+            limit = self._session_message_limit(session)
+            if framed:
+                # a client that sends frames reads them: its session's answers to pushes go as frames too
+                session.step_frames = True
+                _check_size(request.nbytes, limit, "step frame")
+                message, tensors = decode_frame(request, Step)
+            else:
+                _check_size(request.ByteSize(), limit, "message")
+                message, tensors = parse(request.metadata, Step), None
             if session.receiving:
                 # "wait": a push the client gave up on is still being undone here
                 raise ProtocolError(
@@ -387,9 +402,12 @@ class BlockServicer(BlockRpc):
                 return None
             replay = session.replayed_output(message.step_id, message.position)
             if replay is not None:
-                return self._reply(StepDone(step_id=message.step_id, position=message.position), [replay])
+                done = StepDone(step_id=message.step_id, position=message.position)
+                return self._reply(done, [replay], framed)
+            if tensors is None:
+                tensors = decode_tensors(request)
             hidden, padding_mask, prompts = check_step_inputs(
-                session, self.span.hidden_size, message.position, decode_tensors(request), message.prompts
+                session, self.span.hidden_size, message.position, tensors, message.prompts
             )
             hypo_ids = check_hypo_ids(session, message.hypo_ids)
             output = await self._run_step(session, message.position, hidden, padding_mask, prompts, hypo_ids)
@@ -407,7 +425,7 @@ class BlockServicer(BlockRpc):
             )
             session.record(message.step_id, message.position, output)
             done = StepDone(step_id=message.step_id, position=message.position, leaving=not self.accepting)
-            return self._reply(done, [output])
+            return self._reply(done, [output], framed)
         except ProtocolError as error:
             return self._error(error.code, str(error))
         except Exception as error:  # a bug or a device fault: this session fails, the server serves on
@@ -458,7 +476,11 @@ class BlockServicer(BlockRpc):
             return self._error(error.code, str(error))
         session.push_token, session.push_from = link.accept_token, link.accept_from
         session.linked.set()
-        target = PushTarget(link.next_peer, link.next_session, link.next_token) if link.next_peer else None
+        target = (
+            PushTarget(link.next_peer, link.next_session, link.next_token, link.next_frames)
+            if link.next_peer
+            else None
+        )
         if session.pusher is not None and session.pusher.target != target:
             session.pusher.close()
             session.pusher = None
@@ -522,13 +544,13 @@ class BlockServicer(BlockRpc):
             pushed=True,
             input_digest=digest,
         )
-        return self._reply(done, [output])
+        return self._reply(done, [output], session.step_frames)
 
     async def _replay(self, session: Session, request: runtime_pb2.ExpertRequest):
         """Run a `Replay`'s steps in order (a failover's exact catch-up in one round trip); returns the
         reply and whether it succeeded."""
         try:
-            _check_size(request, self._replay_limit(session), "replay")
+            _check_size(request.ByteSize(), self._replay_limit(session), "replay")
             message = parse(request.metadata, Replay)
             steps = parse_replay(message, decode_tensors(request), session, self.span.hidden_size)
             started, outputs = time.perf_counter(), []
@@ -607,7 +629,14 @@ class BlockServicer(BlockRpc):
             await asyncio.sleep(self.overlap_delay * session.cache.num_blocks)
         return output
 
-    def _reply(self, message, tensors: list[torch.Tensor]) -> runtime_pb2.ExpertResponse:
+    def _reply(
+        self, message, tensors: list[torch.Tensor], framed: bool = False
+    ) -> runtime_pb2.ExpertResponse | StepFrame:
+        """`message` as a protobuf response; as a step frame with `framed` where it has one."""
+        if framed and framable(message, tensors):
+            frame = encode_frame(message, tensors)
+            self.metrics.sent.inc(frame.nbytes)
+            return frame
         response = encode(message, tensors, request=False)
         self.metrics.sent.inc(response.ByteSize())
         return response
@@ -636,7 +665,11 @@ class BlockServicer(BlockRpc):
                 for handler in unary
             ),
             add_bounded_stream_handler(
-                p2p, self._get_handle_name(namespace, "rpc_inference"), self._inference, direct=self.direct
+                p2p,
+                self._get_handle_name(namespace, "rpc_inference"),
+                self._inference,
+                direct=self.direct,
+                step_frames=True,
             ),
             self.add_handoff_handler(p2p, namespace),
         )
@@ -851,7 +884,11 @@ class BlockServicer(BlockRpc):
                 yield response
 
         await add_bounded_stream_handler(
-            p2p, self._get_handle_name(namespace, STEP_PUSH_HANDLE), step_handler, direct=self.direct
+            p2p,
+            self._get_handle_name(namespace, STEP_PUSH_HANDLE),
+            step_handler,
+            direct=self.direct,
+            step_frames=True,
         )
         probing = asyncio.Lock()  # one probe at a time: others are refused, never queued
 
@@ -1002,8 +1039,7 @@ class BlockServicer(BlockRpc):
         return self._reply(reply, [])
 
 
-def _check_size(request: runtime_pb2.ExpertRequest, limit: int, what: str) -> None:
-    size = request.ByteSize()
+def _check_size(size: int, limit: int, what: str) -> None:
     if size > limit:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"{what} of {size:,} bytes exceeds this session's limit of {limit:,}"

@@ -150,6 +150,7 @@ class SwarmServer:
             adapters=served.adapter_names if served is not None else (),
             role=self.role.role,
             chain_push=True,
+            step_frames=True,
             links=served.link_rates if served is not None else {},
             next_rtts=self.next_rtts.announced(),
             direct_address=self.direct_address,

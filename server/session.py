@@ -48,6 +48,7 @@ class Session:
     inbox: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(INBOX_STEPS))
     pusher: StepPusher | None = None
     answered: OrderedDict[str, bool] = field(default_factory=OrderedDict)
+    step_frames: bool = False  # the client sends steps as frames (swarm.step_frame): it reads them too
 
     def replayed_output(self, step_id: str, position: int) -> torch.Tensor | None:
         """The answer to a step that was already computed (a retry of the same step id), if any."""

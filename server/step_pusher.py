@@ -21,6 +21,7 @@ from hivemind.proto import runtime_pb2
 
 from llm_swarm.swarm.chain_wire import PushedStep, PushSteps
 from llm_swarm.swarm.framing import send_message
+from llm_swarm.swarm.step_frame import encode_frame, framable
 from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import decode_metadata, encode
 
@@ -39,6 +40,7 @@ class PushTarget:
     peer: str
     session_id: str
     token: str
+    frames: bool = False  # it takes pushed steps as step frames (swarm.step_frame)
 
 
 class StepPusher:
@@ -101,7 +103,10 @@ class StepPusher:
             self._watching = asyncio.ensure_future(self._watch(reader))
             header = PushSteps(session_id=self.target.session_id, token=self.target.token)
             await send_message(encode(header), self._writer, SEND_TIMEOUT)
-        await send_message(encode(step, tensors), self._writer, SEND_TIMEOUT)
+        framed = self.target.frames and framable(step, tensors)
+        await send_message(
+            encode_frame(step, tensors) if framed else encode(step, tensors), self._writer, SEND_TIMEOUT
+        )
 
     async def _watch(self, reader: asyncio.StreamReader) -> None:
         """The successor answers a push stream only to refuse it, then ends it: either way the

@@ -24,6 +24,7 @@ from hivemind.proto import runtime_pb2
 from llm_swarm.server.bounded_stream import StreamLimit
 from llm_swarm.server.session import Session, check_hidden, check_padding_mask
 from llm_swarm.swarm.chain_wire import PushedStep, PushSteps
+from llm_swarm.swarm.step_frame import StepFrame, decode_frame
 from llm_swarm.swarm.wire import Error, ErrorCode, ProtocolError, decode_tensors, encode, parse
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ LINK_WAIT = 5.0
 
 
 async def receive_steps(
-    requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    requests: AsyncIterator[runtime_pb2.ExpertRequest | StepFrame],
     context: P2PContext,
     limit: StreamLimit,
     find_session: Callable[[str], Session | None],
@@ -47,6 +48,8 @@ async def receive_steps(
     sender = str(context.remote_id)
     try:
         first = await asyncio.wait_for(anext(requests), idle_timeout)
+        if isinstance(first, StepFrame):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "expected a push_steps message, got a step frame")
         header = parse(first.metadata, PushSteps)
         session = find_session(header.session_id)
         if session is not None and not session.linked.is_set():
@@ -62,8 +65,11 @@ async def receive_steps(
                 return  # the pusher is done (its session ended)
             if session.cache is None or find_session(session.session_id) is not session:
                 raise ProtocolError(ErrorCode.NOT_SERVING, "the session ended")
-            step = parse(request.metadata, PushedStep)
-            tensors = _check_tensors(session, step, decode_tensors(request), hidden_size)
+            if isinstance(request, StepFrame):
+                step, tensors = decode_frame(request, PushedStep)
+            else:
+                step, tensors = parse(request.metadata, PushedStep), decode_tensors(request)
+            tensors = _check_tensors(session, step, tensors, hidden_size)
             if sender != session.push_from:  # the client named another predecessor since
                 raise ProtocolError(ErrorCode.UNAUTHORIZED, "this peer no longer pushes to the session")
             try:

@@ -9,12 +9,12 @@ through n hops costs one client round trip plus the servers' own links instead o
 trips. Protocol and failure cases: docs/architecture.md, "Chain sessions".
 
   client -> server, on its session stream, no reply:
-      ChainLink(accept_token, accept_from, next_peer, next_session, next_token)
+      ChainLink(accept_token, accept_from, next_peer, next_session, next_token, next_frames)
   client -> server: Step(..., step_id, push_hops=k): after the step, push its output k hops on
   server A -> server B, on a stream to B's `push_steps` handler:
       PushSteps(session_id, token), then per step PushedStep(step_id, position, hypo_ids, masked,
-      push_hops) + tensors [hidden, padding_mask if masked]; B answers only a refusal (an `Error`,
-      and the stream ends)
+      push_hops) + tensors [hidden, padding_mask if masked], as a step frame when `next_frames` and
+      it has one; B answers only a refusal (an `Error`, and the stream ends)
   server B -> client, on B's session stream, unprompted: StepDone(step_id, position, pushed=True,
       input_digest): the digest of the input B ran, which the client compares with its own copy
 """
@@ -49,6 +49,9 @@ class ChainLink(Message):
     next_peer: str = Field(default="", max_length=PEER_ID_MAX)
     next_session: str = Field(default="", max_length=64)
     next_token: str = Field(default="", pattern=OPTIONAL_TOKEN_PATTERN)
+    # the successor takes pushed steps as frames (swarm.step_frame); only for servers that announce
+    # frames themselves (others predate the field)
+    next_frames: bool = False
 
 
 class PushSteps(Message):

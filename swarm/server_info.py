@@ -103,6 +103,9 @@ class ServerInfo(VersionedRecord):
     # takes part in chain sessions (swarm/chain_wire.py): pushes its outputs to the next server and
     # runs steps pushed to it; servers that predate them leave it out
     chain_push: bool = False
+    # takes a session's steps as compact frames (swarm/step_frame.py) and answers them so; servers
+    # that predate frames leave it out
+    step_frames: bool = False
     # cache hand-offs this server measured: peer id -> bytes/s of its pushes there (at most 16)
     links: dict[Annotated[str, Field(max_length=128)], Annotated[float, Field(gt=0, le=1e12)]] = Field(
         default_factory=dict, max_length=16

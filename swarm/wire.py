@@ -227,6 +227,7 @@ OPTIONAL_FIELDS = {
     "leaving": False,
     "follow": False,
     "push_hops": 0,
+    "next_frames": False,
     "pushed": False,
     "input_digest": "",
 }

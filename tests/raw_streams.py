@@ -1,5 +1,6 @@
 """A test's own peer speaking a server's binary stream protocol directly (hand-off pushes, link probes):
-the requests go as they are, however hostile, and the replies come back as their types."""
+the requests (protobuf messages or step frames) go as they are, however hostile, and the replies come
+back as their types."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import PeerID
 
 from llm_swarm.swarm.block_rpc import BlockRpc
-from llm_swarm.swarm.wire import decode_metadata
+from llm_swarm.swarm.framing import receive_reply, send_message
+from llm_swarm.swarm.step_frame import StepFrame, decode_frame
+from llm_swarm.swarm.wire import StepDone, decode_metadata
 
 
 async def exchange(
@@ -31,7 +33,7 @@ async def exchange(
     try:
         try:
             for request in requests:
-                await P2P.send_protobuf(request, writer)
+                await send_message(request, writer)
         except ConnectionError:  # the server refused early and ended the stream: its error is still to read
             pass
         if hold is not None:
@@ -39,7 +41,10 @@ async def exchange(
                 await asyncio.sleep(0.05)
             return kinds
         while read_more(kinds):
-            response, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
+            response, _ = await asyncio.wait_for(receive_reply(reader), 30)
+            if isinstance(response, StepFrame):
+                kinds.append(decode_frame(response, StepDone)[0].type)
+                continue
             metadata = decode_metadata(response.metadata)
             kinds.append(metadata["type"] if metadata["type"] != "error" else f"error: {metadata['message']}")
     except (asyncio.IncompleteReadError, ConnectionError):  # the server ended the stream on an error

@@ -17,6 +17,8 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.server.bounded_stream import add_bounded_stream_handler
+from llm_swarm.swarm.step_frame import MARKER as FRAME_MARKER
+from llm_swarm.swarm.step_frame import StepFrame
 from llm_swarm.swarm.wire import decode_metadata
 
 pytestmark = pytest.mark.version_neutral  # no transformers code: one leg runs it
@@ -38,12 +40,12 @@ async def slow_handler(requests, context, limit):
 
 
 @asynccontextmanager
-async def serving(handler) -> AsyncIterator[tuple[P2P, P2P]]:
+async def serving(handler, step_frames: bool = False) -> AsyncIterator[tuple[P2P, P2P]]:
     """(server, client): two real p2p daemons, `handler` on the server's bounded stream HANDLE."""
     server = await P2P.create()
     client = await P2P.create(initial_peers=await server.get_visible_maddrs())
     try:
-        await add_bounded_stream_handler(server, HANDLE, handler)
+        await add_bounded_stream_handler(server, HANDLE, handler, step_frames=step_frames)
         yield server, client
     finally:
         await client.shutdown()
@@ -54,13 +56,15 @@ def request(metadata: bytes) -> bytes:
     return runtime_pb2.ExpertRequest(metadata=metadata).SerializeToString()
 
 
-async def two_replies(handler, *messages: bytes) -> list[bytes]:
-    """The metadata of `handler`'s first two replies to `messages` (serialized, whatever their bytes),
-    sent back to back in the stream's framing."""
-    async with serving(handler) as (server, client):
+async def two_replies(handler, *messages: bytes | StepFrame, step_frames: bool = False) -> list[bytes]:
+    """The metadata of `handler`'s first two replies to `messages` (serialized, whatever their bytes,
+    or step frames under their own marker), sent back to back in the stream's framing."""
+    async with serving(handler, step_frames) as (server, client):
         _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLE)
         for message in messages:
-            writer.write(P2P.MESSAGE_MARKER + len(message).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + message)
+            marker = FRAME_MARKER if isinstance(message, StepFrame) else P2P.MESSAGE_MARKER
+            data = b"".join(message.parts) if isinstance(message, StepFrame) else message
+            writer.write(marker + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
         await writer.drain()
         replies = []
         for _ in range(2):
@@ -121,9 +125,14 @@ def test_a_handler_that_ends_first_still_gets_its_reply_to_a_client_that_is_stil
 
 
 async def echo_handler(requests, context, limit):
-    """Answers each request with its metadata."""
+    """Answers each request with its metadata (a step frame with its kind and size)."""
     async for message in requests:
-        yield runtime_pb2.ExpertResponse(metadata=message.metadata)
+        if isinstance(message, StepFrame):
+            yield runtime_pb2.ExpertResponse(
+                metadata=f"frame of kind {message.kind}, {message.nbytes} bytes".encode()
+            )
+        else:
+            yield runtime_pb2.ExpertResponse(metadata=message.metadata)
 
 
 def test_a_message_that_is_no_request_gets_a_clear_refusal_after_the_answers_before_it():
@@ -133,3 +142,13 @@ def test_a_message_that_is_no_request_gets_a_clear_refusal_after_the_answers_bef
     error = decode_metadata(refusal)
     assert error["type"] == "error" and error["code"] == "bad_request"
     assert "not a request" in error["message"]
+
+
+def test_a_step_frame_reaches_a_handler_that_takes_them_and_is_refused_by_one_that_does_not():
+    frame = StepFrame.received(bytes([1]) + bytes(39))
+    answers = asyncio.run(two_replies(echo_handler, frame, request(b"after"), step_frames=True))
+    assert answers == [b"frame of kind 1, 40 bytes", b"after"]
+    answer, refusal = asyncio.run(two_replies(echo_handler, request(b"before"), frame))
+    assert answer == b"before"
+    error = decode_metadata(refusal)
+    assert error["code"] == "bad_request" and "invalid message marker b'\\x02'" in error["message"], error

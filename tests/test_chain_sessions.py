@@ -30,6 +30,7 @@ from llm_swarm.swarm.chain_wire import ChainLink, PushedStep, PushSteps, step_di
 from llm_swarm.swarm.dht_keys import default_prefix
 from llm_swarm.swarm.errors import SwarmUserError
 from llm_swarm.swarm.route_request import RouteHop, SessionShape
+from llm_swarm.swarm.step_frame import StepFrame, encode_frame
 from llm_swarm.swarm.wire import Open, Step, decode_metadata, encode
 from tests.conftest import NUM_BLOCKS
 from tests.family_checks import PADDED_TEXTS, PROMPT, REPEATING_PROMPT
@@ -81,9 +82,9 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
     hub = AutoDistributedModelForCausalLM.from_pretrained(
         llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0, chain_push=False)
     )
-    auto = AutoDistributedModelForCausalLM.from_pretrained(
-        llama_dir, swarm.initial_peers, options=ClientOptions(request_timeout=20.0, direct_max_rtt=10.0)
-    )
+    # steps, answers and pushes as protobuf messages, as with servers that predate step frames
+    unframed = ClientOptions(request_timeout=20.0, direct_max_rtt=10.0, step_frames=False)
+    auto = AutoDistributedModelForCausalLM.from_pretrained(llama_dir, swarm.initial_peers, options=unframed)
     try:
         # every step of a session through three hops: the second and third answer from pushes
         expected = reference.generate(PROMPT, max_new_tokens=12, do_sample=False)
@@ -94,6 +95,8 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
             streams = session.blocks.streams
             assert len(streams) == 3 and pushed_answers(streams)[0] == 0
             assert pushed_answers(streams) == [0, 12, 12]  # the prompt's step and 11 decode steps
+            # steps, answers and pushes went as step frames: every server announces them
+            assert all(stream.step_frames and stream.linked.next_frames for stream in streams[:2])
         # near servers that announce direct streams get the client's streams and their predecessors'
         # pushes over them
         assert model.backend.connection.streams.opened["direct"] >= 3
@@ -123,6 +126,7 @@ def test_three_servers_push_to_each_other_and_generate_exactly(swarm, llama_dir,
             )
             streams = session.blocks.streams
             assert all(stream.push_copies.answer_seconds is not None for stream in streams[1:])
+            assert not any(stream.step_frames or stream.linked.next_frames for stream in streams)
         assert dropped_copies() - dropped_before < 12
         with hub.inference_session(max_length=PROMPT.shape[1] + 12) as session:
             assert torch.equal(
@@ -196,9 +200,10 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
                 exchange(connection, peer, "push_steps", [header, *steps], lambda kinds: not kinds)
             )
 
-        def step(position: int = 0, hidden: torch.Tensor | None = None, **fields):
+        def step(position: int = 0, hidden: torch.Tensor | None = None, framed: bool = False, **fields):
             hidden = torch.randn(1, 2, width) if hidden is None else hidden
-            return encode(PushedStep(step_id=f"x{position}", position=position, **fields), [hidden])
+            message = PushedStep(step_id=f"x{position}", position=position, **fields)
+            return encode_frame(message, [hidden]) if framed else encode(message, [hidden])
 
         attacks = {  # each on a session of its own, opened right before (sessions expire after 3 s idle)
             "a wrong token": (me, "0" * 32, [step()]),
@@ -210,6 +215,14 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
             "past max_length": (me, None, [step(position=15)]),
             "a mask it does not carry": (me, None, [step(masked=True)]),
             "an oversized message": (me, None, [step(hidden=torch.zeros(1, 4096, width))]),
+            "a malformed frame": (me, None, [StepFrame.received(b"\x03" + b"\0" * 7)]),
+            "a client's step as a frame": (
+                me,
+                None,
+                [encode_frame(Step(step_id="s", position=0), [torch.zeros(1, 1, width)])],
+            ),
+            "NaN in a frame": (me, None, [step(hidden=torch.full((1, 2, width), math.nan), framed=True)]),
+            "an oversized frame": (me, None, [step(hidden=torch.zeros(1, 4096, width), framed=True)]),
         }
         reasons = {
             "a wrong token": "the token does not match",
@@ -221,6 +234,10 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
             "past max_length": "does not fit the session",
             "a mask it does not carry": "carries 2 tensors",
             "an oversized message": "exceeds this session's limit",
+            "a malformed frame": "malformed step frame: 8 bytes are shorter than a frame's header",
+            "a client's step as a frame": "a frame of kind 1, expected ['PushedStep']",
+            "NaN in a frame": "NaN",
+            "an oversized frame": "exceeds this session's limit",
         }
         for what, (predecessor, token, steps) in attacks.items():
             stream = session(predecessor)
@@ -235,12 +252,13 @@ def test_hostile_pushes_are_refused_and_a_replayed_push_runs_once(swarm, llama_d
         )
         assert kinds and kinds[-1].startswith(("error", "closed")), kinds
         run_sync(stalled.close_and_wait(5.0))
-        # a push into the session that named us runs, answered unasked; the same push again does not
-        # run twice; the session goes on from the client at the next position
+        # a push into the session that named us runs (a step frame), answered unasked; the same push
+        # again (as a protobuf message) does not run twice; the session goes on from the client at the
+        # next position
         ours = session(me)
         hidden = torch.randn(1, 3, width)
         header = encode(PushSteps(session_id=ours.session_id, token=ours.push_token))
-        sent = [header, step(0, hidden), step(0, hidden)]
+        sent = [header, step(0, hidden, framed=True), step(0, hidden)]
         assert run_sync(exchange(connection, peer, "push_steps", sent, lambda kinds: False)) == []
         deadline = time.monotonic() + 20
         while ours.replies_waiting < 1:  # the server's answer to the push, unasked

@@ -24,6 +24,7 @@ from llm_swarm.client import AutoDistributedModelForCausalLM
 from llm_swarm.client.connection import SwarmConnection, run_sync
 from llm_swarm.server.handler import BlockServicer
 from llm_swarm.swarm.dht_keys import default_prefix
+from llm_swarm.swarm.step_frame import StepFrame, encode_frame
 from llm_swarm.swarm.wire import (
     PEER_LIMIT_PREFIX,
     Backward,
@@ -33,11 +34,13 @@ from llm_swarm.swarm.wire import (
     Replay,
     Report,
     Step,
+    StepDone,
     decode_tensors,
     encode,
     parse,
 )
 from tests.conftest import NUM_BLOCKS
+from tests.raw_streams import exchange
 
 pytestmark = pytest.mark.swarm  # every test here starts processes
 
@@ -350,6 +353,48 @@ def test_a_malformed_session_message_gets_a_clear_error(target, name):
 
     reply = run_sync(attack())
     assert reply["type"] == "error" and match in reply["message"], reply
+
+
+def test_malformed_step_frames_get_clear_errors_and_the_session_goes_on(target):
+    """Steps as compact frames (swarm/step_frame.py) are checked like protobuf steps: each malformed one
+    gets a clear error on the open session, and a good frame after them is answered (as a frame)."""
+
+    def frame(*tensors: torch.Tensor, message=None) -> StepFrame:
+        return encode_frame(message or Step(step_id="f0", position=0), list(tensors))
+
+    good = b"".join(bytes(part) for part in frame(GOOD).parts)
+    attacks = {
+        "a cut header": (StepFrame.received(good[:5]), "shorter than a frame's header"),
+        "a cut tensor": (StepFrame.received(good[:-4]), f"needs {HIDDEN * 4} bytes"),
+        "trailing bytes": (StepFrame.received(good + b"junk"), "4 bytes after its last tensor"),
+        "NaN": (frame(torch.full((1, 1, HIDDEN), float("nan"))), "NaN or infinity"),
+        "a wrong width": (frame(torch.randn(1, 1, 32)), "hidden size 32 differs"),
+        "integers": (frame(torch.ones(1, 1, HIDDEN, dtype=torch.int64)), "must be float32"),
+        "a skipped position": (frame(GOOD, message=Step(step_id="f5", position=5)), "skips past"),
+        "an answer for a request": (
+            frame(GOOD, message=StepDone(step_id="d", position=0)),
+            "a frame of kind 2, expected ['Step']",
+        ),
+    }
+    requests = [open_message(), *(attack for attack, _ in attacks.values()), frame(GOOD)]
+    kinds = run_sync(
+        exchange(
+            target.connection, target.peer_id, "rpc_inference", requests, lambda k: len(k) < len(requests)
+        )
+    )
+    assert kinds[0] == "opened" and kinds[-1] == "step_done", kinds
+    for (name, (_, match)), kind in zip(attacks.items(), kinds[1:-1], strict=True):
+        assert kind.startswith("error:") and match in kind, (name, kind)
+    # a frame before the session is open, and one over the session's limit: refused, the stream ends
+    before = run_sync(
+        exchange(target.connection, target.peer_id, "rpc_inference", [frame(GOOD)], lambda k: not k)
+    )
+    assert before == ["error: expected an open message, got a step frame"], before
+    oversized = [open_message(), frame(torch.randn(1, 400, HIDDEN))]
+    kinds = run_sync(
+        exchange(target.connection, target.peer_id, "rpc_inference", oversized, lambda k: len(k) < 2)
+    )
+    assert "exceeds this session's limit" in kinds[1], kinds
 
 
 def test_a_gigabyte_announced_is_refused_from_the_length_header(target):

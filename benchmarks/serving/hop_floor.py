@@ -12,10 +12,13 @@ median and the 99th percentile round trip of:
 - `step`: our session step through a real `swarm-server` whose span returns its input
   (`benchmarks.serving.identity_server`): the client's serialization and event loop, both daemons,
   the server's checks, batching engine and reply;
-- `direct`: the same step over a direct stream (TLS straight to the server, no daemon).
+- `direct`: the same step over a direct stream (TLS straight to the server, no daemon);
+- `direct protobuf`: the same again with the step and its answer as protobuf messages instead of step
+  frames (`ClientOptions(step_frames=False)`, what servers that predate frames speak).
 
 `step - libp2p` is what our protocol adds to its transport; `libp2p - tcp` is what the transport
-adds to the socket; `direct - tcp` is what a hop costs us over the socket on a direct stream.
+adds to the socket; `direct - tcp` is what a hop costs us over the socket on a direct stream;
+`protobuf - frames` is what step frames save on it.
 
     .venv/bin/python -m benchmarks.serving.hop_floor [--sizes 4096x1,8192x1,4096x512] [--count 300]
 """
@@ -38,7 +41,7 @@ from benchmarks.common import publish_table
 
 ECHO_METHOD = "/floor.Echo/Stream"
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 1 << 28), ("grpc.max_send_message_length", 1 << 28)]
-KINDS = ("tcp", "grpc", "libp2p", "step", "direct")
+KINDS = ("tcp", "grpc", "libp2p", "step", "direct", "direct protobuf")
 
 
 # --- echo servers, each in a process of its own ----------------------------------------------------
@@ -203,9 +206,12 @@ def step_round_trips(work: Path, width: int, tokens: int, count: int) -> dict[st
         swarm.wait_online(default_prefix(str(model_dir)), 1, ["identity"])
         hidden = torch.randn(1, tokens, width)
         samples = {}
-        for kind in ("step", "direct"):  # a client with direct streams off, then one with them on
+        # a client with direct streams off, then one with them on, then one on them without frames
+        for kind in ("step", "direct", "direct protobuf"):
             # a loaded machine's loopback ping may take tens of ms: every server counts as near here
-            options = ClientOptions(direct_streams=kind == "direct", direct_max_rtt=1.0)
+            options = ClientOptions(
+                direct_streams=kind != "step", direct_max_rtt=1.0, step_frames=kind != "direct protobuf"
+            )
             model = AutoDistributedModelForCausalLM.from_pretrained(
                 model_dir, swarm.initial_peers, options=options
             )
@@ -216,7 +222,7 @@ def step_round_trips(work: Path, width: int, tokens: int, count: int) -> dict[st
                 RouteHop(peer, 0, 1), uuid.uuid4().hex, SessionShape(1, max_length, tokens, 1)
             )
             run_sync(stream.open(connection))
-            path = "direct" if kind == "direct" else "libp2p"
+            path = "libp2p" if kind == "step" else "direct"
             assert connection.streams.opened[path] == 1, f"{kind}: not opened over {path}"
             position = 0
 
@@ -270,17 +276,18 @@ def table(rows: list[dict]) -> list[str]:
     lines = [
         "| message | bytes | "
         + " | ".join(f"{kind} p50 / p99 (ms)" for kind in KINDS)
-        + " | step - libp2p (p50) | libp2p - tcp (p50) | direct - tcp (p50) |",
-        "|---|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|",
+        + " | step - libp2p (p50) | libp2p - tcp (p50) | direct - tcp (p50) | protobuf - frames (p50) |",
+        "|---|---:|" + "---:|" * len(KINDS) + "---:|---:|---:|---:|",
     ]
     for row in rows:
         cells = [f"{row[kind][0] * 1e3:.3f} / {row[kind][1] * 1e3:.3f}" for kind in KINDS]
         protocol, transport = row["step"][0] - row["libp2p"][0], row["libp2p"][0] - row["tcp"][0]
         direct = row["direct"][0] - row["tcp"][0]
+        frames = row["direct protobuf"][0] - row["direct"][0]
         lines.append(
             f"| {row['tokens']} x {row['width']} | {row['bytes']:,} | "
             + " | ".join(cells)
-            + f" | {protocol * 1e3:.3f} | {transport * 1e3:.3f} | {direct * 1e3:.3f} |"
+            + f" | {protocol * 1e3:.3f} | {transport * 1e3:.3f} | {direct * 1e3:.3f} | {frames * 1e3:.3f} |"
         )
     return lines
 
@@ -300,7 +307,8 @@ def main() -> None:
         "our session step through a real server whose span returns its input "
         "(`benchmarks.serving.identity_server`), the client's own `ServerStream` driven on its event "
         "loop (`generate` adds one hand-off between threads per step), over libp2p by a client with "
-        "direct streams off, and `direct` over a direct stream (TLS, the server's key checked); "
+        "direct streams off, and `direct` over a direct stream (TLS, the server's key checked), its steps "
+        "as step frames, and `direct protobuf` the same as protobuf messages; "
         f"{args.count} round trips of each after 20 of warm-up."
     )
     publish_table(__file__, args, table(rows), "## Where a hop's time goes on one host", text)
