@@ -453,7 +453,7 @@ class BlockServicer(BlockRpc):
         started = time.perf_counter()
         output = await self._compute(session, hidden, position, padding_mask, prompts)
         elapsed = time.perf_counter() - started
-        self.metrics.steps.labels(kind=kind).observe(elapsed)
+        self.metrics.step_seconds[kind].observe(elapsed)
         if decoding:
             self.decode_load.observe(decoding, elapsed)
         return output
@@ -560,7 +560,7 @@ class BlockServicer(BlockRpc):
                 outputs.append(await self._compute(session, step.hidden, step.position, step.padding_mask))
             session.last_active = time.monotonic()
             tokens = sum(step.hidden.shape[1] for step in steps)
-            self.metrics.steps.labels(kind="replay").observe(time.perf_counter() - started)
+            self.metrics.step_seconds["replay"].observe(time.perf_counter() - started)
             logger.info(
                 "session %s: replayed %d steps (%d tokens) in %.0f ms",
                 session.session_id[:8],
@@ -831,7 +831,7 @@ class BlockServicer(BlockRpc):
             started = time.perf_counter()
             compute = partial(run_backward if backward else run_forward, self.span, call, adapter)
             outputs = await asyncio.get_running_loop().run_in_executor(self.executor, compute)
-            self.metrics.steps.labels(kind=kind).observe(time.perf_counter() - started)
+            self.metrics.step_seconds[kind].observe(time.perf_counter() - started)
             return self._reply(Computed(), outputs if backward else [outputs])
         except ProtocolError as error:
             return self._error(error.code, str(error))

@@ -36,6 +36,12 @@ class ServerMetrics:
             "swarm_server_step_seconds", "Compute time of one step over the session's blocks", ["kind"],
             buckets=STEP_BUCKETS, registry=r,
         )  # fmt: skip
+        # each kind's histogram, looked up once: a decode step's `labels()` call costs more than its
+        # observation
+        self.step_seconds = {
+            kind: self.steps.labels(kind=kind)
+            for kind in ("prefill", "decode", "replay", "forward", "backward")
+        }
         self.errors = counter("swarm_server_errors", "Requests answered with an error, by code", ["code"])
         self.received = counter("swarm_server_bytes_received", "Request bytes received")
         self.sent = counter("swarm_server_bytes_sent", "Response bytes sent")

@@ -71,6 +71,7 @@ def tensor_from_proto(message: runtime_pb2.Tensor) -> torch.Tensor:
 def all_finite(tensor: torch.Tensor) -> bool:
     """No NaN and no infinity in `tensor` (numpy for host floats it can view: one call, not three;
     the reduction called directly, not through `ndarray.all`'s Python wrapper)."""
-    if tensor.dtype in _NUMPY_FLOATS and tensor.device.type == "cpu":
-        return bool(_all_true(np.isfinite(tensor.detach().numpy()), axis=None))
+    if tensor.is_cpu and tensor.dtype in _NUMPY_FLOATS:
+        array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
+        return bool(_all_true(np.isfinite(array), axis=None))
     return bool(torch.isfinite(tensor).all())
