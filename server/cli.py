@@ -7,10 +7,10 @@ With `--blocks` the span is pinned. Without it the server is managed: it takes i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 import torch
+import uvloop
 
 from llm_swarm.server.joining import RELAY_MODES
 from llm_swarm.server.server import ServerConfig, SwarmServer
@@ -257,7 +257,10 @@ def run_server(config: ServerConfig, torch_threads: int | None = None) -> None:
     server = SwarmServer(config)
     try:
         server.start()
-        asyncio.run(server.serve())
+        # uvloop, as hivemind's own processes run: its TLS and sockets (Cython) cost less than
+        # asyncio's Python ones; a direct stream's step took 0.29-0.32 ms of the server's CPU against
+        # 0.31-0.34 ms (measured alternating)
+        uvloop.run(server.serve())
     finally:
         server.shutdown()
         logger.info("stopped")
