@@ -5,6 +5,10 @@ one stream to the successor's `push_steps` handler, opened at the first push and
 session; the session's handler only hands a step over and never waits for it (the client's own copy
 reaches the successor anyway). A push that cannot go (the successor unreachable, refusing, or slower
 than the steps come) is dropped, and the stream is opened again at most once per `RETRY_SECONDS`.
+
+While the stream is open and idle, a push is written as it is handed over, before the handler answers
+its client: the successor's step is on the token's path, the client's answer from a middle server is
+not, and on a busy host the process an answer wakes may take the core before a queued push goes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from llm_swarm.swarm.chain_wire import PushedStep, PushSteps
-from llm_swarm.swarm.framing import send_message
+from llm_swarm.swarm.framing import send_message, write_message
 from llm_swarm.swarm.step_frame import encode_frame, framable
 from llm_swarm.swarm.stream_opener import StreamOpener
 from llm_swarm.swarm.wire import decode_metadata, encode
@@ -52,10 +56,26 @@ class StepPusher:
         self._writer: asyncio.StreamWriter | None = None
         self._watching: asyncio.Task | None = None  # reads the successor's side: any reply is a refusal
         self._failed_at = -RETRY_SECONDS
+        self._sending = False  # the pushing task is sending (or opening the stream)
         self._task = asyncio.ensure_future(self._run())
 
     def push(self, step: PushedStep, tensors: list[torch.Tensor]) -> None:
-        """Queue `step` for the successor; never waits."""
+        """Write `step` to the successor now if the stream is open and idle, else queue it; never waits."""
+        writer = self._writer
+        if (
+            writer is not None
+            and not writer.is_closing()
+            and not self._sending
+            and self._queue.empty()
+            and not writer.transport.get_write_buffer_size()
+        ):
+            try:
+                write_message(self._message(step, tensors), writer)
+            except Exception as error:  # the transport broke: as a failed send
+                self._failed(error)
+            else:
+                self.pushed += 1
+            return
         try:
             self._queue.put_nowait((step, tensors))
         except asyncio.QueueFull:
@@ -79,22 +99,32 @@ class StepPusher:
             if time.monotonic() - self._failed_at < RETRY_SECONDS:
                 self.dropped += 1
                 continue
+            self._sending = True
             try:
                 await self._send(step, tensors)
                 self.pushed += 1
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # unreachable, refused, reset: the client's copy goes on
-                self.dropped += 1
-                self._failed_at = time.monotonic()
-                self._close_stream()
-                logger.info(
-                    "session %s: push to %s failed (%s: %s); the client's copy goes on",
-                    self.session_label,
-                    self.target.peer[-8:],
-                    type(error).__name__,
-                    error,
-                )
+                self._failed(error)
+            finally:
+                self._sending = False
+
+    def _failed(self, error: Exception) -> None:
+        self.dropped += 1
+        self._failed_at = time.monotonic()
+        self._close_stream()
+        logger.info(
+            "session %s: push to %s failed (%s: %s); the client's copy goes on",
+            self.session_label,
+            self.target.peer[-8:],
+            type(error).__name__,
+            error,
+        )
+
+    def _message(self, step: PushedStep, tensors: list[torch.Tensor]):
+        framed = self.target.frames and framable(step, tensors)
+        return encode_frame(step, tensors) if framed else encode(step, tensors)
 
     async def _send(self, step: PushedStep, tensors: list[torch.Tensor]) -> None:
         if self._writer is None or self._writer.is_closing():
@@ -103,10 +133,7 @@ class StepPusher:
             self._watching = asyncio.ensure_future(self._watch(reader))
             header = PushSteps(session_id=self.target.session_id, token=self.target.token)
             await send_message(encode(header), self._writer, SEND_TIMEOUT)
-        framed = self.target.frames and framable(step, tensors)
-        await send_message(
-            encode_frame(step, tensors) if framed else encode(step, tensors), self._writer, SEND_TIMEOUT
-        )
+        await send_message(self._message(step, tensors), self._writer, SEND_TIMEOUT)
 
     async def _watch(self, reader: asyncio.StreamReader) -> None:
         """The successor answers a push stream only to refuse it, then ends it: either way the

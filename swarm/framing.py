@@ -26,13 +26,20 @@ CHUNK = 1 << 16  # what larger messages are written in (hivemind's `send_raw_dat
 Reply = runtime_pb2.ExpertResponse | StepFrame
 
 
-async def send_message(
-    message: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse | StepFrame,
-    writer: asyncio.StreamWriter,
-    timeout: float | None = None,
-) -> None:
+Message = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse | StepFrame
+
+
+async def send_message(message: Message, writer: asyncio.StreamWriter, timeout: float | None = None) -> None:
     """`message` in hivemind's framing (a step frame under its own marker); waits (at most `timeout`
     seconds, None: no limit) only while the socket has not taken all of it."""
+    if write_message(message, writer):
+        draining = writer.drain()
+        await (asyncio.wait_for(draining, timeout) if timeout is not None else draining)
+
+
+def write_message(message: Message, writer: asyncio.StreamWriter) -> bool:
+    """`message` handed to the transport at once, without waiting; whether the socket did not take
+    all of it (the caller then drains before writing more)."""
     if isinstance(message, StepFrame):
         marker, parts, size = FRAME_MARKER, message.parts, message.nbytes
     else:
@@ -47,13 +54,9 @@ async def send_message(
                 chunk = view[offset : offset + CHUNK]
                 # a transport may keep what it could not send yet: a tensor's own memory is copied
                 writer.write(chunk if isinstance(part, bytes) else bytes(chunk))
-        draining = writer.drain()
-        await (asyncio.wait_for(draining, timeout) if timeout is not None else draining)
-        return
+        return True
     writer.write(b"".join((header, *parts)))
-    if writer.transport.get_write_buffer_size():
-        draining = writer.drain()
-        await (asyncio.wait_for(draining, timeout) if timeout is not None else draining)
+    return bool(writer.transport.get_write_buffer_size())
 
 
 async def receive_reply(reader: asyncio.StreamReader) -> tuple[Reply | None, RPCError | None]:
