@@ -23,10 +23,8 @@ from llm_swarm.swarm.step_frame import StepFrame
 JOIN_LIMIT = 1 << 20  # messages up to this size are joined into one write
 CHUNK = 1 << 16  # what larger messages are written in (hivemind's `send_raw_data` chunks)
 
-Reply = runtime_pb2.ExpertResponse | StepFrame
-
-
 Message = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse | StepFrame
+Reply = runtime_pb2.ExpertResponse | StepFrame
 
 
 async def send_message(message: Message, writer: asyncio.StreamWriter, timeout: float | None = None) -> None:

@@ -31,6 +31,7 @@ import torch
 from pydantic import ValidationError
 
 from llm_swarm.swarm.chain_wire import PushedStep
+from llm_swarm.swarm.tensor_wire import WIRE_DTYPES
 from llm_swarm.swarm.wire import ErrorCode, Message, ProtocolError, Step, StepDone
 
 MARKER = b"\x02"  # hivemind's stream framing: 0 a message, 1 an error; 2 a step frame
@@ -39,19 +40,7 @@ MAX_DIMS = 4
 _HEADER = struct.Struct("<BBBBBBxxq")
 _TENSOR = struct.Struct("<BB")
 _SHAPES = tuple(struct.Struct(f"<{dims}q") for dims in range(MAX_DIMS + 1))  # a shape of 0..4 dims
-# codes on the wire: never reorder, only append
-_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
+_DTYPES = WIRE_DTYPES  # a dtype's code is its place in this tuple, from 1
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
 # each dtype's numpy type, to build a received tensor through numpy (half the cost of
 # `torch.frombuffer`); bfloat16, which numpy lacks, as its raw 16-bit words

@@ -16,21 +16,21 @@ import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+# the dtypes a tensor travels in; their order is also the step frames' dtype codes
+# (`swarm.step_frame`), so it is never reordered, only appended to
+WIRE_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in WIRE_DTYPES}
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)  # numpy checks these without torch
 _all_true = np.logical_and.reduce
 

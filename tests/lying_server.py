@@ -3,8 +3,9 @@
 MODE `noise` adds noise of half the output's norm to every step's output (plausible, finite, wrong);
 `nan` returns NaN. In chain sessions: `push-noise` answers its client honestly but pushes noisy outputs
 to the next server; `digest` runs what it is pushed honestly but answers with a false digest of its
-input. Everything else is the real `swarm-server`: it announces, measures and serves as an honest one
-would, which is what makes it dangerous.
+input. `frame` answers steps sent as step frames with a frame cut short (malformed). Everything else
+is the real `swarm-server`: it announces, measures and serves as an honest one would, which is what
+makes it dangerous.
 """
 
 from __future__ import annotations
@@ -14,12 +15,22 @@ import sys
 import torch
 
 from llm_swarm.server import handler
+from llm_swarm.swarm.step_frame import StepFrame
 
 
 def main() -> None:
     mode = sys.argv.pop(1)
-    if mode not in ("noise", "nan", "push-noise", "digest"):
-        raise SystemExit(f"unknown mode {mode!r}: noise, nan, push-noise or digest")
+    if mode not in ("noise", "nan", "push-noise", "digest", "frame"):
+        raise SystemExit(f"unknown mode {mode!r}: noise, nan, push-noise, digest or frame")
+    if mode == "frame":
+        honest_frame = handler.encode_frame
+
+        def cut_frame(message, tensors):
+            whole = b"".join(bytes(part) for part in honest_frame(message, tensors).parts)
+            return StepFrame.received(whole[:-4])
+
+        handler.encode_frame = cut_frame
+        return _serve()
     if mode == "push-noise":
         honest_push = handler.BlockServicer._push_on
 

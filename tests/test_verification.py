@@ -42,6 +42,36 @@ def lying_swarm(llama_dir, tmp_path_factory):
         assert not swarm.close()
 
 
+@pytest.mark.swarm
+def test_a_server_answering_malformed_frames_is_failed_over_and_the_output_is_exact(
+    llama_dir, tmp_path, local_reference
+):
+    """A server that announces step frames and answers every step with a frame cut short: the client
+    refuses each answer as malformed and fails over to the honest server, exactly."""
+    swarm = LocalSwarm(tmp_path)
+    client = None
+    try:
+        swarm.start_dht()
+        swarm.start_server("cut", llama_dir, f"0:{NUM_BLOCKS}", "1GB", module=("tests.lying_server", "frame"))
+        swarm.start_server("honest", llama_dir, f"0:{NUM_BLOCKS}", "1GB", *HONEST_DELAY)
+        online = swarm.wait_online(default_prefix(str(llama_dir)), NUM_BLOCKS, ["cut", "honest"])
+        assert online["cut"].tau < online["honest"].tau  # routes pick the garbler first
+        # a failed server is avoided long enough to see, after the generation, whom the client blamed
+        options = ClientOptions(ban_base=600.0)
+        client = AutoDistributedModelForCausalLM.from_pretrained(
+            llama_dir, swarm.initial_peers, options=options
+        )
+        run_sync(client.backend.connection.roster.finish_first_read())
+        expected = local_reference(llama_dir)[0].generate(PROMPT, max_new_tokens=8, do_sample=False)
+        assert torch.equal(client.generate(PROMPT, max_new_tokens=8, do_sample=False), expected)
+        cut = servers_named(swarm, llama_dir)["cut"]
+        assert client.backend.connection.bans.is_banned(cut)
+    finally:
+        if client is not None:
+            client.shutdown()
+        assert not swarm.close()
+
+
 def test_tolerance_follows_the_kinds_measured_disagreement():
     """Calibrated on an H100 (BENCHMARKS.md, "Replica verification on a GPU"): nf4 differs from float32
     by up to 0.89 at hidden 512, more than a liar's 0.5: such pairs go unverified, while two servers
