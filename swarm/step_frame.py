@@ -3,14 +3,14 @@ as its dtype, its shape and its raw bytes.
 
 A session's steps are its most frequent messages, and most of what a small one costs is not its
 bytes: as a hivemind `ExpertRequest` it goes through pydantic, msgpack and protobuf on each side, a
-dozen Python calls per message, three times what this frame costs (docs/architecture.md, "Step
-frames"). The frame travels in hivemind's stream framing under a marker byte of its own (hivemind
-uses 0 for a message and 1 for an error), so a stream carries frames and protobuf messages side by
-side and the length header is checked against the stream's limit before a frame is read, as any
-message's is. The frame holds the fields of `Step`, `StepDone` and `PushedStep` that decoding needs;
-a step that reorders a beam (`hypo_ids`) or carries deep prompts goes as a protobuf message. What a
-frame decodes to is validated by the same pydantic models as the protobuf messages, and its tensors
-by the same checks.
+dozen Python calls and a copy of the tensor at each layer, about twice what this frame costs
+(docs/architecture.md, "Step frames"). The frame travels in hivemind's stream framing under a
+marker byte of its own (hivemind uses 0 for a message and 1 for an error), so a stream carries
+frames and protobuf messages side by side and the length header is checked against the stream's
+limit before a frame is read, as any message's is. The frame holds the fields of `Step`,
+`StepDone` and `PushedStep` that decoding needs; a step that reorders a beam (`hypo_ids`) or
+carries deep prompts goes as a protobuf message. What a frame decodes to is validated by the same
+pydantic models as the protobuf messages, and its tensors by the same checks.
 
 Layout, little-endian:
   header   kind u8, flags u8, push_hops u8, id length u8, digest length u8, tensors u8, 2 zero
@@ -82,9 +82,13 @@ class StepFrame:
 
 
 def framable(message: Message, tensors: list[torch.Tensor]) -> bool:
-    """Whether `message` with `tensors` can go as a frame (else it goes as a protobuf message)."""
+    """Whether `message` with `tensors` can go as a frame (else it goes as a protobuf message): an id
+    a peer may have chosen need not be ASCII, nor its position fit 64 bits."""
     return (
         type(message) in _KINDS
+        and message.step_id.isascii()
+        and getattr(message, "input_digest", "").isascii()
+        and message.position < 1 << 63
         and getattr(message, "hypo_ids", None) is None
         and not getattr(message, "prompts", False)
         and len(tensors) <= MAX_TENSORS

@@ -80,6 +80,9 @@ def test_what_has_no_frame_says_so():
     assert not framable(Step(step_id="t", position=0), [HIDDEN] * 3)
     assert not framable(Step(step_id="c", position=0), [torch.zeros(2, dtype=torch.complex64)])
     assert not framable(Opened(session_id="x" * 8, start=0, end=1, reserved_bytes=0), [])
+    # what a peer chose and a protobuf message carries, but a frame cannot
+    assert not framable(Step(step_id="schritt-ü", position=0), [HIDDEN])
+    assert not framable(PushedStep(step_id="s", position=1 << 63), [HIDDEN])
     with pytest.raises(ValueError, match="has no frame"):
         encode_frame(Step(step_id="b", position=0, hypo_ids=[0]), [HIDDEN])
 
