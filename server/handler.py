@@ -235,12 +235,8 @@ class BlockServicer(BlockRpc):
                             yield await self._end_follow(session, following, True)
                             following = None
                     continue
-                if isinstance(request, StepFrame):
-                    self.metrics.received.inc(request.nbytes)
-                    kind = "step"
-                else:
-                    self.metrics.received.inc(request.ByteSize())
-                    kind = _message_type(request)
+                self.metrics.received.inc(_message_bytes(request))
+                kind = "step" if isinstance(request, StepFrame) else _message_type(request)
                 if kind == "chain_link":
                     refusal = self._link(session, request)
                     if refusal is not None:
@@ -305,7 +301,7 @@ class BlockServicer(BlockRpc):
             return None
         except TimeoutError:
             raise SessionIdle() from None
-        self.metrics.received.inc(request.nbytes if isinstance(request, StepFrame) else request.ByteSize())
+        self.metrics.received.inc(_message_bytes(request))
         return request
 
     def _open(self, message: Open, peer: str) -> Session:
@@ -383,14 +379,12 @@ class BlockServicer(BlockRpc):
         already ran from a push (answered then)."""
         framed = isinstance(request, StepFrame)
         try:
-            limit = self._session_message_limit(session)
+            _check_size(_message_bytes(request), self._session_message_limit(session), "message")
             if framed:
                 # a client that sends frames reads them: its session's answers to pushes go as frames too
                 session.step_frames = True
-                _check_size(request.nbytes, limit, "step frame")
                 message, tensors = decode_frame(request, Step)
             else:
-                _check_size(request.ByteSize(), limit, "message")
                 message, tensors = parse(request.metadata, Step), None
             if session.receiving:
                 # "wait": a push the client gave up on is still being undone here
@@ -1037,6 +1031,10 @@ class BlockServicer(BlockRpc):
             handoff_id=order.handoff_id, length=order.length, bytes=result.bytes, seconds=result.seconds
         )
         return self._reply(reply, [])
+
+
+def _message_bytes(request: runtime_pb2.ExpertRequest | StepFrame) -> int:
+    return request.nbytes if isinstance(request, StepFrame) else request.ByteSize()
 
 
 def _check_size(size: int, limit: int, what: str) -> None:

@@ -31,7 +31,7 @@ import torch
 from pydantic import ValidationError
 
 from llm_swarm.swarm.chain_wire import PushedStep
-from llm_swarm.swarm.tensor_wire import WIRE_DTYPES
+from llm_swarm.swarm.tensor_wire import WIRE_DTYPES, host_bytes
 from llm_swarm.swarm.wire import ErrorCode, Message, ProtocolError, Step, StepDone
 
 MARKER = b"\x02"  # hivemind's stream framing: 0 a message, 1 an error; 2 a step frame
@@ -40,13 +40,12 @@ MAX_DIMS = 4
 _HEADER = struct.Struct("<BBBBBBxxq")
 _TENSOR = struct.Struct("<BB")
 _SHAPES = tuple(struct.Struct(f"<{dims}q") for dims in range(MAX_DIMS + 1))  # a shape of 0..4 dims
-_DTYPES = WIRE_DTYPES  # a dtype's code is its place in this tuple, from 1
-_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
+_CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES, start=1)}  # its place, from 1
 # each dtype's numpy type, to build a received tensor through numpy (half the cost of
 # `torch.frombuffer`); bfloat16, which numpy lacks, as its raw 16-bit words
 _NUMPY = {
     dtype: torch.empty(0, dtype=torch.int16 if dtype == torch.bfloat16 else dtype).numpy().dtype
-    for dtype in _DTYPES
+    for dtype in WIRE_DTYPES
 }
 
 
@@ -74,11 +73,6 @@ class StepFrame:
     @classmethod
     def received(cls, body: bytes) -> StepFrame:
         return cls((body,), len(body))
-
-    @property
-    def kind(self) -> int:
-        """The frame's kind byte (0 for an empty frame): what it claims to be, before decoding."""
-        return self.parts[0][0] if self.nbytes else 0
 
 
 def framable(message: Message, tensors: list[torch.Tensor]) -> bool:
@@ -115,21 +109,8 @@ def encode_frame(message: Step | StepDone | PushedStep, tensors: list[torch.Tens
         shape = tensor.shape
         parts.append(_TENSOR.pack(_CODES[tensor.dtype], len(shape)))
         parts.append(_SHAPES[len(shape)].pack(*shape))
-        parts.append(_raw_bytes(tensor))
+        parts.append(host_bytes(tensor))
     return StepFrame(tuple(parts), sum(map(len, parts)))
-
-
-def _raw_bytes(tensor: torch.Tensor) -> memoryview | bytes:
-    """A tensor's bytes in C order, without a copy where it is a contiguous host tensor."""
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if not tensor.is_cpu:
-        tensor = tensor.cpu()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)  # numpy has no bfloat16: the same bits under a 2-byte type
-    return tensor.numpy().data.cast("B") if tensor.numel() else b""
 
 
 def decode_frame(frame: StepFrame, *allowed: type[Message]) -> tuple[Message, list[torch.Tensor]]:
@@ -202,7 +183,7 @@ def _read_tensor(body: memoryview, offset: int) -> tuple[torch.Tensor, int]:
         raise _malformed("a tensor's header runs past its end")
     code, ndim = _TENSOR.unpack_from(body, offset)
     offset += _TENSOR.size
-    if not 1 <= code <= len(_DTYPES):
+    if not 1 <= code <= len(WIRE_DTYPES):
         raise _malformed(f"unknown dtype code {code}")
     if ndim > MAX_DIMS:
         raise _malformed(f"a tensor of {ndim} dimensions, at most {MAX_DIMS}")
@@ -213,7 +194,7 @@ def _read_tensor(body: memoryview, offset: int) -> tuple[torch.Tensor, int]:
     offset += shape_format.size
     if any(size < 0 for size in shape):
         raise _malformed(f"a negative dimension in shape {shape}")
-    dtype = _DTYPES[code - 1]
+    dtype = WIRE_DTYPES[code - 1]
     size = math.prod(shape) * dtype.itemsize
     if size > len(body) - offset:
         left = len(body) - offset

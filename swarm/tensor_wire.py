@@ -39,14 +39,25 @@ def write_tensor(proto: runtime_pb2.Tensor, tensor: torch.Tensor) -> None:
     """Fill `proto` (a message's own field, so that the bytes are copied into it once, not into a
     tensor message and again into the message) with a host tensor in hivemind's uncompressed format
     (bfloat16 as its raw 16-bit words)."""
-    raw = tensor.detach()
-    if raw.dtype == torch.bfloat16:
-        raw = raw.view(torch.int16)  # numpy has no bfloat16: the same bits under a 2-byte type
     proto.compression = runtime_pb2.CompressionType.NONE
-    proto.buffer = raw.numpy().tobytes()
+    proto.buffer = bytes(host_bytes(tensor))
     proto.size.extend(tensor.shape)
     proto.dtype = str(tensor.dtype).removeprefix("torch.")
     proto.requires_grad = tensor.requires_grad
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview | bytes:
+    """A tensor's bytes in C order (bfloat16 as its raw 16-bit words), without a copy where it is a
+    contiguous host tensor: a view of the tensor's own memory."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_cpu:
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)  # numpy has no bfloat16: the same bits under a 2-byte type
+    return tensor.numpy().data.cast("B") if tensor.numel() else b""
 
 
 def tensor_from_proto(message: runtime_pb2.Tensor) -> torch.Tensor:

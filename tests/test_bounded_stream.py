@@ -129,7 +129,7 @@ async def echo_handler(requests, context, limit):
     async for message in requests:
         if isinstance(message, StepFrame):
             yield runtime_pb2.ExpertResponse(
-                metadata=f"frame of kind {message.kind}, {message.nbytes} bytes".encode()
+                metadata=f"frame of kind {message.parts[0][0]}, {message.nbytes} bytes".encode()
             )
         else:
             yield runtime_pb2.ExpertResponse(metadata=message.metadata)
